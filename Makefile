@@ -1,0 +1,28 @@
+# The two commands a user needs: `make demo` and `make test`. Each creates .venv if missing and
+# installs jaxcoll with what it needs, so a machine with only Python 3.10+ needs nothing else.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dp,bench,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/run_all.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check jaxcoll tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,18 @@
+"""jaxcoll: torch.distributed's collective vocabulary as SPMD code over a JAX device mesh.
+
+Importing jaxcoll queries no device and changes no setting.
+"""
+
+from . import primitives as primitives
+from ._ops import ReduceOp as ReduceOp
+from ._typing import AxisName as AxisName
+from ._typing import PyTree as PyTree
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AxisName",
+    "PyTree",
+    "ReduceOp",
+    "primitives",
+]

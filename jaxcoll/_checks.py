@@ -1,0 +1,105 @@
+"""Argument checkers shared by every public op. Messages read: op, argument, value, fix."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def check_static_int(api: str, argname: str, value: Any) -> int:
+    """A rank, offset or axis must be a plain Python int known at trace time."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{api}: {argname} must be a static Python int known at trace time, got a traced "
+            f"value {value!r} instead. Pass a constant (mark it static under jax.jit)."
+        )
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{api}: {argname} must be an int, got {value!r} of type "
+                        f"{type(value).__name__} instead.")
+    return operator.index(value)
+
+
+def check_rank(api: str, argname: str, value: Any, n: int) -> int:
+    """A rank within a group of ``n`` ranks: ``0 <= value < n``."""
+    value = check_static_int(api, argname, value)
+    if not 0 <= value < n:
+        raise ValueError(
+            f"{api}: {argname}={value} is out of range for a group of {n} ranks (0..{n - 1}). "
+            f"Pass a rank between 0 and {n - 1}."
+        )
+    return value
+
+
+def check_axis(api: str, argname: str, axis: Any, ndim: int) -> int:
+    """An array axis, negative values counting from the end."""
+    axis = check_static_int(api, argname, axis)
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+            f"{api}: {argname}={axis} is out of range for an array of rank {ndim} "
+            f"(valid: {-ndim}..{ndim - 1})."
+        )
+    return axis % ndim
+
+
+def check_divisible(api: str, what: str, length: int, n: int, fix: str) -> None:
+    """``length`` (a dimension) must split into ``n`` equal parts."""
+    if length % n:
+        raise ValueError(
+            f"{api}: {what} has size {length}, which is not divisible by the group size {n}. "
+            f"{fix}"
+        )
+
+
+def check_leading(api: str, what: str, length: int, n: int, fix: str) -> None:
+    """``length`` must equal ``n`` exactly (untiled scatter / all_to_all)."""
+    if length != n:
+        raise ValueError(
+            f"{api}: {what} has size {length} but the group has {n} ranks; it must be exactly {n}. "
+            f"{fix}"
+        )
+
+
+def as_array_leaves(api: str, x: Any) -> tuple[list[jax.Array], Any]:
+    """Flatten a pytree and turn each leaf into a jax array, rejecting non-numeric leaves."""
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    out = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)):
+            out.append(jnp.asarray(leaf))
+            continue
+        where = "x" if treedef.num_leaves == 1 else f"leaf {i} of x"
+        raise TypeError(
+            f"{api}: {where} must be an array or a number, got {type(leaf).__name__} instead. "
+            f"Collectives take arrays (or pytrees of arrays)."
+        )
+    return out, treedef
+
+
+def check_pairs(api: str, pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
+    """A partial permutation: (src, dst) pairs, each rank at most once as src and as dst."""
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence | set | frozenset):
+        raise TypeError(f"{api}: pairs must be a sequence of (src, dst) rank pairs, got "
+                        f"{pairs!r} instead.")
+    out = []
+    for p in pairs:
+        if not (isinstance(p, Sequence) and len(p) == 2):
+            raise TypeError(f"{api}: each entry of pairs must be a (src, dst) pair, got {p!r}.")
+        src = check_rank(api, "pairs src", p[0], n)
+        dst = check_rank(api, "pairs dst", p[1], n)
+        out.append((src, dst))
+    srcs = [s for s, _ in out]
+    dsts = [d for _, d in out]
+    for label, seq in (("sends", srcs), ("receives", dsts)):
+        dup = sorted({r for r in seq if seq.count(r) > 1})
+        if dup:
+            raise ValueError(
+                f"{api}: pairs={list(out)} is not a partial permutation: rank {dup[0]} {label} "
+                f"more than once. Each rank may send at most once and receive at most once per "
+                f"call; split the exchange into several calls."
+            )
+    return tuple(out)

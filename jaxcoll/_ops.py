@@ -1,0 +1,170 @@
+"""Reduction operators: the `ReduceOp` enum, which dtypes each op accepts, and how to fold.
+
+The dtype rules follow torch.distributed where it has one and NumPy otherwise:
+
+=========  =========================================================================
+op         allowed dtypes
+=========  =========================================================================
+SUM        bool (logical or, as torch does), integers, floats, complex
+AVG        floats, complex (an integer mean would truncate: use SUM and divide)
+PRODUCT    bool (logical and, as torch does), integers, floats, complex; exact
+MIN, MAX   bool, integers, floats (complex has no order)
+BAND/BOR/  bool, integers
+BXOR
+=========  =========================================================================
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["ReduceOp"]
+
+
+class ReduceOp(str, enum.Enum):
+    """How a reducing collective combines the ranks' values.
+
+    Members compare equal to their lower-case names, so ``op="max"`` and
+    ``op=ReduceOp.MAX`` are the same thing.
+
+    Example:
+        >>> from jaxcoll import ReduceOp
+        >>> ReduceOp("max") is ReduceOp.MAX
+        True
+    """
+
+    SUM = "sum"
+    AVG = "avg"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+    def __str__(self) -> str:
+        return f"ReduceOp.{self.name}"
+
+    @classmethod
+    def _missing_(cls, value: object) -> ReduceOp | None:
+        if isinstance(value, str):
+            key = value.strip().lower()
+            aliases = {"mean": "avg", "prod": "product", "and": "band", "or": "bor", "xor": "bxor"}
+            key = aliases.get(key, key)
+            for member in cls:
+                if member.value == key:
+                    return member
+        return None
+
+
+_ALL = tuple(ReduceOp)
+_ALLOWED: dict[str, tuple[ReduceOp, ...]] = {
+    "bool": (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX,
+             ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR),
+    "integer": (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX,
+                ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR),
+    "floating": (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX),
+    "complex": (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT),
+}
+
+_FIX = {
+    ReduceOp.AVG: "cast to a floating dtype first, or use SUM and divide by the group size",
+    ReduceOp.MIN: "compare real parts or magnitudes explicitly (complex numbers have no order)",
+    ReduceOp.MAX: "compare real parts or magnitudes explicitly (complex numbers have no order)",
+    ReduceOp.BAND: "bitwise ops need integer or bool data; use MIN/MAX or cast",
+    ReduceOp.BOR: "bitwise ops need integer or bool data; use MIN/MAX or cast",
+    ReduceOp.BXOR: "bitwise ops need integer or bool data; cast to an integer dtype",
+}
+
+
+def dtype_kind(dtype: np.dtype) -> str:
+    """Classify a dtype as 'bool', 'integer', 'floating' or 'complex'."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return "bool"
+    if jnp.issubdtype(dtype, jnp.integer):
+        return "integer"
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return "complex"
+    if jnp.issubdtype(dtype, jnp.floating):
+        return "floating"
+    raise TypeError(f"unsupported dtype {dtype}")
+
+
+def coerce_op(api: str, op: object) -> ReduceOp:
+    """Turn ``op`` (a ReduceOp or its name) into a ReduceOp, or raise a clear error."""
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str):
+        try:
+            return ReduceOp(op)
+        except ValueError:
+            pass
+        names = ", ".join(m.name for m in ReduceOp)
+        raise ValueError(
+            f"{api}: op={op!r} is not a reduce op. Expected one of {names} "
+            f"(a jaxcoll.ReduceOp or its name, e.g. 'max')."
+        )
+    # torch's ReduceOp members, or anything with a matching `name`, are accepted by name.
+    name = getattr(op, "name", None)
+    if isinstance(name, str):
+        return coerce_op(api, name)
+    raise TypeError(
+        f"{api}: op must be a jaxcoll.ReduceOp or its name as a string, got {op!r} "
+        f"of type {type(op).__name__} instead."
+    )
+
+
+def check_op_dtype(api: str, op: ReduceOp, dtype: np.dtype) -> str:
+    """Raise TypeError unless ``op`` is defined for ``dtype``; return the dtype kind."""
+    try:
+        kind = dtype_kind(dtype)
+    except TypeError:
+        raise TypeError(f"{api}: dtype {np.dtype(dtype)} is not supported by collectives") from None
+    allowed = _ALLOWED[kind]
+    if op not in allowed:
+        ok = ", ".join(m.name for m in allowed)
+        raise TypeError(
+            f"{api}: op={op} is not defined for dtype {np.dtype(dtype).name}. "
+            f"For {kind} data the allowed ops are {ok}; fix: {_FIX.get(op, 'pick one of them')}."
+        )
+    return kind
+
+
+def combine_fn(op: ReduceOp, kind: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """The binary function that folds two ranks' values for ``op`` on data of ``kind``."""
+    if kind == "bool":
+        table = {
+            ReduceOp.SUM: jnp.logical_or, ReduceOp.MAX: jnp.logical_or,
+            ReduceOp.BOR: jnp.logical_or,
+            ReduceOp.PRODUCT: jnp.logical_and, ReduceOp.MIN: jnp.logical_and,
+            ReduceOp.BAND: jnp.logical_and,
+            ReduceOp.BXOR: jnp.logical_xor,
+        }
+        return table[op]
+    table = {
+        ReduceOp.SUM: jnp.add, ReduceOp.AVG: jnp.add, ReduceOp.PRODUCT: jnp.multiply,
+        ReduceOp.MIN: jnp.minimum, ReduceOp.MAX: jnp.maximum,
+        ReduceOp.BAND: jnp.bitwise_and, ReduceOp.BOR: jnp.bitwise_or,
+        ReduceOp.BXOR: jnp.bitwise_xor,
+    }
+    return table[op]
+
+
+def fold(op: ReduceOp, kind: str, stacked: jax.Array, n: int) -> jax.Array:
+    """Fold ``stacked[0] op stacked[1] op ... stacked[n-1]`` in rank order (leading axis).
+
+    Rank order makes the result bit-identical on every rank, also for float PRODUCT.
+    AVG divides the sum by ``n``.
+    """
+    fn = combine_fn(op, kind)
+    out = functools.reduce(fn, (stacked[i] for i in range(n)))
+    if op is ReduceOp.AVG:
+        out = out / jnp.asarray(n, out.dtype)
+    return out.astype(stacked.dtype)

@@ -1,0 +1,91 @@
+"""Resolving ``axis_name`` inside shard_map: the group's size, this device's rank."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax import lax
+
+
+@dataclass(frozen=True)
+class Axis:
+    """A bound mesh axis (or tuple of axes) as a collective sees it."""
+
+    name: Any  # what lax takes: a name or a tuple of names
+    size: int
+
+    def rank(self) -> jax.Array:
+        """This device's position along the axis (row-major over a tuple of names)."""
+        return lax.axis_index(self.name)
+
+
+def _describe(axis_name: Any) -> str:
+    if isinstance(axis_name, tuple):
+        return " and ".join(repr(a) for a in axis_name)
+    return repr(axis_name)
+
+
+def resolve(api: str, axis_name: Any) -> Axis:
+    """Check ``axis_name`` and return its :class:`Axis`, or raise a clear error.
+
+    Raises:
+        TypeError: ``axis_name`` is not a hashable name or a tuple of them.
+        ValueError: the name is not bound, because the call is outside ``jax.shard_map`` (or the
+            mesh has no such axis).
+    """
+    if isinstance(axis_name, list):
+        axis_name = tuple(axis_name)
+    if isinstance(axis_name, tuple):
+        if not axis_name:
+            raise ValueError(f"{api}: axis_name=() names no mesh axis; pass at least one name.")
+        if len(set(axis_name)) != len(axis_name):
+            raise ValueError(f"{api}: axis_name={axis_name!r} repeats a mesh axis.")
+        if len(axis_name) == 1:
+            axis_name = axis_name[0]
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    for a in names:
+        if a is None or not isinstance(a, Hashable):
+            raise TypeError(
+                f"{api}: axis_name must be a mesh axis name (e.g. 'x') or a tuple of them, got "
+                f"{axis_name!r} instead."
+            )
+    try:
+        size = lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(
+            f"{api}: axis_name={axis_name!r} is not bound here. Call it inside jax.shard_map over "
+            f"a mesh with axis {_describe(axis_name)}, e.g. jax.shard_map(f, mesh=mesh, "
+            f"in_specs=P({_describe(axis_name)}), out_specs=P({_describe(axis_name)}))."
+        ) from None
+    return Axis(axis_name, int(size))
+
+
+def rank(axis_name: Any) -> jax.Array:
+    """This device's rank along ``axis_name``: an int32 scalar in ``0..world_size-1``.
+
+    Equivalent to ``jax.lax.axis_index(axis_name)``; over a tuple of names the ranks are
+    numbered row-major (the last name varies fastest), like every jaxcoll collective.
+
+    Note:
+        torch's ``get_rank()`` names a process; here a rank is a device position along a mesh
+        axis, and the value is traced (it differs per device inside one SPMD program).
+
+    Example (4 devices)::
+
+        >>> mesh = jax.make_mesh((4,), ("x",))
+        >>> f = jax.shard_map(lambda: rank("x")[None], mesh=mesh, in_specs=(), out_specs=P("x"))
+        >>> f()
+        Array([0, 1, 2, 3], dtype=int32)
+    """
+    return resolve("rank", axis_name).rank()
+
+
+def world_size(axis_name: Any) -> int:
+    """The number of ranks along ``axis_name`` (the product over a tuple of names).
+
+    Equivalent to ``jax.lax.axis_size(axis_name)``. A Python int, known at trace time.
+    """
+    return resolve("world_size", axis_name).size
