@@ -1,0 +1,28 @@
+"""jaxcoll.dp: data-parallel training (DDP for JAX) on jaxcoll's collectives, flax and optax.
+
+Needs the ``dp`` extra (flax, optax, orbax-checkpoint, tqdm): ``pip install jaxcoll[dp]``.
+"""
+
+from .adapters import Linen as Linen
+from .adapters import Model as Model
+from .adapters import Nnx as Nnx
+from .batchnorm import SyncBatchNorm as SyncBatchNorm
+from .checkpoint import Checkpointer as Checkpointer
+from .data import Batches as Batches
+from .grad_sync import mean_gradients as mean_gradients
+from .grad_sync import plan_buckets as plan_buckets
+from .state import TrainState as TrainState
+from .trainer import Trainer as Trainer
+
+__all__ = [
+    "Batches",
+    "Checkpointer",
+    "Linen",
+    "Model",
+    "Nnx",
+    "SyncBatchNorm",
+    "Trainer",
+    "TrainState",
+    "mean_gradients",
+    "plan_buckets",
+]

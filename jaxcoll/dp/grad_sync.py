@@ -1,0 +1,211 @@
+"""Gradient synchronisation: the exact global mean, one jaxcoll collective per bucket.
+
+Everything here runs inside ``jax.shard_map`` on *local* gradients: gradients of the local
+per-example-mean loss taken with respect to params made varying over the data axis (see the
+gradient trap in the README). Each rank holds the same number of examples, so the global
+mean is the sum over ranks of ``g_local / n``: every leaf is divided by n exactly once,
+before the reduction (as DDP does), and reduced exactly once.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import primitives
+from .._typing import AxisName, PyTree
+
+ALGORITHMS = ("auto", "native", "ring", "tree", "hierarchical")
+
+
+def algorithm_kwargs(api: str, grad_sync: Any) -> dict[str, dict[str, str]]:
+    """The ``algorithm=`` keyword each jaxcoll primitive gets for ``grad_sync``.
+
+    Passes ``grad_sync`` through to every primitive whose signature has an ``algorithm``
+    parameter. Where a primitive has none, only ``"auto"`` and ``"native"`` are accepted (the
+    native lowering is then the only one there is).
+
+    Raises:
+        TypeError: ``grad_sync`` is not a string.
+        ValueError: ``grad_sync`` is not one of :data:`ALGORITHMS`, or it names an algorithm
+            the installed primitives do not offer.
+    """
+    if not isinstance(grad_sync, str):
+        raise TypeError(f"{api}: grad_sync must be a string, one of {ALGORITHMS}, got "
+                        f"{grad_sync!r} of type {type(grad_sync).__name__} instead.")
+    if grad_sync not in ALGORITHMS:
+        raise ValueError(f"{api}: grad_sync={grad_sync!r} is not an algorithm; pass one of "
+                         f"{ALGORITHMS}.")
+    out = {}
+    for name in ("all_reduce", "reduce_scatter", "all_gather"):
+        fn = getattr(primitives, name)
+        if "algorithm" in inspect.signature(fn).parameters:
+            out[name] = {"algorithm": grad_sync}
+        elif grad_sync in ("auto", "native"):
+            out[name] = {}
+        else:
+            raise ValueError(
+                f"{api}: grad_sync={grad_sync!r} needs jaxcoll.primitives.{name} to take an "
+                f"algorithm= argument, and this jaxcoll's does not. Use grad_sync='native'."
+            )
+    return out
+
+
+def plan_buckets(leaves: list[Any], bucket_bytes: float | None) -> list[list[int]]:
+    """Group leaf indices into buckets of about ``bucket_bytes`` each, one dtype per bucket.
+
+    Like DDP, leaves are taken in reverse order (the last layer's gradient is ready first in
+    a backward pass) and a bucket is closed once it holds ``bucket_bytes`` or more, or when
+    the dtype changes. ``bucket_bytes=None`` puts every leaf in its own bucket (bucketing off).
+    """
+    buckets: list[list[int]] = []
+    size = 0.0
+    dtype = None
+    for i in reversed(range(len(leaves))):
+        leaf = leaves[i]
+        nbytes = float(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        full = bucket_bytes is None or size >= bucket_bytes
+        if not buckets or full or leaf.dtype != dtype:
+            buckets.append([])
+            size, dtype = 0.0, leaf.dtype
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def mean_gradients(
+    grads: PyTree,
+    axis_name: AxisName,
+    *,
+    bucket_bytes: float | None,
+    grad_dtype: Any = None,
+    algorithm: dict[str, dict[str, str]] | None = None,
+) -> PyTree:
+    """The mean over ranks of each rank's local gradient, one ``all_reduce`` per bucket.
+
+    Equivalent to ``jax.tree.map(lambda g: all_reduce(g, axis_name, "avg"), grads)``, but
+    each bucket of leaves is flattened into one vector and reduced by one collective, in
+    ``grad_dtype`` (e.g. bfloat16, DDP's ``bf16_compress_hook``) when given: divided by n,
+    cast down, summed, cast back to the leaf's dtype.
+    """
+    n = primitives.world_size(axis_name)
+    kwargs = (algorithm or {}).get("all_reduce", {})
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    out: list[Any] = [None] * len(leaves)
+    for bucket in plan_buckets(leaves, bucket_bytes):
+        parts = [leaves[i] for i in bucket]
+        dtype = parts[0].dtype
+        wire = grad_dtype or dtype
+        flat = jnp.concatenate([jnp.ravel(p) / jnp.asarray(n, dtype) for p in parts])
+        # Gradients cross devices here: one collective per bucket.
+        total = primitives.all_reduce(flat.astype(wire), axis_name, "sum", **kwargs)
+        total = total.astype(dtype)
+        offset = 0
+        for i, p in zip(bucket, parts, strict=True):
+            out[i] = total[offset:offset + p.size].reshape(p.shape)
+            offset += p.size
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """How ZeRO-1 lays the params out as one flat vector cut into rank-major shards.
+
+    The flat vector (every leaf raveled, in tree order, zero-padded) is cut into chunks of
+    ``chunk`` elements (a multiple of n; the last one may be shorter), one collective each.
+    Rank r's shard is the concatenation of the r-th n-th of every chunk.
+    """
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: Any
+    n: int
+    chunks: tuple[int, ...]
+
+    @classmethod
+    def of(cls, api: str, params: PyTree, n: int, bucket_bytes: float | None) -> FlatLayout:
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        dtypes = {np.dtype(leaf.dtype) for leaf in leaves}
+        if len(dtypes) != 1 or not jnp.issubdtype(next(iter(dtypes)), jnp.floating):
+            raise TypeError(f"{api}: shard_optimizer=True needs every param leaf to have one "
+                            f"floating dtype, got {sorted(str(d) for d in dtypes)}. Cast the "
+                            f"params to one dtype, or use shard_optimizer=False.")
+        dtype = dtypes.pop()
+        total = sum(int(np.prod(leaf.shape)) for leaf in leaves)
+        padded = -(-total // n) * n
+        if bucket_bytes is None:
+            per = padded
+        else:
+            per = max(n, int(bucket_bytes // dtype.itemsize) // n * n)
+        chunks = tuple(min(per, padded - s) for s in range(0, padded, per))
+        return cls(treedef, tuple(tuple(leaf.shape) for leaf in leaves), dtype, n, chunks)
+
+    @property
+    def size(self) -> int:
+        return sum(int(np.prod(s)) for s in self.shapes)
+
+    def flatten(self, tree: PyTree) -> jax.Array:
+        leaves = jax.tree_util.tree_leaves(tree)
+        flat = jnp.concatenate([jnp.ravel(leaf) for leaf in leaves])
+        return jnp.pad(flat, (0, sum(self.chunks) - flat.size))
+
+    def unflatten(self, flat: jax.Array) -> PyTree:
+        out, offset = [], 0
+        for shape in self.shapes:
+            k = int(np.prod(shape))
+            out.append(flat[offset:offset + k].reshape(shape))
+            offset += k
+        return jax.tree_util.tree_unflatten(self.treedef, out)
+
+    def split(self, flat: jax.Array) -> list[jax.Array]:
+        bounds = np.cumsum(self.chunks)[:-1]
+        return jnp.split(flat, bounds)
+
+    def shard(self, flat: jax.Array, rank: jax.Array) -> jax.Array:
+        """Rank ``rank``'s shard of a full flat vector (no communication)."""
+        parts = [lax.dynamic_index_in_dim(c.reshape(self.n, -1), rank, 0, keepdims=False)
+                 for c in self.split(flat)]
+        return jnp.concatenate(parts)
+
+    def shard_split(self, shard: jax.Array) -> list[jax.Array]:
+        bounds = np.cumsum([c // self.n for c in self.chunks])[:-1]
+        return jnp.split(shard, bounds)
+
+
+def reduce_scatter_mean(
+    flat: jax.Array,
+    layout: FlatLayout,
+    axis_name: AxisName,
+    *,
+    grad_dtype: Any = None,
+    algorithm: dict[str, dict[str, str]] | None = None,
+) -> jax.Array:
+    """ZeRO-1: this rank's shard of the mean gradient, one ``reduce_scatter`` per chunk."""
+    kwargs = (algorithm or {}).get("reduce_scatter", {})
+    wire = grad_dtype or flat.dtype
+    flat = flat / jnp.asarray(layout.n, flat.dtype)
+    # Gradients cross devices here: each rank receives only its shard of the sum.
+    parts = [primitives.reduce_scatter(c.astype(wire), axis_name, "sum", tiled=True, **kwargs)
+             for c in layout.split(flat)]
+    return jnp.concatenate(parts).astype(flat.dtype)
+
+
+def all_gather_params(
+    shard: jax.Array,
+    layout: FlatLayout,
+    axis_name: AxisName,
+    *,
+    algorithm: dict[str, dict[str, str]] | None = None,
+) -> PyTree:
+    """ZeRO-1: rebuild the full params from every rank's updated shard, one gather per chunk."""
+    kwargs = (algorithm or {}).get("all_gather", {})
+    # Updated params cross devices here.
+    parts = [primitives.all_gather(s, axis_name, tiled=True, **kwargs)
+             for s in layout.shard_split(shard)]
+    return layout.unflatten(jnp.concatenate(parts))

@@ -1,0 +1,32 @@
+"""The training state a :class:`~jaxcoll.dp.Trainer` steps: one pytree, checkpointed whole."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import struct
+
+
+class TrainState(struct.PyTreeNode):
+    """Everything a data-parallel run needs to continue exactly where it stopped.
+
+    Attributes:
+        params: the model's trainable parameters, replicated on every device.
+        opt_state: the optax state. Replicated, or with ``Trainer(shard_optimizer=True)``
+            (ZeRO-1) a stack of one shard per rank: every leaf has a leading axis of size n,
+            sharded over the data axis.
+        model_state: non-trainable model variables (BatchNorm statistics), replicated; ``{}``
+            for a stateless model.
+        step: the number of optimizer steps taken (an int32 scalar). It is also the data
+            position: :meth:`Trainer.fit` resumes at batch ``step``.
+        rng: the run's base key (raw ``uint32[2]`` key data). Step s on rank r, micro-batch i
+            draws from ``fold_in(fold_in(fold_in(rng, s), r), i)``, so dropout is reproducible
+            and differs per rank.
+    """
+
+    params: Any
+    opt_state: Any
+    model_state: Any
+    step: jax.Array
+    rng: jax.Array
