@@ -9,6 +9,8 @@ from typing import Any
 import jax
 from jax import lax
 
+from ._group import group_op, is_group
+
 
 @dataclass(frozen=True)
 class Axis:
@@ -80,6 +82,8 @@ def rank(axis_name: Any) -> jax.Array:
         >>> f()
         Array([0, 1, 2, 3], dtype=int32)
     """
+    if is_group(axis_name):
+        return group_op("rank", None, axis_name)
     return resolve("rank", axis_name).rank()
 
 
@@ -88,4 +92,6 @@ def world_size(axis_name: Any) -> int:
 
     Equivalent to ``jax.lax.axis_size(axis_name)``. A Python int, known at trace time.
     """
+    if is_group(axis_name):
+        return group_op("world_size", None, axis_name)
     return resolve("world_size", axis_name).size

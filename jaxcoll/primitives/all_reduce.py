@@ -12,6 +12,7 @@ from .._checks import as_array_leaves, check_rank
 from .._ops import ReduceOp, check_op_dtype, coerce_op
 from .._typing import AxisName, PyTree
 from ._axis import Axis, resolve
+from ._group import group_op, is_group
 from ._lowering import generic_all_reduce, is_rank
 
 _BOOL_NATIVE = {
@@ -80,6 +81,8 @@ def all_reduce(x: PyTree, axis_name: AxisName, op: ReduceOp | str = ReduceOp.SUM
         >>> f(jnp.arange(8.0))
         Array([7., 7., 7., 7., 7., 7., 7., 7.], dtype=float32)
     """
+    if is_group(axis_name):
+        return group_op("all_reduce", x, axis_name, op=op)
     op, ax, leaves, kinds, treedef = _validated("all_reduce", x, axis_name, op)
     out = [all_reduce_leaf(leaf, ax, op, kind) for leaf, kind in zip(leaves, kinds)]
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -119,6 +122,8 @@ def reduce(
         >>> f(jnp.array([1.0, 2.0, 3.0, 4.0]))
         Array([10., 2., 3., 4.], dtype=float32)
     """
+    if is_group(axis_name):
+        return group_op("reduce", x, axis_name, dst=dst, op=op)
     op, ax, leaves, kinds, treedef = _validated("reduce", x, axis_name, op)
     dst = check_rank("reduce", "dst", dst, ax.size)
     here = is_rank(ax, dst)

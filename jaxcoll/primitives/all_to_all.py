@@ -8,6 +8,7 @@ from jax import lax
 from .._checks import as_array_leaves, check_axis, check_divisible, check_leading
 from .._typing import AxisName, PyTree
 from ._axis import resolve
+from ._group import group_op, is_group
 
 
 def all_to_all(
@@ -52,6 +53,9 @@ def all_to_all(
         >>> f(jnp.arange(16.0))        # rank j holds [4j .. 4j+3]; rank r gets [r, 4+r, 8+r, 12+r]
         Array([ 0.,  4.,  8., 12.,  1.,  5.,  9., 13.,  2., ...], dtype=float32)
     """
+    if is_group(axis_name):
+        return group_op("all_to_all", x, axis_name, split_axis=split_axis,
+                        concat_axis=concat_axis, tiled=tiled)
     api = "all_to_all"
     ax = resolve(api, axis_name)
     n = ax.size

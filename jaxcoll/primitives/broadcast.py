@@ -7,6 +7,7 @@ import jax
 from .._checks import as_array_leaves, check_rank
 from .._typing import AxisName, PyTree
 from ._axis import resolve
+from ._group import group_op, is_group
 from ._lowering import native_broadcast
 
 
@@ -43,6 +44,8 @@ def broadcast(x: PyTree, axis_name: AxisName, src: int) -> PyTree:
         >>> f(jnp.array([1.0, 0.0, 0.0, 0.0]))
         Array([1., 1., 1., 1.], dtype=float32)
     """
+    if is_group(axis_name):
+        return group_op("broadcast", x, axis_name, src=src)
     ax = resolve("broadcast", axis_name)
     src = check_rank("broadcast", "src", src, ax.size)
     leaves, treedef = as_array_leaves("broadcast", x)

@@ -9,6 +9,7 @@ from jax import lax
 from .._checks import as_array_leaves, check_axis, check_rank, check_static_int
 from .._typing import AxisName, PyTree
 from ._axis import Axis, resolve
+from ._group import group_op, is_group
 from ._lowering import is_rank
 
 
@@ -57,6 +58,8 @@ def all_gather(x: PyTree, axis_name: AxisName, *, axis: int = 0, tiled: bool = F
         >>> f(jnp.array([1.0, 2.0, 3.0, 4.0]))[0]
         Array([[1.], [2.], [3.], [4.]], dtype=float32)
     """
+    if is_group(axis_name):
+        return group_op("all_gather", x, axis_name, axis=axis, tiled=tiled)
     ax = resolve("all_gather", axis_name)
     axis = check_static_int("all_gather", "axis", axis)
     leaves, treedef = as_array_leaves("all_gather", x)
@@ -100,6 +103,8 @@ def gather(
         >>> f(jnp.array([1.0, 2.0, 3.0, 4.0]))[:, :, 0]
         Array([[1., 2., 3., 4.], [0., 0., 0., 0.], [0., 0., 0., 0.], [0., 0., 0., 0.]], ...)
     """
+    if is_group(axis_name):
+        return group_op("gather", x, axis_name, dst=dst, axis=axis, tiled=tiled)
     ax = resolve("gather", axis_name)
     dst = check_rank("gather", "dst", dst, ax.size)
     axis = check_static_int("gather", "axis", axis)

@@ -11,6 +11,7 @@ from jax import lax
 from .._checks import as_array_leaves, check_pairs, check_static_int
 from .._typing import AxisName, PyTree
 from ._axis import resolve
+from ._group import group_op, is_group
 from ._lowering import ensure_varying, is_rank
 
 
@@ -51,6 +52,8 @@ def sendrecv(x: PyTree, axis_name: AxisName, pairs: Sequence[tuple[int, int]]) -
         >>> f(jnp.array([10.0, 1.0, 2.0, 3.0]))
         Array([10.,  1.,  2., 10.], dtype=float32)
     """
+    if is_group(axis_name):
+        return group_op("sendrecv", x, axis_name, pairs=pairs)
     ax = resolve("sendrecv", axis_name)
     pairs = check_pairs("sendrecv", pairs, ax.size)
     leaves, treedef = as_array_leaves("sendrecv", x)
@@ -92,6 +95,8 @@ def shift(x: PyTree, axis_name: AxisName, offset: int = 1) -> PyTree:
         >>> f(jnp.array([0.0, 1.0, 2.0, 3.0]))
         Array([3., 0., 1., 2.], dtype=float32)
     """
+    if is_group(axis_name):
+        return group_op("shift", x, axis_name, offset=offset)
     ax = resolve("shift", axis_name)
     offset = check_static_int("shift", "offset", offset)
     leaves, treedef = as_array_leaves("shift", x)

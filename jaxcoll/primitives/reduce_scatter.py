@@ -10,6 +10,7 @@ from .._checks import as_array_leaves, check_axis, check_divisible, check_leadin
 from .._ops import ReduceOp, check_op_dtype, coerce_op
 from .._typing import AxisName, PyTree
 from ._axis import Axis, resolve
+from ._group import group_op, is_group
 from ._lowering import reduce_scatter_leading, split_leading, unsplit_slice
 
 
@@ -79,6 +80,9 @@ def reduce_scatter(
         >>> f(jnp.arange(16.0))        # rank j holds [4j, 4j+1, 4j+2, 4j+3]
         Array([12., 13., 14., 15.], dtype=float32)
     """
+    if is_group(axis_name):
+        return group_op("reduce_scatter", x, axis_name, op=op,
+                        scatter_dimension=scatter_dimension, tiled=tiled)
     api = "reduce_scatter"
     op = coerce_op(api, op)
     ax = resolve(api, axis_name)

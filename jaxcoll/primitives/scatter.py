@@ -8,6 +8,7 @@ from jax import lax
 from .._checks import as_array_leaves, check_axis, check_divisible, check_leading, check_rank
 from .._typing import AxisName, PyTree
 from ._axis import Axis, resolve
+from ._group import group_op, is_group
 from ._lowering import split_leading, unsplit_slice
 
 
@@ -71,6 +72,8 @@ def scatter(
         >>> f(data)
         Array([1., 2., 3., 4.], dtype=float32)
     """
+    if is_group(axis_name):
+        return group_op("scatter", x, axis_name, src=src, axis=axis, tiled=tiled)
     ax = resolve("scatter", axis_name)
     src = check_rank("scatter", "src", src, ax.size)
     leaves, treedef = as_array_leaves("scatter", x)
