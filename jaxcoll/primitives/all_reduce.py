@@ -39,7 +39,9 @@ def _validated(api: str, x: Any, axis_name: Any, op: Any):
     return op, ax, leaves, kinds, treedef
 
 
-def all_reduce(x: PyTree, axis_name: AxisName, op: ReduceOp | str = ReduceOp.SUM) -> PyTree:
+def all_reduce(
+    x: PyTree, axis_name: AxisName, op: ReduceOp | str = ReduceOp.SUM, *, algorithm: str = "auto"
+) -> PyTree:
     """Combine ``x`` over every rank along ``axis_name``; every rank gets the result.
 
     The SPMD counterpart of ``torch.distributed.all_reduce(tensor, op)``. Call it inside
@@ -64,6 +66,9 @@ def all_reduce(x: PyTree, axis_name: AxisName, op: ReduceOp | str = ReduceOp.SUM
         axis_name: the mesh axis to reduce over, or a tuple of axes (their product).
         op: a :class:`~jaxcoll.ReduceOp` or its name. See :mod:`jaxcoll._ops` for which
             dtypes each op allows; any other pairing raises TypeError at trace time.
+        algorithm: ``"native"`` (the lowering above), ``"ring"``, ``"tree"``,
+            ``"hierarchical"`` (tuple axis_name) or ``"auto"`` (the measured winner; native
+            for small messages on CPU). See :mod:`jaxcoll.algorithms`.
 
     Returns:
         A new pytree like ``x``, the same on every rank.
@@ -84,12 +89,22 @@ def all_reduce(x: PyTree, axis_name: AxisName, op: ReduceOp | str = ReduceOp.SUM
     if is_group(axis_name):
         return group_op("all_reduce", x, axis_name, op=op)
     op, ax, leaves, kinds, treedef = _validated("all_reduce", x, axis_name, op)
+    from ..algorithms import _dispatch  # lazy: the algorithms build on this module
+
+    done = _dispatch.all_reduce("all_reduce", algorithm, leaves, kinds, ax, op)
+    if done is not None:
+        return jax.tree_util.tree_unflatten(treedef, done)
     out = [all_reduce_leaf(leaf, ax, op, kind) for leaf, kind in zip(leaves, kinds)]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def reduce(
-    x: PyTree, axis_name: AxisName, dst: int, op: ReduceOp | str = ReduceOp.SUM
+    x: PyTree,
+    axis_name: AxisName,
+    dst: int,
+    op: ReduceOp | str = ReduceOp.SUM,
+    *,
+    algorithm: str = "auto",
 ) -> PyTree:
     """Combine ``x`` over every rank; rank ``dst`` gets the result, every other rank its own x.
 
@@ -107,6 +122,8 @@ def reduce(
         axis_name: mesh axis name or tuple of names.
         dst: the rank (``0 <= dst < world_size``) that receives the result; a static int.
         op: a :class:`~jaxcoll.ReduceOp` or its name.
+        algorithm: ``"native"``, ``"ring"``, ``"tree"`` (binomial tree to ``dst``),
+            ``"hierarchical"`` or ``"auto"``; see :mod:`jaxcoll.algorithms`.
 
     Returns:
         A new pytree: the reduction on ``dst``, an unchanged copy of ``x`` elsewhere.
@@ -126,6 +143,11 @@ def reduce(
         return group_op("reduce", x, axis_name, dst=dst, op=op)
     op, ax, leaves, kinds, treedef = _validated("reduce", x, axis_name, op)
     dst = check_rank("reduce", "dst", dst, ax.size)
+    from ..algorithms import _dispatch  # lazy: the algorithms build on this module
+
+    done = _dispatch.reduce("reduce", algorithm, leaves, kinds, ax, dst, op)
+    if done is not None:
+        return jax.tree_util.tree_unflatten(treedef, done)
     here = is_rank(ax, dst)
     out = [jnp.where(here, all_reduce_leaf(leaf, ax, op, kind), leaf)
            for leaf, kind in zip(leaves, kinds)]

@@ -11,7 +11,7 @@ from ._group import group_op, is_group
 from ._lowering import native_broadcast
 
 
-def broadcast(x: PyTree, axis_name: AxisName, src: int) -> PyTree:
+def broadcast(x: PyTree, axis_name: AxisName, src: int, *, algorithm: str = "auto") -> PyTree:
     """Every rank along ``axis_name`` gets rank ``src``'s ``x``.
 
     The SPMD counterpart of ``torch.distributed.broadcast(tensor, src)``. Equivalent to::
@@ -30,6 +30,9 @@ def broadcast(x: PyTree, axis_name: AxisName, src: int) -> PyTree:
             give the shape and dtype, which must agree as everywhere under SPMD.
         axis_name: mesh axis name or tuple of names.
         src: the source rank, a static int in ``0..world_size-1``.
+        algorithm: ``"native"`` (the lowering above), ``"ring"`` (bandwidth-optimal),
+            ``"tree"``, ``"hierarchical"`` (tuple axis_name) or ``"auto"``; see
+            :mod:`jaxcoll.algorithms`.
 
     Returns:
         A new pytree equal to ``src``'s ``x`` on every rank.
@@ -49,5 +52,10 @@ def broadcast(x: PyTree, axis_name: AxisName, src: int) -> PyTree:
     ax = resolve("broadcast", axis_name)
     src = check_rank("broadcast", "src", src, ax.size)
     leaves, treedef = as_array_leaves("broadcast", x)
+    from ..algorithms import _dispatch  # lazy: the algorithms build on this module
+
+    done = _dispatch.broadcast("broadcast", algorithm, leaves, ax, src)
+    if done is not None:
+        return jax.tree_util.tree_unflatten(treedef, done)
     out = [native_broadcast(leaf, ax, src) for leaf in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)

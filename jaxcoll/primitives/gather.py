@@ -13,7 +13,9 @@ from ._group import group_op, is_group
 from ._lowering import is_rank
 
 
-def _gather_leaf(api: str, x: jax.Array, ax: Axis, axis: int, tiled: bool) -> jax.Array:
+def _gather_leaf(
+    api: str, x: jax.Array, ax: Axis, axis: int, tiled: bool, algorithm: str = "native"
+) -> jax.Array:
     if tiled:
         if x.ndim == 0:
             raise ValueError(f"{api}: tiled=True concatenates along an existing axis, but x is a "
@@ -21,10 +23,19 @@ def _gather_leaf(api: str, x: jax.Array, ax: Axis, axis: int, tiled: bool) -> ja
         axis = check_axis(api, "axis", axis, x.ndim)
     else:
         axis = check_axis(api, "axis", axis, x.ndim + 1)
+    if algorithm != "native":
+        from ..algorithms import _dispatch  # lazy: the algorithms build on this module
+
+        done = _dispatch.all_gather_leaf(api, algorithm, x, ax, axis, tiled)
+        if done is not None:
+            return done
     return lax.all_gather(x, ax.name, axis=axis, tiled=tiled)
 
 
-def all_gather(x: PyTree, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> PyTree:
+def all_gather(
+    x: PyTree, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
+    algorithm: str = "auto",
+) -> PyTree:
     """Every rank gets all ranks' ``x``, stacked along ``axis`` in rank order.
 
     The SPMD counterpart of ``torch.distributed.all_gather(tensor_list, tensor)`` (and of
@@ -44,6 +55,8 @@ def all_gather(x: PyTree, axis_name: AxisName, *, axis: int = 0, tiled: bool = F
         axis: where the new rank axis goes (``tiled=False``, ``0..x.ndim``) or which axis to
             concatenate along (``tiled=True``, ``0..x.ndim-1``). Negative values count from the end.
         tiled: concatenate instead of stacking.
+        algorithm: ``"native"`` (the lowering above), ``"ring"``, ``"tree"`` (Bruck),
+            ``"hierarchical"`` (tuple axis_name) or ``"auto"``; see :mod:`jaxcoll.algorithms`.
 
     Returns:
         A new pytree; each leaf has a new axis of size n (or ``axis`` n times longer).
@@ -63,7 +76,7 @@ def all_gather(x: PyTree, axis_name: AxisName, *, axis: int = 0, tiled: bool = F
     ax = resolve("all_gather", axis_name)
     axis = check_static_int("all_gather", "axis", axis)
     leaves, treedef = as_array_leaves("all_gather", x)
-    out = [_gather_leaf("all_gather", leaf, ax, axis, bool(tiled)) for leaf in leaves]
+    out = [_gather_leaf("all_gather", leaf, ax, axis, bool(tiled), algorithm) for leaf in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -15,7 +15,8 @@ from ._lowering import reduce_scatter_leading, split_leading, unsplit_slice
 
 
 def reduce_scatter_leaf(
-    x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int, tiled: bool
+    x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int, tiled: bool,
+    algorithm: str = "native",
 ) -> jax.Array:
     """Reduce-scatter one validated leaf."""
     api = "reduce_scatter"
@@ -30,6 +31,13 @@ def reduce_scatter_leaf(
     else:
         check_leading(api, f"x.shape[{dim}]", x.shape[dim], n,
                       "Stack one slice per rank along scatter_dimension, or use tiled=True.")
+    if algorithm != "native":
+        from ..algorithms import _dispatch  # lazy: the algorithms build on this module
+
+        parts = split_leading(x, dim, n, tiled)
+        done = _dispatch.reduce_scatter_parts(api, algorithm, parts, ax, op, kind)
+        if done is not None:
+            return unsplit_slice(done, dim, tiled)
     if kind != "bool" and op in (ReduceOp.SUM, ReduceOp.AVG):
         out = lax.psum_scatter(x, ax.name, scatter_dimension=dim, tiled=tiled)
         if op is ReduceOp.AVG:
@@ -46,6 +54,7 @@ def reduce_scatter(
     *,
     scatter_dimension: int = 0,
     tiled: bool = False,
+    algorithm: str = "auto",
 ) -> PyTree:
     """Rank r gets slice r (along ``scatter_dimension``) of ``op`` over every rank's ``x``.
 
@@ -69,6 +78,8 @@ def reduce_scatter(
         op: a :class:`~jaxcoll.ReduceOp` or its name (dtype rules as :func:`all_reduce`).
         scatter_dimension: the dimension to split among ranks.
         tiled: keep ``scatter_dimension`` (n times shorter) instead of dropping it.
+        algorithm: ``"native"`` (the lowering above), ``"ring"``, ``"tree"``,
+            ``"hierarchical"`` (tuple axis_name) or ``"auto"``; see :mod:`jaxcoll.algorithms`.
 
     Returns:
         A new pytree: slice r of the reduction on rank r.
@@ -90,5 +101,6 @@ def reduce_scatter(
     out = []
     for leaf in leaves:
         kind = check_op_dtype(api, op, leaf.dtype)
-        out.append(reduce_scatter_leaf(leaf, ax, op, kind, scatter_dimension, bool(tiled)))
+        out.append(reduce_scatter_leaf(leaf, ax, op, kind, scatter_dimension, bool(tiled),
+                                       algorithm))
     return jax.tree_util.tree_unflatten(treedef, out)

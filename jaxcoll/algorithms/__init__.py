@@ -1,0 +1,37 @@
+"""Collective algorithms built from ``ppermute``: ring, tree, hierarchical, and ``auto``.
+
+Pick one with ``algorithm=`` on :func:`~jaxcoll.primitives.all_reduce`,
+:func:`~jaxcoll.primitives.reduce`, :func:`~jaxcoll.primitives.broadcast`,
+:func:`~jaxcoll.primitives.all_gather` and :func:`~jaxcoll.primitives.reduce_scatter`:
+
+=================  ==========================================================================
+``"native"``       the lax collective (HLO all-reduce etc.; NCCL on GPU)
+``"ring"``         bandwidth-optimal: 2(n-1) neighbour steps of 1/n of the data (all-reduce)
+``"tree"``         latency-optimal: recursive doubling / binomial tree / Bruck, ~log2(n) steps
+``"hierarchical"`` over a tuple axis (outer, inner): inside, 1/inner across, inside again
+``"auto"``         the default: the measured winner for platform, op and size (``choose``)
+=================  ==========================================================================
+
+Every algorithm supports every reduce op and dtype the primitive does, any group size, sizes
+not divisible by n, pytrees (leaves of one dtype are reduced as one buffer), ``jax.jit`` and
+``jax.grad``. The modules :mod:`.ring`, :mod:`.tree` and :mod:`.hierarchical` show how each is
+built from ``lax.ppermute`` and the native sub-collectives.
+"""
+
+from . import hierarchical as hierarchical
+from . import ring as ring
+from . import tree as tree
+from .auto import ALGORITHMS as ALGORITHMS
+from .auto import OPS as OPS
+from .auto import choose as choose
+from .auto import table_from_results as table_from_results
+
+__all__ = [
+    "ALGORITHMS",
+    "OPS",
+    "choose",
+    "hierarchical",
+    "ring",
+    "table_from_results",
+    "tree",
+]
