@@ -4,6 +4,7 @@ Importing jaxcoll queries no device and changes no setting.
 """
 
 from . import primitives as primitives
+from ._init import init as init
 from ._ops import ReduceOp as ReduceOp
 from ._typing import AxisName as AxisName
 from ._typing import PyTree as PyTree
@@ -14,5 +15,6 @@ __all__ = [
     "AxisName",
     "PyTree",
     "ReduceOp",
+    "init",
     "primitives",
 ]

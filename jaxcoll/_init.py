@@ -1,0 +1,382 @@
+"""``jaxcoll.init``: join a multi-process job (``jax.distributed.initialize``, launcher defaults).
+
+Where the job's shape comes from, first match wins, one source for all three values:
+
+1. the arguments of :func:`init`;
+2. jaxcoll's variables, set by ``jaxcoll-run``: ``JAXCOLL_COORDINATOR_ADDRESS``,
+   ``JAXCOLL_NUM_PROCESSES``, ``JAXCOLL_PROCESS_ID`` (and ``JAXCOLL_LOCAL_DEVICE_IDS``,
+   ``JAXCOLL_COORDINATOR_BIND_ADDRESS``, ``JAXCOLL_INIT_TIMEOUT``,
+   ``JAXCOLL_HEARTBEAT_TIMEOUT``, ``JAXCOLL_SHUTDOWN_TIMEOUT``);
+3. JAX's: ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``;
+4. torchrun's: ``MASTER_ADDR`` + ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` (``LOCAL_RANK``
+   picks this process's one GPU when ``LOCAL_WORLD_SIZE`` > 1, as torchrun does);
+5. JAX's cluster detection (SLURM ``srun``, Open MPI ``mpirun``), done by
+   ``jax.distributed.initialize`` itself.
+
+None of them, or a job of one process: :func:`init` does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+__all__ = ["init"]
+
+# Defaults sized for a job whose launcher watches every process (jaxcoll-run, srun): a peer
+# that has not connected after INIT_TIMEOUT, or has sent no heartbeat for HEARTBEAT_TIMEOUT,
+# fails the job in well under a minute instead of JAX's 300 s / 100 s.
+INIT_TIMEOUT = 30
+HEARTBEAT_TIMEOUT = 20
+SHUTDOWN_TIMEOUT = 60
+
+_SOURCES = (
+    ("jaxcoll", "JAXCOLL_COORDINATOR_ADDRESS", "JAXCOLL_NUM_PROCESSES", "JAXCOLL_PROCESS_ID"),
+    ("jax", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"),
+)
+_CLUSTER_MARKERS = {
+    "slurm": ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+              "SLURM_LOCALID"),
+    "ompi": ("OMPI_MCA_orte_hnp_uri",),
+}
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Where this process sits in the job, and where that came from."""
+
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    local_device_ids: tuple[int, ...] | None
+    source: str
+
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int:
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"init: environment variable {name}={value!r} is not an integer. Unset it or set it "
+            f"to a whole number."
+        ) from None
+
+
+def _ids_env(env: Mapping[str, str], name: str) -> tuple[int, ...] | None:
+    value = env.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise ValueError(
+            f"init: environment variable {name}={value!r} must be comma-separated device ids "
+            f"such as '0,1,2,3'."
+        ) from None
+
+
+def _from_env(env: Mapping[str, str]) -> _Spec | None:
+    """The job shape from the first source of variables that is present, or None."""
+    for source, addr_var, count_var, id_var in _SOURCES:
+        present = [v for v in (addr_var, count_var, id_var) if v in env]
+        if not present:
+            continue
+        missing = [v for v in (addr_var, count_var, id_var) if v not in env]
+        if missing:
+            raise ValueError(
+                f"init: {', '.join(present)} is set but {', '.join(missing)} is not; set all "
+                f"three of {addr_var}, {count_var}, {id_var} (or none)."
+            )
+        ids = _ids_env(env, "JAXCOLL_LOCAL_DEVICE_IDS") if source == "jaxcoll" else None
+        return _Spec(env[addr_var], _int_env(env, count_var), _int_env(env, id_var), ids,
+                     f"{source} environment variables")
+    torch_vars = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+    if all(v in env for v in torch_vars):
+        ids = None
+        if "LOCAL_RANK" in env and int(env.get("LOCAL_WORLD_SIZE", "1")) > 1:
+            ids = (_int_env(env, "LOCAL_RANK"),)
+        return _Spec(f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", _int_env(env, "WORLD_SIZE"),
+                     _int_env(env, "RANK"), ids, "torchrun environment variables")
+    return None
+
+
+def _cluster(env: Mapping[str, str]) -> str | None:
+    """The cluster manager that started this process with several tasks, if any."""
+    for name, markers in _CLUSTER_MARKERS.items():
+        if all(m in env for m in markers):
+            count = env.get("SLURM_NTASKS" if name == "slurm" else "OMPI_COMM_WORLD_SIZE", "2")
+            if count.isdigit() and int(count) > 1:
+                return name
+    return None
+
+
+def _timeout(api: str, argname: str, value: int | None, env_var: str, default: int) -> int:
+    if value is None:
+        value = _int_env(os.environ, env_var) if env_var in os.environ else default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{api}: {argname} must be an int number of seconds, got {value!r} of "
+                        f"type {type(value).__name__} instead.")
+    if value <= 0:
+        raise ValueError(f"{api}: {argname}={value} must be a positive number of seconds.")
+    return value
+
+
+def _check_spec(api: str, spec: _Spec) -> None:
+    n, pid = spec.num_processes, spec.process_id
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+        raise TypeError(f"{api}: num_processes must be an int, got {n!r} of type "
+                        f"{type(n).__name__} instead.")
+    if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int)):
+        raise TypeError(f"{api}: process_id must be an int, got {pid!r} of type "
+                        f"{type(pid).__name__} instead.")
+    if n is not None and n < 1:
+        raise ValueError(f"{api}: num_processes={n} (from {spec.source}) must be at least 1.")
+    if n is not None and pid is not None and not 0 <= pid < n:
+        raise ValueError(
+            f"{api}: process_id={pid} (from {spec.source}) is out of range for a job of {n} "
+            f"processes (0..{n - 1}). Give each process a distinct id between 0 and {n - 1}."
+        )
+    addr = spec.coordinator_address
+    if addr is not None:
+        if not isinstance(addr, str):
+            raise TypeError(f"{api}: coordinator_address must be a 'host:port' string, got "
+                            f"{addr!r} instead.")
+        host, _, port = addr.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"{api}: coordinator_address={addr!r} (from {spec.source}) is not 'host:port' "
+                f"with a port in 1..65535, e.g. '10.0.0.1:29500'."
+            )
+
+
+def _fail_fast_hook(previous):
+    """An excepthook that ends the process at once after reporting an uncaught exception.
+
+    A normal exit runs ``jax.distributed.shutdown`` at exit, which waits for every peer at a
+    shutdown barrier; peers blocked in a collective with this process never arrive, so the job
+    would hang for the shutdown timeout. Exiting here lets the launcher see the failure now.
+    """
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(1)
+
+    hook.jaxcoll_fail_fast = True
+    return hook
+
+
+def _world():
+    from .dist import world  # local import: jaxcoll.dist builds on device queries
+
+    return world()
+
+
+def init(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_ids: Sequence[int] | None = None,
+    initialization_timeout: int | None = None,
+    heartbeat_timeout: int | None = None,
+    shutdown_timeout: int | None = None,
+    coordinator_bind_address: str | None = None,
+    cluster_detection_method: str | None = None,
+    fail_fast: bool = True,
+):
+    """Join the multi-process job this process belongs to, and return the world group.
+
+    Like ``torch.distributed.init_process_group()``: call it once at the start of every
+    process, before any other JAX call. It wraps ``jax.distributed.initialize`` (XLA's
+    coordination service; process 0 hosts it), so that afterwards ``jax.devices()`` lists the
+    devices of every process and one mesh spans them all. Roughly::
+
+        def init(coordinator_address, num_processes, process_id):
+            if num_processes == 1:
+                return dist.world()                  # nothing to join
+            if on_cpu:
+                jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                                       initialization_timeout=30, heartbeat_timeout_seconds=20)
+            return dist.world()
+
+    Where the values come from when not given (first match wins): jaxcoll's variables
+    (``JAXCOLL_COORDINATOR_ADDRESS``, ``JAXCOLL_NUM_PROCESSES``, ``JAXCOLL_PROCESS_ID``, set
+    by ``jaxcoll-run``), JAX's (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
+    ``JAX_PROCESS_ID``), torchrun's (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
+    ``RANK``, ``LOCAL_RANK``), then JAX's own detection of SLURM and Open MPI. With none of
+    them, or ``num_processes == 1``, it is a no-op: the single-process program runs unchanged.
+
+    Collectives across processes run over NCCL on GPUs and over gloo (TCP) on CPU; on CPU this
+    selects gloo unless ``jax_cpu_collectives_implementation`` was set otherwise.
+
+    Note:
+        A rank in jaxcoll is a device, not a process: with 2 processes x 4 devices there are
+        8 ranks, process ``p`` holding ranks ``4p .. 4p+3`` (JAX's global device order).
+
+    Args:
+        coordinator_address: ``"host:port"`` of process 0's coordination service.
+        num_processes: processes in the job.
+        process_id: this process's index, ``0 <= process_id < num_processes``.
+        local_device_ids: the local accelerators this process uses (default: all, or the
+            launcher's ``JAXCOLL_LOCAL_DEVICE_IDS``).
+        initialization_timeout: seconds to wait for every process to connect (default 30,
+            or ``JAXCOLL_INIT_TIMEOUT``). A peer that never starts fails the job after this.
+        heartbeat_timeout: seconds without a heartbeat after which a peer counts as dead
+            (default 20, or ``JAXCOLL_HEARTBEAT_TIMEOUT``).
+        shutdown_timeout: seconds a finished process waits for the others at exit (default 60,
+            or ``JAXCOLL_SHUTDOWN_TIMEOUT``).
+        coordinator_bind_address: where process 0's service listens (default: the
+            launcher's ``JAXCOLL_COORDINATOR_BIND_ADDRESS``, else JAX's all-interfaces
+            ``[::]:port``).
+        cluster_detection_method: passed to JAX (``"slurm"``, ``"ompi"``, ``"mpi4py"``,
+            ``"deactivate"``).
+        fail_fast: if True (the default), an uncaught exception in a multi-process job ends
+            this process right after its traceback (exit code 1), instead of waiting at JAX's
+            exit barrier for peers that may be blocked in a collective with it.
+
+    Returns:
+        The world group, ``jaxcoll.dist.world()``: every device of every process.
+
+    Raises:
+        ValueError: a bad or incomplete address, count or id (from the arguments or the
+            environment), a second call with a different job shape, or a failed connection
+            (coordinator unreachable, its port taken, a peer missing), reported within
+            ``initialization_timeout``.
+        RuntimeError: JAX has already started its backend in this process (call ``init``
+            before any other JAX call).
+
+    Example (run under ``jaxcoll-run --nprocs 2 --devices-per-proc 4 script.py``)::
+
+        >>> import jaxcoll
+        >>> world = jaxcoll.init()
+        >>> jax.process_count(), jax.device_count(), len(jax.local_devices())
+        (2, 8, 4)
+    """
+    api = "init"
+    given = _Spec(coordinator_address, num_processes, process_id,
+                  None if local_device_ids is None else tuple(local_device_ids), "the arguments")
+    if given.coordinator_address is not None or given.num_processes is not None \
+            or given.process_id is not None:
+        env_spec = None
+        spec = given
+    else:
+        env_spec = _from_env(os.environ)
+        spec = env_spec if env_spec is not None else given
+        if given.local_device_ids is not None:
+            spec = _Spec(spec.coordinator_address, spec.num_processes, spec.process_id,
+                         given.local_device_ids, spec.source)
+    _check_spec(api, spec)
+    init_t = _timeout(api, "initialization_timeout", initialization_timeout,
+                      "JAXCOLL_INIT_TIMEOUT", INIT_TIMEOUT)
+    beat_t = _timeout(api, "heartbeat_timeout", heartbeat_timeout,
+                      "JAXCOLL_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT)
+    stop_t = _timeout(api, "shutdown_timeout", shutdown_timeout,
+                      "JAXCOLL_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT)
+    bind = coordinator_bind_address or os.environ.get("JAXCOLL_COORDINATOR_BIND_ADDRESS")
+
+    cluster = None
+    if spec.num_processes is None and spec.coordinator_address is None:
+        cluster = cluster_detection_method or _cluster(os.environ)
+        if cluster is None or cluster == "deactivate":
+            return _world()  # one process, nothing to join
+    if spec.num_processes == 1:
+        return _world()
+
+    key = (spec.coordinator_address, spec.num_processes, spec.process_id)
+    with _lock:
+        if jax.distributed.is_initialized():
+            done = _state.get("key")
+            if done is not None and cluster is None and done != key:
+                raise ValueError(
+                    f"{api}: this process already joined the job (coordinator_address, "
+                    f"num_processes, process_id)={done}; it cannot join {key} as well. Call "
+                    f"init once per process."
+                )
+            return _world()
+        _connect(api, spec, cluster, init_t, beat_t, stop_t, bind)
+        _state["key"] = key
+    if fail_fast and not getattr(sys.excepthook, "jaxcoll_fail_fast", False):
+        sys.excepthook = _fail_fast_hook(sys.excepthook)
+    return _world()
+
+
+def _connect(api, spec, cluster, init_t, beat_t, stop_t, bind) -> None:
+    from jax._src import xla_bridge  # the only way to ask whether a backend exists yet
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            f"{api}: JAX has already started its devices in this process, so it can no longer "
+            f"join a multi-process job. Call jaxcoll.init() first, before jax.devices(), "
+            f"jax.device_put or any computation."
+        )
+    if jax.config.jax_platforms in (None, "", "cpu") and \
+            os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION") is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    where = spec.coordinator_address or f"the {cluster} job's coordinator"
+    # When a peer or the coordinator never shows up, XLA ends the process from a C++ thread
+    # (abort, no Python exception). Say what happened, in one line, just before it does.
+    message = (
+        f"{api}: process {spec.process_id} of {spec.num_processes} could not join the job at "
+        f"{where} (values from {spec.source}) within initialization_timeout={init_t}s: the "
+        f"coordinator was unreachable or not every process connected. Check that process 0 "
+        f"is running and reachable at that address and that every process was started. "
+        f"Exiting with code 1."
+    )
+    watchdog = threading.Timer(max(init_t - 0.5, init_t * 0.9), _give_up, (message,))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(
+            spec.coordinator_address,
+            spec.num_processes,
+            spec.process_id,
+            local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
+            cluster_detection_method=cluster if cluster in ("slurm", "ompi", "mpi4py") else None,
+            initialization_timeout=init_t,
+            heartbeat_timeout_seconds=beat_t,
+            shutdown_timeout_seconds=stop_t,
+            coordinator_bind_address=bind,
+        )
+    except Exception as e:  # XLA raises its own status errors; give one clear message
+        try:
+            jax.distributed.shutdown()
+        except Exception:  # noqa: BLE001 - best effort, the original error matters
+            pass
+        from jax._src import distributed as _d
+
+        _d.global_state.service = None
+        _d.global_state.client = None
+        raise ValueError(
+            f"{api}: process {spec.process_id} of {spec.num_processes} could not join the job "
+            f"at {where} (values from {spec.source}) within initialization_timeout={init_t}s: "
+            f"{_first_line(e)}. Check that process 0 is running and reachable at that "
+            f"address, that its port is free, and that every process was started."
+        ) from e
+    finally:
+        watchdog.cancel()
+
+
+def _give_up(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"

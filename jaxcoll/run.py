@@ -1,0 +1,310 @@
+"""``jaxcoll-run``: start a multi-process JAX job on this host, the way torchrun does.
+
+Usage::
+
+    jaxcoll-run --nprocs 2 --devices-per-proc 4 train.py --lr 0.1
+    python -m jaxcoll.run --nprocs 2 -m mypackage.train          # a module instead of a file
+    jaxcoll-run --nnodes 2 --node-rank 0 --coordinator 10.0.0.1:29500 --nprocs 4 train.py
+
+Each process gets ``JAXCOLL_COORDINATOR_ADDRESS``, ``JAXCOLL_NUM_PROCESSES``,
+``JAXCOLL_PROCESS_ID`` (global index ``node_rank * nprocs + local_rank``),
+``JAXCOLL_LOCAL_RANK``, ``JAXCOLL_LOCAL_WORLD_SIZE``, ``JAXCOLL_NODE_RANK``,
+``JAXCOLL_RESTART_COUNT`` and the timeouts, which :func:`jaxcoll.init` reads. With
+``--devices-per-proc D`` each process simulates ``D`` CPU devices (``XLA_FLAGS``) and is
+given local accelerators ``D * local_rank .. D * local_rank + D - 1``.
+
+Every output line is prefixed with ``[k]``, the process index. If a process exits non-zero or
+is killed, the launcher names it, sends SIGTERM to every other process group, SIGKILL after
+``--grace`` seconds, and exits non-zero (the failed process's exit code, or 128 + signal);
+with ``--max-restarts K`` it restarts the whole group up to K times instead. SIGINT and
+SIGTERM sent to the launcher are forwarded to every process. Each process runs in its own
+session (process group) and is killed with the launcher if the launcher itself dies, so no
+process outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+__all__ = ["main"]
+
+_PR_SET_PDEATHSIG = 1
+_POLL_S = 0.05
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jaxcoll-run",
+        description="Start N processes of a JAX program on this host as one jax.distributed "
+        "job (the torchrun of jaxcoll).",
+    )
+    p.add_argument("--nprocs", "--nproc-per-node", type=int, default=1, dest="nprocs",
+                   help="processes to start on this node (default 1)")
+    p.add_argument("--devices-per-proc", type=int, default=None,
+                   help="devices per process: simulated CPU devices, and the local "
+                   "accelerator ids each process gets (default: JAX's own choice)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index (default 0)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's coordination service (default: 127.0.0.1 and a free "
+                   "port; required with --nnodes > 1)")
+    p.add_argument("--bind", default=None, metavar="HOST:PORT",
+                   help="where the coordination service listens (default: the coordinator "
+                   "address itself, so loopback for a one-node job)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the whole group up to K times after a failure (default 0)")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping processes")
+    p.add_argument("--init-timeout", type=int, default=30,
+                   help="seconds for every process to connect (JAXCOLL_INIT_TIMEOUT)")
+    p.add_argument("--heartbeat-timeout", type=int, default=20,
+                   help="seconds without heartbeat before a peer counts as dead")
+    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
+    p.add_argument("-m", dest="module", action="store_true",
+                   help="run the program as a module (python -m), like python -m")
+    p.add_argument("program", help="the script (or, with -m, the module) to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the program")
+    return p
+
+
+def _error(msg: str) -> None:
+    print(f"jaxcoll-run: error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _check(a: argparse.Namespace) -> None:
+    if a.nprocs < 1:
+        _error(f"--nprocs={a.nprocs} must be at least 1.")
+    if a.devices_per_proc is not None and a.devices_per_proc < 1:
+        _error(f"--devices-per-proc={a.devices_per_proc} must be at least 1.")
+    if a.nnodes < 1:
+        _error(f"--nnodes={a.nnodes} must be at least 1.")
+    if not 0 <= a.node_rank < a.nnodes:
+        _error(f"--node-rank={a.node_rank} is out of range for --nnodes={a.nnodes} "
+               f"(0..{a.nnodes - 1}).")
+    if a.nnodes > 1 and a.coordinator is None:
+        _error(f"--nnodes={a.nnodes} needs --coordinator HOST:PORT (the address of node 0, "
+               f"the same on every node).")
+    for flag, value in (("--coordinator", a.coordinator), ("--bind", a.bind)):
+        if value is not None:
+            host, _, port = value.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                _error(f"{flag}={value!r} is not HOST:PORT with a port in 1..65535, "
+                       f"e.g. 10.0.0.1:29500.")
+    if a.max_restarts < 0:
+        _error(f"--max-restarts={a.max_restarts} must be 0 or more.")
+    if a.grace < 0:
+        _error(f"--grace={a.grace} must be 0 or more seconds.")
+    if a.init_timeout < 1 or a.heartbeat_timeout < 1:
+        _error("--init-timeout and --heartbeat-timeout must be at least 1 second.")
+    if not a.module and not os.path.exists(a.program):
+        _error(f"program {a.program!r} does not exist. Pass a script path, or -m MODULE.")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _child_env(a: argparse.Namespace, coordinator: str, bind: str, local_rank: int,
+               restart: int) -> dict[str, str]:
+    env = dict(os.environ)
+    nprocs_total = a.nnodes * a.nprocs
+    env.update(
+        JAXCOLL_COORDINATOR_ADDRESS=coordinator,
+        JAXCOLL_COORDINATOR_BIND_ADDRESS=bind,
+        JAXCOLL_NUM_PROCESSES=str(nprocs_total),
+        JAXCOLL_PROCESS_ID=str(a.node_rank * a.nprocs + local_rank),
+        JAXCOLL_LOCAL_RANK=str(local_rank),
+        JAXCOLL_LOCAL_WORLD_SIZE=str(a.nprocs),
+        JAXCOLL_NODE_RANK=str(a.node_rank),
+        JAXCOLL_RESTART_COUNT=str(restart),
+        JAXCOLL_INIT_TIMEOUT=str(a.init_timeout),
+        JAXCOLL_HEARTBEAT_TIMEOUT=str(a.heartbeat_timeout),
+        PYTHONUNBUFFERED="1",
+    )
+    d = a.devices_per_proc
+    if d is not None:
+        flags = [f for f in env.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={d}"])
+        env["JAX_NUM_CPU_DEVICES"] = str(d)
+        if nprocs_total > 1:
+            env["JAXCOLL_LOCAL_DEVICE_IDS"] = ",".join(
+                str(i) for i in range(d * local_rank, d * (local_rank + 1)))
+    return env
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the launcher dies (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
+    """Copy ``stream`` line by line to ``out``, each line prefixed."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", errors="replace")
+        if not line.endswith("\n"):
+            line += "\n"
+        with lock:
+            out.write(prefix + line)
+            out.flush()
+    stream.close()
+
+
+@dataclass
+class _Proc:
+    index: int
+    popen: subprocess.Popen
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+def describe_exit(code: int) -> str:
+    """``exited with code 3`` or ``was killed by SIGKILL``, from a Popen return code."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
+
+
+class _Group:
+    """One generation of worker processes."""
+
+    def __init__(self, a: argparse.Namespace, command: list[str], restart: int):
+        host_port = a.coordinator or f"127.0.0.1:{free_port()}"
+        bind = a.bind or host_port
+        self.lock = threading.Lock()
+        self.procs: list[_Proc] = []
+        for local in range(a.nprocs):
+            index = a.node_rank * a.nprocs + local
+            env = _child_env(a, host_port, bind, local, restart)
+            popen = subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, preexec_fn=_die_with_parent,
+            )
+            proc = _Proc(index, popen)
+            prefix = "" if a.no_prefix else f"[{index}] "
+            for stream, out in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
+                t = threading.Thread(target=_pump, args=(stream, out, prefix, self.lock),
+                                     daemon=True)
+                t.start()
+                proc.threads.append(t)
+            self.procs.append(proc)
+
+    def first_failure(self) -> tuple[_Proc, int] | None:
+        for p in self.procs:
+            code = p.popen.poll()
+            if code is not None and code != 0:
+                return p, code
+        return None
+
+    def all_done(self) -> bool:
+        return all(p.popen.poll() is not None for p in self.procs)
+
+    def signal_all(self, sig: int) -> None:
+        for p in self.procs:
+            try:
+                os.killpg(p.popen.pid, sig)  # the process and anything it started
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def stop(self, grace: float, sig: int = signal.SIGTERM) -> None:
+        """SIGTERM every process group, SIGKILL what is left after ``grace`` seconds."""
+        self.signal_all(sig)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and not self.all_done():
+            time.sleep(_POLL_S)
+        self.signal_all(signal.SIGKILL)  # also reaps grandchildren left in the groups
+        for p in self.procs:
+            p.popen.wait()
+
+    def join_output(self) -> None:
+        for p in self.procs:
+            for t in p.threads:
+                t.join(timeout=2.0)
+
+
+def _say(msg: str) -> None:
+    print(f"jaxcoll-run: {msg}", file=sys.stderr, flush=True)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the job, and return its exit code."""
+    a = _parser().parse_args(argv)
+    _check(a)
+    args = list(a.args)
+    if args[:1] == ["--"]:
+        args = args[1:]
+    command = [sys.executable, "-u", *(["-m"] if a.module else []), a.program, *args]
+
+    received: list[int] = []
+
+    def on_signal(signum, _frame):
+        received.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        restart = 0
+        while True:
+            group = _Group(a, command, restart)
+            failure = None
+            while True:
+                if received:
+                    sig = received[0]
+                    _say(f"received {signal.Signals(sig).name}; forwarding it to "
+                         f"{len(group.procs)} process(es).")
+                    group.stop(a.grace, sig)
+                    group.join_output()
+                    return 128 + sig
+                failure = group.first_failure()
+                if failure is not None or group.all_done():
+                    break
+                time.sleep(_POLL_S)
+            if failure is None:
+                group.join_output()
+                return 0
+            proc, code = failure
+            others = [p.index for p in group.procs if p is not proc and p.popen.poll() is None]
+            _say(f"process {proc.index} (pid {proc.popen.pid}) {describe_exit(code)}; "
+                 f"stopping process(es) {others} (SIGTERM, SIGKILL after {a.grace:g}s).")
+            group.stop(a.grace)
+            group.join_output()
+            if restart < a.max_restarts:
+                restart += 1
+                _say(f"restarting all {a.nprocs} process(es) (restart {restart} of "
+                     f"{a.max_restarts}).")
+                continue
+            _say(f"failed: process {proc.index} {describe_exit(code)}.")
+            return code if code > 0 else 128 - code
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point of ``jaxcoll-run``."""
+    raise SystemExit(run(argv))
+
+
+if __name__ == "__main__":
+    main()
