@@ -15,6 +15,7 @@ Example (8 devices)::
     array(8., dtype=float32)
 """
 
+from .._init import init as init
 from .._ops import ReduceOp as ReduceOp
 from ..primitives._group import Group as Group
 from ._collectives import all_gather as all_gather
@@ -60,6 +61,7 @@ __all__ = [
     "gather",
     "get_world_size",
     "hierarchy",
+    "init",
     "irecv",
     "is_initialized",
     "isend",
