@@ -3,6 +3,7 @@
 Importing jaxcoll queries no device and changes no setting.
 """
 
+from . import dist as dist
 from . import primitives as primitives
 from ._init import init as init
 from ._ops import ReduceOp as ReduceOp
@@ -15,6 +16,7 @@ __all__ = [
     "AxisName",
     "PyTree",
     "ReduceOp",
+    "dist",
     "init",
     "primitives",
 ]
