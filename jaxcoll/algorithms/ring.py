@@ -84,18 +84,39 @@ def all_gather(x: jax.Array, ax: Axis) -> jax.Array:
     return out.reshape((ax.size,) + x.shape)
 
 
+def _broadcast_bits(x: jax.Array, ax: Axis, src: int) -> jax.Array:
+    bits, back = to_bits(x)
+    bits = jnp.where(is_rank(ax, src), bits, jnp.zeros_like(bits))
+    kind = "bool" if bits.dtype == jnp.bool_ else "integer"
+    return back(all_reduce(bits, ax, ReduceOp.BOR, kind)).reshape(x.shape)
+
+
 def broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
     """Ring broadcast: a ring all-reduce with bitwise OR of src's bits and everyone's zeros.
 
     Bit-exact for every dtype (the bits are only OR-ed with zeros) and bandwidth-optimal like
     van de Geijn's scatter + all-gather broadcast: each rank sends 2(n-1)/n of the buffer.
+    Bit casts have no derivative, so for float and complex data the gradient is given
+    directly: the transpose of a broadcast is a SUM reduce of the cotangents onto ``src``.
     """
     if ax.size == 1:
         return x
-    bits, back = to_bits(x)
-    bits = jnp.where(is_rank(ax, src), bits, jnp.zeros_like(bits))
-    kind = "bool" if bits.dtype == jnp.bool_ else "integer"
-    return back(all_reduce(bits, ax, ReduceOp.BOR, kind)).reshape(x.shape)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return _broadcast_bits(x, ax, src)
+
+    @jax.custom_vjp
+    def bcast(v):
+        return _broadcast_bits(v, ax, src)
+
+    def fwd(v):
+        return bcast(v), None
+
+    def bwd(_, ct):
+        total = all_reduce(ct, ax, ReduceOp.SUM, "floating")
+        return (jnp.where(is_rank(ax, src), total, jnp.zeros_like(total)),)
+
+    bcast.defvjp(fwd, bwd)
+    return bcast(x)
 
 
 def reduce(x: jax.Array, ax: Axis, dst: int, op: ReduceOp, kind: str) -> jax.Array:
