@@ -257,13 +257,13 @@ class Trainer:
         tree = jax.device_put(tree, self._sharding(P(self.axis_name)))
 
         def body(t):
-            # Initial params cross devices here: rank 0's copy goes to every rank.
-            return primitives.broadcast(jax.tree_util.tree_map(lambda a: a[0], t),
-                                        self.axis_name, 0)
+            # Initial params cross devices here: rank 0's copy goes to every rank. A SUM of
+            # rank 0's values and zeros is exact and typed replicated, so out_specs=P() holds.
+            first = lax.axis_index(self.axis_name) == 0
+            t = jax.tree_util.tree_map(lambda a: jnp.where(first, a[0], jnp.zeros_like(a[0])), t)
+            return primitives.all_reduce(t, self.axis_name, "sum")
 
-        # check_vma=False: a broadcast's result is replicated, which shard_map cannot infer.
-        f = jax.shard_map(body, mesh=self.mesh, in_specs=P(self.axis_name), out_specs=P(),
-                          check_vma=False)
+        f = jax.shard_map(body, mesh=self.mesh, in_specs=P(self.axis_name), out_specs=P())
         return jax.jit(f)(tree)
 
     def _init_sharded_opt(self, params: PyTree) -> PyTree:
@@ -463,10 +463,11 @@ class Trainer:
                 bar.update(1)
                 if progress and ((s + 1) % log_every == 0 or s + 1 == total):
                     bar.set_postfix(loss=f"{float(metrics['loss']):.4f}")
-        finally:
-            bar.close()
             if ckpt is not None:
                 ckpt.save(state)
+        finally:  # a crash keeps only the periodic checkpoints, as a killed process would
+            bar.close()
+            if ckpt is not None:
                 ckpt.close()
         history = _finish_history(history)
         if eval_data is not None:

@@ -1,0 +1,194 @@
+"""Trainer behaviour besides equivalence: HLO collectives, checkpoints, init, rng, errors."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxcoll import dp
+from tests.dp._models import MLP, batches, cross_entropy, max_rel_diff, oracle
+from tests.helpers import mesh_1d
+
+
+def _mlp_trainer(**kw):
+    model = dp.Linen(MLP(), cross_entropy)
+    data = batches("mlp", 4, 32)
+    params, ms = model.init(jax.random.key(0), data[0])
+    trainer = dp.Trainer(model, optax.adam(1e-2), mesh=mesh_1d(8, "data"), **kw)
+    return trainer, params, ms, data
+
+
+@pytest.mark.parametrize("bucket_mb, grad_dtype", [(25.0, None), (None, None),
+                                                   (0.002, None), (0.002, jnp.bfloat16)])
+def test_one_all_reduce_per_bucket_in_the_hlo(bucket_mb, grad_dtype):
+    trainer, params, ms, data = _mlp_trainer(bucket_mb=bucket_mb, grad_dtype=grad_dtype)
+    state = trainer.init(params, jax.random.key(1), model_state=ms)
+    trainer.step(state, data[0])  # builds the step function
+    state = trainer.init(params, jax.random.key(1), model_state=ms)
+    text = trainer._step_fn.lower(state, trainer.shard_batch(data[0])).as_text()
+    reduces = re.findall(r'"stablehlo\.all_reduce"\(.*?\}\) : \((tensor<[^>]*>)', text, re.S)
+    leaves = jax.tree_util.tree_leaves(params)
+    buckets = dp.plan_buckets(leaves, None if bucket_mb is None else bucket_mb * 2**20)
+    if bucket_mb == 25.0:
+        assert len(buckets) == 1
+    elif bucket_mb is None:
+        assert len(buckets) == len(leaves)
+    else:
+        assert 1 < len(buckets) < len(leaves)
+    # one per bucket, plus one for the metrics (loss, accuracy packed in one vector)
+    assert len(reduces) == len(buckets) + 1, reduces
+    wire = "bf16" if grad_dtype is not None else "f32"
+    assert sum(wire in r for r in reduces) >= len(buckets)
+
+
+def _same(a, b) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b),
+                               strict=True))
+
+
+class _Crash(dp.Batches):
+    """Batches that fail at one step, as a killed process would."""
+
+    crash_at = 13
+
+    def __getitem__(self, step):
+        if step == self.crash_at:
+            raise RuntimeError("simulated crash")
+        return super().__getitem__(step)
+
+
+@pytest.mark.parametrize("shard_optimizer", [False, True])
+def test_crash_and_resume_is_bit_identical(tmp_path, shard_optimizer):
+    model = dp.Linen(MLP(), cross_entropy)
+    raw = batches("mlp", 1, 160)[0]
+    params, ms = model.init(jax.random.key(0), raw)
+    trainer = dp.Trainer(model, optax.adam(1e-2), mesh=mesh_1d(8, "data"),
+                         shard_optimizer=shard_optimizer)
+    fresh = lambda: trainer.init(params, jax.random.key(1), model_state=ms)  # noqa: E731
+    ref, _ = trainer.fit(fresh(), dp.Batches(raw, 32, seed=3), steps=20, progress=False)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        trainer.fit(fresh(), _Crash(raw, 32, seed=3), steps=20, checkpoint_dir=tmp_path,
+                    every=5, progress=False)
+    ckpt = dp.Checkpointer(tmp_path)
+    assert ckpt.manager.latest_step() == 10  # the crash at step 13 lost steps 11-13
+    ckpt.close()
+    resumed, hist = trainer.fit(fresh(), dp.Batches(raw, 32, seed=3), steps=20,
+                                checkpoint_dir=tmp_path, every=5, progress=False)
+    assert [h["step"] for h in hist] == list(range(11, 21))
+    assert int(resumed.step) == 20
+    assert _same(resumed, ref)
+    # and the check can fail: one more step is not the same state
+    more, _ = trainer.step(resumed, dp.Batches(raw, 32, seed=3)[20])
+    assert not _same(more.params, ref.params)
+
+
+def test_init_broadcasts_rank0_so_different_ranks_end_identical():
+    trainer, params, ms, data = _mlp_trainer()
+    # each rank starts from different params (rank r: params + r)
+    per_rank = jax.tree_util.tree_map(
+        lambda a: np.stack([np.asarray(a) + r for r in range(8)]), params)
+    state = trainer.init(per_rank, jax.random.key(1), per_rank=True)
+    for leaf, want in zip(jax.tree_util.tree_leaves(state.params),
+                          jax.tree_util.tree_leaves(params), strict=True):
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert len(shards) == 8
+        for s in shards:
+            np.testing.assert_array_equal(s, np.asarray(want))
+    with pytest.raises(ValueError, match="leading axis of size 8"):
+        trainer.init(params, jax.random.key(1), per_rank=True)
+
+
+def test_dropout_streams_differ_per_rank_and_reproduce():
+    mesh = mesh_1d(8, "data")
+
+    def loss_fn(w, batch, rng):
+        keep = jax.random.bernoulli(rng, 0.5, batch["x"].shape)
+        return jnp.mean(jnp.where(keep, batch["x"], 0.0) * w), {"kept": jnp.mean(keep)}
+
+    x = np.ones((8, 64), np.float32)
+
+    def run():
+        trainer = dp.Trainer(loss_fn, optax.sgd(1.0), mesh=mesh)
+        state = trainer.init(jnp.ones(()), jax.random.key(7))
+        state, m = trainer.step(state, {"x": x})
+        return float(state.params), float(m["kept"])
+
+    w1, kept1 = run()
+    w2, kept2 = run()
+    assert (w1, kept1) == (w2, kept2)  # reproducible
+    # the gradient is the global fraction kept / 1; identical masks on every rank would give
+    # a fraction that is a multiple of 1/64 (one rank's mask), per-rank masks give k/512.
+    assert 0.3 < kept1 < 0.7
+    assert round(kept1 * 512) % 8 != 0 or round(kept2 * 512) % 8 != 0
+    np.testing.assert_allclose(1.0 - w1, kept1, rtol=1e-6)
+
+
+def test_nnx_adapter_matches_single_device():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(16, 16, use_bias=False, rngs=rngs)  # BN cancels a bias
+            self.bn = nnx.BatchNorm(16, axis_name="data", momentum=0.9, rngs=rngs)
+            self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(nnx.relu(self.bn(self.l1(x))))
+
+    data = batches("mlp", 5, 32)
+    model = dp.Nnx(Net(nnx.Rngs(0)), cross_entropy)
+    params, ms = model.init()
+    trainer = dp.Trainer(model, optax.adam(1e-2), mesh=mesh_1d(8, "data"))
+    state = trainer.init(params, jax.random.key(1), model_state=ms)
+    for b in data:
+        state, _ = trainer.step(state, b)
+
+    class Single(Net):
+        def __init__(self, rngs):
+            super().__init__(rngs)
+            self.bn = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+
+    single = dp.Nnx(Single(nnx.Rngs(0)), cross_entropy)
+    want, want_ms = oracle(single, optax.adam(1e-2), params, ms, data)
+    assert max_rel_diff(state.params, want) <= 1e-5
+    assert max_rel_diff(state.model_state, want_ms) <= 1e-5
+
+
+def test_fit_and_evaluate_report_global_means():
+    trainer, params, ms, _ = _mlp_trainer()
+    raw = batches("mlp", 1, 256)[0]
+    state = trainer.init(params, jax.random.key(1), model_state=ms)
+    state, hist = trainer.fit(state, dp.Batches(raw, 64), epochs=3, eval_data=[raw],
+                              progress=False)
+    assert len(hist) == 12 and hist[-1]["step"] == 12
+    assert all(h["examples_per_s"] > 0 for h in hist)
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    logits = MLP().apply({"params": state.params}, raw["x"])
+    want_loss, want_aux = cross_entropy(logits, raw)
+    np.testing.assert_allclose(hist[-1]["eval_loss"], want_loss, rtol=1e-5)
+    np.testing.assert_allclose(hist[-1]["eval_accuracy"], want_aux["accuracy"], rtol=1e-6)
+
+
+def test_errors_name_the_argument_and_the_fix():
+    trainer, params, ms, data = _mlp_trainer(accum_steps=2)
+    state = trainer.init(params, jax.random.key(1), model_state=ms)
+    with pytest.raises(ValueError, match=r"30 examples.*8 devices x accum_steps=2.*multiple "
+                                         r"of 16"):
+        trainer.step(state, {k: v[:30] for k, v in data[0].items()})
+    with pytest.raises(ValueError, match="grad_sync='bogus'"):
+        dp.Trainer(cross_entropy, optax.sgd(1.0), grad_sync="bogus")
+    with pytest.raises(TypeError, match="optax.GradientTransformation"):
+        dp.Trainer(cross_entropy, "adam")
+    with pytest.raises(ValueError, match="accum_steps=0"):
+        dp.Trainer(cross_entropy, optax.sgd(1.0), accum_steps=0)
+    with pytest.raises(ValueError, match="bucket_mb=-1"):
+        dp.Trainer(cross_entropy, optax.sgd(1.0), bucket_mb=-1)
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
+        dp.Trainer(cross_entropy, optax.sgd(1.0), mesh=mesh_1d(8, "x"))
+    with pytest.raises(ValueError, match="exactly one of steps"):
+        trainer.fit(state, data, progress=False)
