@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -27,17 +28,34 @@ def run_per_rank(
 
     Each input has a leading axis of size n (the mesh size); rank r sees row r (without the
     leading axis). ``body`` returns a pytree of per-rank arrays; the result has a leading axis
-    of size n again, as NumPy arrays.
+    of size n again, as NumPy arrays. Rows travel as contiguous blocks of one global array, so
+    the program has no extra per-rank reshapes (eager shard_map compiles every op it runs).
     """
     names = tuple(mesh.axis_names)
     spec = P(names if len(names) > 1 else names[0])
+    n = mesh.devices.size
+    scalar_in = [np.ndim(x) == 1 for x in inputs]
+    scalar_out = {}
 
     def wrapped(*xs):
-        out = body(*[x[0] for x in xs])
-        return jax.tree_util.tree_map(lambda y: y[None], out)
+        xs = [x[0] if s else x for x, s in zip(xs, scalar_in)]
+        out = body(*xs)
+        leaves, treedef = jax.tree_util.tree_flatten(out)
+        scalar_out["flags"] = [jnp.ndim(y) == 0 for y in leaves]
+        scalar_out["tree"] = treedef
+        return [y[None] if jnp.ndim(y) == 0 else y for y in leaves]
 
     f = jax.shard_map(wrapped, mesh=mesh, in_specs=(spec,) * len(inputs), out_specs=spec)
     if jit:
         f = jax.jit(f)
-    placed = [jax.device_put(np.asarray(x), NamedSharding(mesh, spec)) for x in inputs]
-    return jax.tree_util.tree_map(np.asarray, f(*placed))
+    placed = []
+    for x, s in zip(inputs, scalar_in):
+        x = np.asarray(x)
+        glob = x if s else x.reshape((n * x.shape[1],) + x.shape[2:])
+        placed.append(jax.device_put(glob, NamedSharding(mesh, spec)))
+    outs = f(*placed)
+    res = []
+    for y, s in zip(outs, scalar_out["flags"]):
+        y = np.asarray(y)
+        res.append(y if s else y.reshape((n, y.shape[0] // n) + y.shape[1:]))
+    return jax.tree_util.tree_unflatten(scalar_out["tree"], res)

@@ -54,7 +54,7 @@ def is_rank(ax: Axis, ranks: int | Iterable[int]) -> jax.Array:
         return ax.rank() == ranks
     mask = np.zeros(ax.size, dtype=bool)
     mask[list(ranks)] = True
-    return jnp.asarray(mask)[ax.rank()]
+    return lax.dynamic_index_in_dim(jnp.asarray(mask), ax.rank(), 0, keepdims=False)
 
 
 def tree_broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
@@ -80,8 +80,18 @@ def native_broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
         return x
     x = ensure_varying(x, ax)
 
+    # jax's transpose rule for pbroadcast fails on non-scalar values (jax 0.10), and transposing
+    # platform_dependent transposes every branch, on every platform. So the native branch routes
+    # its tangent through the ppermute tree: reverse mode then transposes the tree (a binomial
+    # reduce of the cotangents onto src) and never reaches the faulty rule.
+    @jax.custom_jvp
     def _hlo(v):
         return lax.pbroadcast(v, ax.name, src)
+
+    @_hlo.defjvp
+    def _hlo_jvp(primals, tangents):
+        (v,), (t,) = primals, tangents
+        return _hlo(v), tree_broadcast(t, ax, src)
 
     def _tree(v):
         return tree_broadcast(v, ax, src)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from .._checks import as_array_leaves, check_axis, check_divisible, check_leading
@@ -72,5 +73,24 @@ def all_to_all(
         else:
             check_leading(api, f"x.shape[{s}] (split_axis)", leaf.shape[s], n,
                           "Put one slice per rank along split_axis, or use tiled=True.")
-        out.append(lax.all_to_all(leaf, ax.name, s, c, tiled=bool(tiled)))
+        out.append(lax.all_to_all(leaf, ax.name, s, c, tiled=True) if tiled
+                   else untiled_all_to_all(leaf, ax.name, s, c))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def untiled_all_to_all(x: jax.Array, name, split_axis: int, concat_axis: int) -> jax.Array:
+    """Untiled all_to_all expressed with the tiled primitive over an inserted unit axis.
+
+    This is the reshaping ``lax.all_to_all`` does itself, done here so that ``jax.grad`` works:
+    in jax 0.10 the transpose of an untiled all_to_all with ``split_axis != concat_axis``
+    inserts the unit axis a second time and fails with a cotangent shape error.
+    """
+    if split_axis == concat_axis:
+        return lax.all_to_all(x, name, split_axis, concat_axis, tiled=True)
+    if split_axis < concat_axis:
+        concat_axis += 1
+    else:
+        split_axis += 1
+    y = jnp.expand_dims(x, concat_axis)
+    out = lax.all_to_all(y, name, split_axis, concat_axis, tiled=True)
+    return jnp.squeeze(out, split_axis)

@@ -1,0 +1,109 @@
+"""NumPy reference for every primitive: given the inputs of a group's ranks, each rank's output.
+
+Everything here is written from the documented semantics with NumPy only (no jax), so the tests
+compare jaxcoll against an independent implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+WIDE = {"bool": np.bool_, "integer": None, "floating": np.float64, "complex": np.complex128}
+
+
+def kind_of(dtype) -> str:
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return "bool"
+    if np.issubdtype(dtype, np.integer):
+        return "integer"
+    if np.issubdtype(dtype, np.complexfloating):
+        return "complex"
+    return "floating"  # float16/32/64 and ml_dtypes' bfloat16
+
+
+def widen(a: np.ndarray) -> np.ndarray:
+    """Floats to float64 and complex to complex128 (exact); ints and bools as they are."""
+    wide = WIDE[kind_of(a.dtype)]
+    return a if wide is None else a.astype(wide)
+
+
+def fold(op: str, xs: list[np.ndarray]) -> np.ndarray:
+    """op over the ranks' arrays (already widened), in rank order, with torch's bool rules."""
+    kind = kind_of(xs[0].dtype)
+    if kind == "bool":
+        table = {"sum": np.logical_or, "max": np.logical_or, "bor": np.logical_or,
+                 "product": np.logical_and, "min": np.logical_and, "band": np.logical_and,
+                 "bxor": np.logical_xor}
+        return functools.reduce(table[op], xs)
+    if op == "avg":
+        return functools.reduce(np.add, xs) / len(xs)
+    table = {"sum": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum,
+             "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+    with np.errstate(over="ignore"):
+        return functools.reduce(table[op], xs)
+
+
+def chunks(a: np.ndarray, n: int) -> list[np.ndarray]:
+    return np.split(a, n, axis=0)
+
+
+# Each oracle takes the list of the group's inputs (rank order) and returns one output per rank.
+
+def all_reduce(xs, op):
+    out = fold(op, [widen(x) for x in xs])
+    return [out] * len(xs)
+
+
+def reduce(xs, op, dst):
+    total = fold(op, [widen(x) for x in xs])
+    return [total if r == dst else widen(x) for r, x in enumerate(xs)]
+
+
+def broadcast(xs, src):
+    return [xs[src]] * len(xs)
+
+
+def all_gather(xs, tiled):
+    out = np.concatenate(xs, 0) if tiled else np.stack(xs, 0)
+    return [out] * len(xs)
+
+
+def gather(xs, dst):
+    g = np.stack(xs, 0)
+    return [g if r == dst else np.zeros_like(g) for r in range(len(xs))]
+
+
+def scatter(xs, src, tiled):
+    n = len(xs)
+    parts = chunks(xs[src], n) if tiled else list(xs[src])
+    return [parts[r] for r in range(n)]
+
+
+def reduce_scatter(xs, op, tiled):
+    n = len(xs)
+    total = fold(op, [widen(x) for x in xs])
+    parts = chunks(total, n) if tiled else list(total)
+    return [parts[r] for r in range(n)]
+
+
+def all_to_all_tiled(xs):
+    n = len(xs)
+    return [np.concatenate([chunks(x, n)[r] for x in xs], 0) for r in range(n)]
+
+
+def all_to_all_untiled(xs, split_axis, concat_axis):
+    n = len(xs)
+    return [np.stack([np.take(x, r, axis=split_axis) for x in xs], concat_axis) for r in range(n)]
+
+
+def sendrecv(xs, pairs):
+    senders = {d: s for s, d in pairs}
+    return [xs[senders[r]] if r in senders else xs[r] for r in range(len(xs))]
+
+
+def shift(xs, offset):
+    n = len(xs)
+    return [xs[(r - offset) % n] for r in range(n)]
