@@ -114,7 +114,7 @@ def _config(label):
     return mesh, axis_name, groups
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(label: str, jit: bool):
     """Run every case for every dtype in one program; return (inputs, outputs) per dtype."""
     mesh, axis_name, groups = _config(label)

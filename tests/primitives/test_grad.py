@@ -24,10 +24,12 @@ ROWS = 2  # each rank holds (ROWS * n, 3)
 def _ops(n):
     pairs = [(0, n - 1), (n - 1, 0)] if n > 1 else [(0, 0)]
     return {
-        "all_reduce[sum]": (lambda x, a: C.all_reduce(x, a), lambda xs: oracle.all_reduce(xs, "sum")),
+        "all_reduce[sum]": (lambda x, a: C.all_reduce(x, a),
+                            lambda xs: oracle.all_reduce(xs, "sum")),
         "all_reduce[avg]": (lambda x, a: C.all_reduce(x, a, "avg"),
                             lambda xs: oracle.all_reduce(xs, "avg")),
-        "reduce[sum,dst=1]": (lambda x, a: C.reduce(x, a, 1), lambda xs: oracle.reduce(xs, "sum", 1)),
+        "reduce[sum,dst=1]": (lambda x, a: C.reduce(x, a, 1),
+                              lambda xs: oracle.reduce(xs, "sum", 1)),
         "broadcast[src=1]": (lambda x, a: C.broadcast(x, a, 1), lambda xs: oracle.broadcast(xs, 1)),
         "all_gather": (lambda x, a: C.all_gather(x, a), lambda xs: oracle.all_gather(xs, False)),
         "all_gather[tiled]": (lambda x, a: C.all_gather(x, a, tiled=True),
@@ -81,7 +83,7 @@ def test_grad_matches_finite_differences(config):
         weights = [rng.normal(size=out_shape).astype(np.float32) for _ in range(n)]
         w_glob = np.concatenate(weights, 0)
 
-        def F(x_glob, op=op):
+        def F(x_glob, op=op, w_glob=w_glob):
             out = jax.shard_map(lambda x: op(x, axis), mesh=mesh, in_specs=spec,
                                 out_specs=spec)(x_glob)
             return jnp.sum(out * w_glob)

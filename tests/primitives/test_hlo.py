@@ -76,7 +76,7 @@ def test_counter_sees_a_second_collective():
 
 def test_broadcast_tree_steps_grow_with_log2_n():
     for n, steps in [(2, 1), (3, 2), (4, 2), (8, 3)]:
-        counts = collective_counts(lambda x: C.broadcast(x, "x", n - 1), n=n)
+        counts = collective_counts(lambda x, n=n: C.broadcast(x, "x", n - 1), n=n)
         assert counts == {"collective_permute": steps}, (n, counts)
 
 
