@@ -84,9 +84,11 @@ def native_broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
     # platform_dependent transposes every branch, on every platform. So the native branch routes
     # its tangent through the ppermute tree: reverse mode then transposes the tree (a binomial
     # reduce of the cotangents onto src) and never reaches the faulty rule.
+    names = ax.name if isinstance(ax.name, tuple) else (ax.name,)  # pbroadcast iterates a str
+
     @jax.custom_jvp
     def _hlo(v):
-        return lax.pbroadcast(v, ax.name, src)
+        return lax.pbroadcast(v, names, src)
 
     @_hlo.defjvp
     def _hlo_jvp(primals, tangents):

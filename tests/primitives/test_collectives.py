@@ -41,6 +41,8 @@ CONFIGS = {
     "2d-local": ("local", [[0, 1, 2, 3], [4, 5, 6, 7]]),
     "2d-node": ("node", [[0, 4], [1, 5], [2, 6], [3, 7]]),
     "2d-both": (("node", "local"), [list(range(8))]),
+    # jax.make_mesh (Explicit axis types) with a multi-letter axis name, as users write it.
+    "explicit-n4": ("ranks", [[0, 1, 2, 3]]),
 }
 
 
@@ -110,7 +112,12 @@ def cases(kind: str, n: int):
 
 def _config(label):
     axis_name, groups = CONFIGS[label]
-    mesh = mesh_2d() if label.startswith("2d") else mesh_1d(len(groups[0]))
+    if label.startswith("2d"):
+        mesh = mesh_2d()
+    elif label.startswith("explicit"):
+        mesh = jax.make_mesh((len(groups[0]),), (axis_name,), devices=jax.devices()[:4])
+    else:
+        mesh = mesh_1d(len(groups[0]))
     return mesh, axis_name, groups
 
 
@@ -134,8 +141,17 @@ def _run(label: str, jit: bool):
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("label", list(CONFIGS))
+@pytest.mark.parametrize("label", [c for c in CONFIGS if not c.startswith("explicit")])
 def test_matches_numpy_oracle(label, dtype_name, jit):
+    _check(label, dtype_name, jit)
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_matches_numpy_oracle_on_explicit_mesh(dtype_name):
+    _check("explicit-n4", dtype_name, True)
+
+
+def _check(label, dtype_name, jit):
     _, _, groups = _config(label)
     inputs, outputs = _run(label, jit)
     kind = oracle.kind_of(DTYPES[dtype_name])
