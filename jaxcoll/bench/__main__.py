@@ -1,0 +1,5 @@
+"""``python -m jaxcoll.bench``: the same as the ``jaxcoll-bench`` console script."""
+
+from . import main
+
+raise SystemExit(main())
