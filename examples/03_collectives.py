@@ -4,6 +4,10 @@ broadcast, all_reduce, reduce, scatter, gather, all_gather and send/recv over 4 
 same data as the tutorial. Each is an SPMD function: one program, every rank runs it on its own
 row, and row r of the result is what rank r would hold after the torch call.
 
+The second half repeats them with ``jaxcoll.dist`` (torch-style eager calls on per-rank arrays,
+printed as "dist: rank r ..."), ending with the async all_reduce: issue it with
+``async_op=True``, compute something else, then ``wait()``.
+
 Run:  python examples/03_collectives.py        (simulates 4 CPU devices; takes a few seconds)
 """
 
@@ -19,6 +23,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcoll.primitives as C  # noqa: E402
+from jaxcoll import dist  # noqa: E402
 
 mesh = jax.make_mesh((WORLD,), ("rank",))
 
@@ -76,3 +81,29 @@ each("after a ring shift", spmd(lambda t: C.shift(t, "rank", offset=1))(tensor))
 each("after all_reduce(PRODUCT)", spmd(lambda t: C.all_reduce(t, "rank", op="product"))(tensor))
 each("after all_reduce(BXOR) of rank+1 as int", spmd(
     lambda t: C.all_reduce(t.astype(jnp.int32), "rank", op="bxor"))(tensor))
+
+
+# ---- The same calls with jaxcoll.dist: no shard_map; row r of each array is rank r's tensor.
+def show(label, x):
+    for r, row in enumerate(dist.to_ranks(x)):
+        print(f"dist: rank {r} {label}: {row.tolist()}")
+
+
+t = dist.per_rank(lambda r: np.float32([r + 1.0]))                      # rank r holds r + 1
+show("broadcast(src=0)", dist.broadcast(dist.per_rank(lambda r: np.float32([r == 0])), src=0))
+show("all_reduce", dist.all_reduce(t, op=dist.ReduceOp.SUM))
+show("reduce(dst=0)", dist.reduce(t, dst=0))
+lists = dist.per_rank(lambda r: np.float32([1, 2, 3, 4]) * (r == 0))   # only src's row is read
+show("scatter(src=0)", dist.scatter(lists, src=0, tiled=True))
+show("gather(dst=0)", dist.gather(t, dst=0, tiled=True))
+show("all_gather", dist.all_gather(t, tiled=True))
+show("send(0 -> 1)", dist.send(dist.per_rank(lambda r: np.float32([42.0 if r == 0 else -1.0])),
+                               dst=1, src=0))
+show("ring sendrecv", dist.sendrecv(t, [(r, (r + 1) % WORLD) for r in range(WORLD)]))
+
+# async: issue the all_reduce, compute something else while it runs, then wait().
+work = dist.all_reduce(t, async_op=True)          # returns at once, like torch's Work
+other = jnp.linalg.norm(jnp.ones((256, 256)) @ jnp.ones((256, 256)))   # overlaps the collective
+result = work.wait()                              # blocks until every rank's result is ready
+print(f"dist: other work while all_reduce ran: {float(other):.1f}")
+show("async all_reduce after wait()", result)
