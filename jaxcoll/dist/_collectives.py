@@ -97,7 +97,7 @@ def all_reduce(
 
         >>> y = dist.all_reduce(dist.per_rank(np.arange(8.0)), op=dist.ReduceOp.MAX)
         >>> dist.to_ranks(y)[0]
-        array(7.)
+        array(7., dtype=float32)
     """
     api = "dist.all_reduce"
     group = resolve_group(api, group)
@@ -138,7 +138,7 @@ def broadcast(
 
         >>> y = dist.broadcast(dist.per_rank(np.arange(8.0)), src=3)
         >>> dist.to_ranks(y)[0]
-        array(3.)
+        array(3., dtype=float32)
     """
     api = "dist.broadcast"
     group = resolve_group(api, group)
@@ -181,7 +181,7 @@ def gather(
 
         >>> y = dist.gather(dist.per_rank(np.arange(8.0)), dst=0)
         >>> dist.to_ranks(y)[0]
-        array([0., 1., 2., 3., 4., 5., 6., 7.])
+        array([0., 1., 2., 3., 4., 5., 6., 7.], dtype=float32)
     """
     api = "dist.gather"
     group = resolve_group(api, group)
@@ -203,7 +203,7 @@ def scatter(
 
         >>> x = dist.per_rank(lambda r: np.arange(8.0) * (r == 0))
         >>> dist.to_ranks(dist.scatter(x, src=0))[5]
-        array(5.)
+        array(5., dtype=float32)
     """
     api = "dist.scatter"
     group = resolve_group(api, group)
@@ -225,7 +225,7 @@ def reduce_scatter(
 
         >>> x = dist.per_rank(lambda r: np.arange(8.0))
         >>> dist.to_ranks(dist.reduce_scatter(x))[3]
-        array(24.)
+        array(24., dtype=float32)
     """
     api = "dist.reduce_scatter"
     group = resolve_group(api, group)
@@ -246,7 +246,7 @@ def all_to_all(
 
         >>> x = dist.per_rank(lambda r: np.arange(8.0) + 10 * r)
         >>> dist.to_ranks(dist.all_to_all(x))[1]
-        array([ 1., 11., 21., 31., 41., 51., 61., 71.])
+        array([ 1., 11., 21., 31., 41., 51., 61., 71.], dtype=float32)
     """
     api = "dist.all_to_all"
     group = resolve_group(api, group)
@@ -286,7 +286,7 @@ def send(x: PyTree, dst: int, src: int, group: Group | None = None) -> PyTree:
     Example (8 devices)::
 
         >>> dist.to_ranks(dist.send(dist.per_rank(np.arange(8.0)), dst=5, src=0))[5]
-        array(0.)
+        array(0., dtype=float32)
     """
     return _p2p("dist.send", x, dst, src, group, False)
 

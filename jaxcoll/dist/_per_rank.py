@@ -83,7 +83,7 @@ def to_ranks(x: jax.Array) -> list[np.ndarray]:
     Example (8 devices)::
 
         >>> dist.to_ranks(dist.all_reduce(dist.per_rank(np.arange(8.0))))[3]
-        array(28.)
+        array(28., dtype=float32)
     """
     if not isinstance(x, jax.Array):
         raise TypeError(f"dist.to_ranks: x must be a per-rank jax.Array, got "

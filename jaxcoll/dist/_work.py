@@ -19,7 +19,7 @@ class Work:
         >>> work = dist.all_reduce(dist.per_rank(np.arange(8.0)), async_op=True)
         >>> other = jnp.ones((512, 512)) @ jnp.ones((512, 512))   # overlaps the all_reduce
         >>> dist.to_ranks(work.wait())[0]
-        array(28.)
+        array(28., dtype=float32)
     """
 
     def __init__(self, result: PyTree):
