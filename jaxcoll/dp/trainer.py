@@ -457,6 +457,9 @@ class Trainer:
                 size = np.shape(jax.tree_util.tree_leaves(batch)[0])[0]
                 t0 = time.perf_counter()
                 state, metrics = self.step(state, batch)
+                # Wait for the step: honest examples/s, and one program in flight at a time
+                # (many queued collective programs on few CPU cores can stall XLA's rendezvous).
+                metrics = jax.block_until_ready(metrics)
                 history.append({"step": s + 1, "examples": size, "t0": t0, **metrics})
                 if ckpt is not None and (s + 1) % every == 0:
                     ckpt.save(state)

@@ -1,0 +1,43 @@
+"""The dp examples run as scripts (they set their own device count) and print what they say."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_train_digits_short_run(tmp_path):
+    stdout = _run("examples/train_digits.py", "--steps", "60", "--no-progress",
+                  "--out", str(tmp_path))
+    assert "8 devices, 1437 train / 360 test images" in stdout
+    accuracy = float(re.search(r"test accuracy: ([\d.]+)%", stdout).group(1))
+    assert accuracy > 80.0  # 60 steps; the full 400-step run reaches > 95%
+    png = tmp_path / "train_digits_loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_average_gradients_verdicts():
+    stdout = _run("examples/04_average_gradients.py")
+    verdicts = dict(re.findall(r"^(.+?)\s+[\d.]+\s+[\d.e+-]+\s+\w+\s+(RIGHT|WRONG)$", stdout,
+                               re.M))
+    assert verdicts == {
+        "1. all_reduce(SUM) / n, naive port": "WRONG",
+        "1. all_reduce(SUM) / n, params varying": "RIGHT",
+        "2. clone, all_reduce(SUM) / n": "RIGHT",
+        "3. sub-group average (4 of 8)": "WRONG",
+        "jaxcoll dp.mean_gradients": "RIGHT",
+    }
+    assert re.search(r"naive port\s+8\.0000", stdout)
