@@ -1,0 +1,86 @@
+"""Launch real multi-process jobs through ``python -m jaxcoll.run`` and inspect what is left."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKERS = os.path.join(ROOT, "tests", "multihost", "workers")
+TOKEN_VAR = "JAXCOLL_TEST_JOB"
+
+
+@dataclasses.dataclass
+class Job:
+    """A finished launcher run."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    token: str
+
+
+def start(launcher_args: list[str], worker: str, worker_args: list[str]):
+    """Start the launcher; return (Popen, token). The token marks every process of the job."""
+    token = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOLL_")}
+    env[TOKEN_VAR] = token
+    env.pop("XLA_FLAGS", None)  # the launcher sets the device count per process
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, "-m", "jaxcoll.run", *launcher_args,
+           os.path.join(WORKERS, worker), *worker_args]
+    popen = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    return popen, token
+
+
+def finish(popen: subprocess.Popen, token: str, started: float, timeout: float) -> Job:
+    out, err = popen.communicate(timeout=timeout)
+    return Job(popen.returncode, out, err, time.monotonic() - started, token)
+
+
+def launch(launcher_args: list[str], worker: str, worker_args: list[str],
+           timeout: float = 120) -> Job:
+    """Run the launcher to completion."""
+    t0 = time.monotonic()
+    popen, token = start(launcher_args, worker, worker_args)
+    return finish(popen, token, t0, timeout)
+
+
+def survivors(token: str) -> list[int]:
+    """Pids of live processes (zombies excluded) whose environment carries ``token``."""
+    needle = f"{TOKEN_VAR}={token}".encode()
+    found = []
+    for path in glob.glob("/proc/[0-9]*/environ"):
+        pid = int(path.split("/")[2])
+        try:
+            with open(path, "rb") as fh:
+                if needle not in fh.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone, or not ours to read
+            continue
+        if state != "Z":
+            found.append(pid)
+    return found
+
+
+def load_rows(out_dir: str) -> dict[str, dict[int, np.ndarray]]:
+    """Merge every process's ``p*.npz``: name -> {row: value}."""
+    merged: dict[str, dict[int, np.ndarray]] = {}
+    files = sorted(glob.glob(os.path.join(out_dir, "p*.npz")))
+    for path in files:
+        with np.load(path) as data:
+            for key in data.files:
+                name, row = key.rsplit("@", 1)
+                merged.setdefault(name, {})[int(row)] = data[key]
+    return merged
