@@ -1,5 +1,6 @@
 """Every dist collective against the NumPy oracle, on every group in ``groups.py``, for every
-reduce op and every dtype kind it allows, plain and async; inputs stay bit-identical.
+reduce op and every dtype it allows (bool, int32, uint8, float32, bfloat16, complex64; the
+data-movement ops on the first four), plain and async; inputs stay bit-identical.
 
 To keep compiles few, each call carries one pytree leaf per dtype (one program per op/group).
 """
@@ -7,6 +8,7 @@ To keep compiles few, each call carries one pytree leaf per dtype (one program p
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,12 +17,14 @@ from tests.dist.groups import GROUPS, expected
 from tests.primitives import oracle
 
 DTYPES = ["bool", "int32", "float32", "complex64"]
+EXTRA = ["uint8", "bfloat16"]  # the other dtypes the primitives test, on the reducing ops
 ALLOWED = {
     "bool": ["sum", "product", "min", "max", "band", "bor", "bxor"],
     "int32": ["sum", "product", "min", "max", "band", "bor", "bxor"],
     "float32": ["sum", "avg", "product", "min", "max"],
     "complex64": ["sum", "avg", "product"],
 }
+ALLOWED["uint8"], ALLOWED["bfloat16"] = ALLOWED["int32"], ALLOWED["float32"]
 OPS = ["sum", "avg", "product", "min", "max", "band", "bor", "bxor"]
 
 
@@ -30,13 +34,13 @@ def make_rows(dtype: str, n: int, k: int, seed: int) -> list[np.ndarray]:
     shape = (n, k, 3)
     if dtype == "bool":
         a = rng.random(shape) < 0.5
-    elif dtype == "int32":
-        a = rng.integers(-4, 5, shape).astype(np.int32)
+    elif dtype in ("int32", "uint8"):
+        a = rng.integers(-4 if dtype == "int32" else 0, 5, shape).astype(dtype)
     else:
         a = rng.uniform(0.5, 1.5, shape) * rng.choice([-1.0, 1.0], shape)
         if dtype == "complex64":
             a = a * np.exp(1j * rng.uniform(0, 2 * np.pi, shape))
-        a = a.astype(dtype)
+        a = a.astype(jnp.bfloat16 if dtype == "bfloat16" else dtype)
     return list(a)
 
 
@@ -44,8 +48,10 @@ def check(got: list[np.ndarray], want: list[np.ndarray], dtype: str, what: str) 
     assert len(got) == len(want), what
     for r, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.shape == np.shape(w), f"{what}: row {r} shape {g.shape} != {np.shape(w)}"
-        if dtype in ("float32", "complex64"):
-            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"{what} row {r}")
+        if dtype in ("float32", "complex64", "bfloat16"):
+            tol = 3e-2 if dtype == "bfloat16" else 1e-5
+            np.testing.assert_allclose(np.asarray(g, np.complex128), np.asarray(w, np.complex128),
+                                       rtol=tol, atol=tol / 10, err_msg=f"{what} row {r}")
         else:
             np.testing.assert_array_equal(g, np.asarray(w).astype(g.dtype),
                                           err_msg=f"{what} row {r}")
@@ -79,7 +85,7 @@ CASES = [(g, op) for g in GROUPS for op in OPS if g != "local" or op in ("sum", 
 
 @pytest.mark.parametrize(("name", "op"), CASES)
 def test_reducing_collectives(name: str, op: str) -> None:
-    dtypes = [d for d in DTYPES if op in ALLOWED[d]]
+    dtypes = [d for d in DTYPES + EXTRA if op in ALLOWED[d]]
     group, rows, data, x = setup(name, dtypes, seed=OPS.index(op))
     before = snapshot(x)
     k = group.size
