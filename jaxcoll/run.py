@@ -174,6 +174,12 @@ class _Proc:
     index: int
     popen: subprocess.Popen
     threads: list[threading.Thread] = field(default_factory=list)
+    exited_at: float | None = None  # monotonic time the reaper saw the exit
+
+    def reap(self) -> None:
+        """Wait for the process in a thread, so exits are ordered by when they happened."""
+        self.popen.wait()
+        self.exited_at = time.monotonic()
 
 
 def describe_exit(code: int) -> str:
@@ -203,6 +209,7 @@ class _Group:
                 start_new_session=True, preexec_fn=_die_with_parent,
             )
             proc = _Proc(index, popen)
+            threading.Thread(target=proc.reap, daemon=True).start()
             prefix = "" if a.no_prefix else f"[{index}] "
             for stream, out in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
                 t = threading.Thread(target=_pump, args=(stream, out, prefix, self.lock),
@@ -211,15 +218,14 @@ class _Group:
                 proc.threads.append(t)
             self.procs.append(proc)
 
-    def first_failure(self) -> tuple[_Proc, int] | None:
-        for p in self.procs:
-            code = p.popen.poll()
-            if code is not None and code != 0:
-                return p, code
-        return None
+    def failures(self) -> list[_Proc]:
+        """Processes that exited non-zero or were killed, earliest first."""
+        failed = [p for p in self.procs
+                  if p.exited_at is not None and p.popen.returncode not in (0, None)]
+        return sorted(failed, key=lambda p: p.exited_at)
 
     def all_done(self) -> bool:
-        return all(p.popen.poll() is not None for p in self.procs)
+        return all(p.exited_at is not None for p in self.procs)
 
     def signal_all(self, sig: int) -> None:
         for p in self.procs:
@@ -235,8 +241,8 @@ class _Group:
         while time.monotonic() < deadline and not self.all_done():
             time.sleep(_POLL_S)
         self.signal_all(signal.SIGKILL)  # also reaps grandchildren left in the groups
-        for p in self.procs:
-            p.popen.wait()
+        while not self.all_done():
+            time.sleep(_POLL_S)
 
     def join_output(self) -> None:
         for p in self.procs:
@@ -267,7 +273,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         restart = 0
         while True:
             group = _Group(a, command, restart)
-            failure = None
+            failed: list[_Proc] = []
             while True:
                 if received:
                     sig = received[0]
@@ -276,19 +282,23 @@ def run(argv: Sequence[str] | None = None) -> int:
                     group.stop(a.grace, sig)
                     group.join_output()
                     return 128 + sig
-                failure = group.first_failure()
-                if failure is not None or group.all_done():
+                failed = group.failures()
+                if failed or group.all_done():
                     break
                 time.sleep(_POLL_S)
-            if failure is None:
+            if not failed:
                 group.join_output()
                 return 0
-            proc, code = failure
-            others = [p.index for p in group.procs if p is not proc and p.popen.poll() is None]
-            _say(f"process {proc.index} (pid {proc.popen.pid}) {describe_exit(code)}; "
+            time.sleep(_POLL_S)  # let exits that happened in the same instant be reaped
+            proc = group.failures()[0]
+            code = proc.popen.returncode
+            others = [p.index for p in group.procs if p.exited_at is None]
+            _say(f"process {proc.index} (pid {proc.popen.pid}) {describe_exit(code)} first; "
                  f"stopping process(es) {others} (SIGTERM, SIGKILL after {a.grace:g}s).")
             group.stop(a.grace)
             group.join_output()
+            for p in group.failures()[1:]:
+                _say(f"then process {p.index} {describe_exit(p.popen.returncode)}.")
             if restart < a.max_restarts:
                 restart += 1
                 _say(f"restarting all {a.nprocs} process(es) (restart {restart} of "

@@ -1,0 +1,93 @@
+"""Faults: the launcher fails fast, names the failed process and leaves no process behind.
+
+Each job is 2 processes x 2 devices on 127.0.0.1 (tests/multihost/workers/faults.py). The bound
+is 60 s, well under JAX's own 100 s heartbeat and 300 s init timeouts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from ._launch import finish, launch, start, survivors
+
+BOUND_S = 60
+JOB = ["--nprocs", "2", "--devices-per-proc", "2", "--grace", "3"]
+
+
+def _wait_for(path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout}s"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(90)
+def test_worker_that_raises_fails_the_job(tmp_path):
+    job = launch(JOB, "faults.py", [str(tmp_path), "raise"], timeout=BOUND_S + 20)
+    assert job.returncode == 1
+    assert job.seconds < BOUND_S
+    assert "[1] RuntimeError: worker 1 failed on purpose at step 5" in job.stderr
+    assert "jaxcoll-run: process 1 (pid" in job.stderr and "exited with code 1 first" in job.stderr
+    assert "failed: process 1 exited with code 1" in job.stderr
+    assert survivors(job.token) == []
+
+
+@pytest.mark.timeout(90)
+def test_worker_killed_inside_a_collective_fails_the_job(tmp_path):
+    t0 = time.monotonic()
+    popen, token = start(JOB, "faults.py", [str(tmp_path), "loop"])
+    _wait_for(str(tmp_path / "loop0"), 60)
+    _wait_for(str(tmp_path / "loop1"), 60)
+    victim = int((tmp_path / "pid1").read_text())
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)  # process 0 is looping on all-reduces with it
+    job = finish(popen, token, t0, timeout=BOUND_S + 20)
+    assert job.returncode == 128 + signal.SIGKILL
+    assert time.monotonic() - killed_at < BOUND_S
+    assert f"process 1 (pid {victim}) was killed by SIGKILL first" in job.stderr
+    assert survivors(token) == []
+
+
+@pytest.mark.timeout(90)
+def test_worker_that_never_starts_fails_the_job_at_the_init_timeout(tmp_path):
+    # Process 1 sleeps instead of calling init; process 0 waits in init for --init-timeout.
+    job = launch([*JOB, "--init-timeout", "10"], "faults.py", [str(tmp_path), "hang"],
+                 timeout=BOUND_S + 20)
+    assert job.returncode == 1
+    assert job.seconds < BOUND_S
+    assert "[0] init: process 0 of 2 could not join the job at 127.0.0.1:" in job.stderr
+    assert "initialization_timeout=10s" in job.stderr
+    assert "failed: process 0 exited with code 1" in job.stderr
+    assert survivors(job.token) == []
+    assert (tmp_path / "pid1").exists()  # process 1 did start, and was stopped
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_the_launcher_is_forwarded_and_nothing_is_left(tmp_path):
+    t0 = time.monotonic()
+    popen, token = start(JOB, "faults.py", [str(tmp_path), "loop"])
+    _wait_for(str(tmp_path / "loop0"), 40)
+    _wait_for(str(tmp_path / "loop1"), 40)
+    popen.send_signal(signal.SIGTERM)
+    job = finish(popen, token, t0, timeout=30)
+    assert job.returncode == 128 + signal.SIGTERM
+    assert "received SIGTERM; forwarding it to 2 process(es)" in job.stderr
+    assert survivors(token) == []
+
+
+def test_launcher_rejects_bad_arguments(tmp_path):
+    cases = [
+        (["--nprocs", "0"], "--nprocs=0 must be at least 1"),
+        (["--nnodes", "2"], "--nnodes=2 needs --coordinator HOST:PORT"),
+        (["--nnodes", "2", "--node-rank", "2", "--coordinator", "h:1"],
+         "--node-rank=2 is out of range for --nnodes=2"),
+        (["--coordinator", "nohost"], "--coordinator='nohost' is not HOST:PORT"),
+    ]
+    for args, message in cases:
+        job = launch(args, "faults.py", [str(tmp_path), "raise"], timeout=30)
+        assert job.returncode == 2, args
+        assert message in job.stderr, job.stderr
