@@ -1,0 +1,72 @@
+"""dp.Trainer on the global world, each process feeding only its own part of every batch.
+
+Usage: ``train.py OUT CKPT_DIR KILL_AT`` under ``jaxcoll-run``. Trains a small MLP for STEPS
+steps with ``fit(checkpoint_dir=CKPT_DIR, every=EVERY)`` and writes the final params to
+``OUT/p{k}.npz``. ``KILL_AT`` > 0: on the first run (``JAXCOLL_RESTART_COUNT=0``) process 1
+SIGKILLs itself while producing batch KILL_AT; ``--max-restarts 1`` then resumes from the
+last checkpoint.
+"""
+
+import os
+import signal
+import sys
+
+import jaxcoll
+
+jaxcoll.init()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxcoll import dp  # noqa: E402
+
+OUT, CKPT, KILL_AT = sys.argv[1], sys.argv[2], int(sys.argv[3])
+STEPS, EVERY, BATCH = 12, 4, 32
+ME = jax.process_index()
+FIRST_RUN = os.environ.get("JAXCOLL_RESTART_COUNT", "0") == "0"
+
+rng = np.random.default_rng(0)
+X = rng.standard_normal((256, 4)).astype(np.float32)
+Y = np.tanh(X @ rng.standard_normal((4, 1))).astype(np.float32)
+
+
+def loss_fn(params, batch, rng):
+    h = jnp.tanh(batch["x"] @ params["w"] + params["b"])
+    err = h @ params["v"] - batch["y"]
+    return jnp.mean(err**2), {}
+
+
+trainer = dp.Trainer(loss_fn, optax.adam(0.05))
+sharding = NamedSharding(trainer.mesh, P(trainer.axis_name))
+# The rows of a global batch that this process's devices hold (devices are in global order).
+mine = [k for k, d in enumerate(trainer.mesh.devices.reshape(-1)) if d.process_index == ME]
+per_device = BATCH // trainer.n
+local_rows = np.concatenate([np.arange(k * per_device, (k + 1) * per_device) for k in mine])
+
+
+class LocalBatches:
+    """Global batches built from process-local rows only."""
+
+    def __iter__(self):
+        for s in range(STEPS):
+            if KILL_AT and FIRST_RUN and ME == 1 and s == KILL_AT:
+                os.kill(os.getpid(), signal.SIGKILL)
+            idx = (s * BATCH + local_rows) % len(X)
+            yield {k: jax.make_array_from_process_local_data(sharding, v[idx])
+                   for k, v in (("x", X), ("y", Y))}
+
+
+init = {"w": rng.standard_normal((4, 16)).astype(np.float32) * 0.5,
+        "b": np.zeros(16, np.float32),
+        "v": rng.standard_normal((16, 1)).astype(np.float32) * 0.5}
+state = trainer.init(jax.tree_util.tree_map(jnp.asarray, init), jax.random.key(0))
+state, _ = trainer.fit(state, LocalBatches(), steps=STEPS, checkpoint_dir=CKPT, every=EVERY,
+                       progress=False)
+params = {k: np.asarray(v.addressable_shards[0].data) for k, v in state.params.items()}
+os.makedirs(OUT, exist_ok=True)
+np.savez(os.path.join(OUT, f"p{ME}.npz"), step=np.asarray(jax.device_get(state.step)), **params)
+print(f"process {ME}: finished at step {int(jax.device_get(state.step))}", flush=True)
