@@ -6,10 +6,12 @@ Each process feeds only its own rows of every global batch
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
-from ._launch import launch, survivors
+from ._launch import ROOT, launch, survivors
 
 KEYS = ("w", "b", "v")
 
@@ -46,3 +48,16 @@ def test_trainer_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path):
             np.testing.assert_array_equal(p[k], two[0][k])  # both processes agree exactly
         for p in resumed:
             np.testing.assert_array_equal(p[k], two[0][k], err_msg=k)  # bit-identical resume
+
+
+@pytest.mark.timeout(120)
+def test_multihost_example_runs_under_the_launcher(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_DIR", str(tmp_path / "ckpt"))
+    job = launch(["--nprocs", "2", "--devices-per-proc", "4"],
+                 os.path.join(ROOT, "examples", "multihost_train.py"), [], timeout=100)
+    assert job.returncode == 0, job.stderr[-3000:]
+    line = next(ln for ln in job.stdout.splitlines() if "loss" in ln)
+    assert line.startswith("[0] 2 process(es) x 4 devices: loss ")
+    first, last = (float(v) for v in line.split("loss ")[1].split(" after")[0].split(" -> "))
+    assert last < first / 3
+    assert survivors(job.token) == []
