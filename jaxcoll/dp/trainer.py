@@ -36,7 +36,13 @@ def _axis_names(axis_name: AxisName) -> tuple:
 
 
 def _to_varying(tree: PyTree, names: tuple) -> PyTree:
-    """Mark every floating leaf varying over ``names`` (the fix for the gradient trap)."""
+    """Mark every leaf varying over ``names`` (the fix for the gradient trap).
+
+    A no-op under ``check_vma=False``, where shard_map tracks no such type (and ``jax.grad``
+    inserts no reduction in the first place).
+    """
+    if not _checking_vma(names):
+        return tree
 
     def cast(x):
         vma = varying_axes(x)
@@ -44,6 +50,12 @@ def _to_varying(tree: PyTree, names: tuple) -> PyTree:
         return lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree_util.tree_map(cast, tree)
+
+
+def _checking_vma(names: tuple) -> bool:
+    """Whether the enclosing shard_map tracks varying axes (check_vma=True)."""
+    probe = lax.axis_index(names[0] if len(names) == 1 else names)
+    return bool(set(names) & set(varying_axes(probe) or ()))
 
 
 def _is_varying(tree: PyTree, names: tuple) -> bool:
@@ -301,8 +313,12 @@ class Trainer:
         out_specs = specs
         if self.shard_optimizer:  # the body returns this rank's updated shard of the params
             out_specs = specs.replace(params=P(self.axis_name))
+        # ring/tree/auto results are replicated in value but typed varying by shard_map, which
+        # then cannot check out_specs=P(): those run without the check (and without the
+        # gradient trap: jax.grad inserts no reduction there either). Equivalence is tested.
         mapped = jax.shard_map(self._step_body, mesh=self.mesh,
-                               in_specs=(specs, P(self.axis_name)), out_specs=(out_specs, P()))
+                               in_specs=(specs, P(self.axis_name)), out_specs=(out_specs, P()),
+                               check_vma=self.grad_sync == "native")
         if not self.shard_optimizer:
             return jax.jit(mapped, donate_argnums=(0,) if self.donate else ())
         layout, axis = self._layout, self.axis_name
@@ -355,10 +371,11 @@ class Trainer:
         key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), rank)
         grads, loss, aux, model_state = self._local_grads(state.params, state.model_state,
                                                           batch, key)
-        metrics = _mean_metrics({"loss": loss, **aux}, axis)
+        metrics = _mean_metrics({"loss": loss, **aux}, axis, self.algorithm["all_reduce"])
         if _is_varying(model_state, names):
             # Unsynchronised buffers (plain BatchNorm) differ per rank: average them.
-            model_state = primitives.all_reduce(_to_varying(model_state, names), axis, "avg")
+            model_state = primitives.all_reduce(_to_varying(model_state, names), axis, "avg",
+                                                **self.algorithm["all_reduce"])
         if self.shard_optimizer:
             layout = self._layout
             g_shard = reduce_scatter_mean(layout.flatten(grads), layout, axis,
@@ -390,7 +407,8 @@ class Trainer:
 
             def body(state, batch):
                 loss, (aux, _) = self._loss(state.params, state.model_state, batch, None)
-                return _mean_metrics({"loss": loss, **aux}, self.axis_name)
+                return _mean_metrics({"loss": loss, **aux}, self.axis_name,
+                                     self.algorithm["all_reduce"])
 
             self._eval_fn = jax.jit(jax.shard_map(body, mesh=self.mesh,
                                                   in_specs=(specs, P(self.axis_name)),
@@ -490,13 +508,14 @@ def _stateless(loss_fn: LossFn):
     return loss
 
 
-def _mean_metrics(metrics: dict[str, jax.Array], axis: AxisName) -> dict[str, jax.Array]:
+def _mean_metrics(metrics: dict[str, jax.Array], axis: AxisName,
+                  kwargs: dict[str, str]) -> dict[str, jax.Array]:
     """Average scalar metrics over ranks in one collective (each rank holds equal shares)."""
     names = sorted(metrics)
     if not names:
         return {}
     vec = jnp.stack([jnp.asarray(metrics[k], jnp.float32).reshape(()) for k in names])
-    vec = primitives.all_reduce(_to_varying(vec, _axis_names(axis)), axis, "avg")
+    vec = primitives.all_reduce(_to_varying(vec, _axis_names(axis)), axis, "avg", **kwargs)
     return {k: vec[i] for i, k in enumerate(names)}
 
 

@@ -1,0 +1,238 @@
+"""Data-parallel step time: one device vs a hand-written shard_map step vs dp.Trainer vs torch DDP.
+
+    .venv/bin/python benchmarks/dp_step.py                 # ~3-5 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/dp_step.py --steps 10 --no-torch   # quicker, JAX rows only
+
+MLP 784-1024-1024-10, global batch 512, Adam, float32. Medians of per-step wall times
+(each step waited for) after warm-up, all rows in one run:
+
+(a) one device, whole batch, plain jit + optax;
+(b) 8 simulated devices, hand-written shard_map step: params made varying, grad, pmean, optax
+    (what a careful JAX user writes);
+(b0) the same with no gradient sync at all (wrong, for attribution: compute + dispatch only);
+(c) dp.Trainer.step on 8 devices: default (25 MiB buckets), bucketing off, bf16 gradients,
+    ZeRO-1;
+(d) torch DDP, gloo on CPU, world sizes 2 and 8, the same global batch (512 / W per rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+DEVICES = 8
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--steps", type=int, default=20, help="measured steps per row")
+parser.add_argument("--warmup", type=int, default=3)
+parser.add_argument("--no-torch", action="store_true")
+parser.add_argument("--devices", type=int, default=DEVICES)
+args = parser.parse_args()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_force_host_platform_device_count={args.devices}")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxcoll import dp  # noqa: E402
+
+SIZES = (784, 1024, 1024, 10)
+BATCH = 512
+LR = 1e-3
+
+
+def init_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return {f"l{i}": {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32),
+                      "b": np.zeros(b, np.float32)}
+            for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:], strict=True))}
+
+
+def forward(params, x):
+    for i in range(len(SIZES) - 1):
+        x = x @ params[f"l{i}"]["w"] + params[f"l{i}"]["b"]
+        if i < len(SIZES) - 2:
+            x = jax.nn.relu(x)
+    return x
+
+
+def loss_fn(params, batch, rng=None):
+    logits = forward(params, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}
+
+
+def timed(step, state, batch):
+    """(compile+first step seconds, median step ms); every step is waited for."""
+    t = time.perf_counter()
+    state = jax.block_until_ready(step(state, batch))
+    first = time.perf_counter() - t
+    for _ in range(args.warmup):
+        state = jax.block_until_ready(step(state, batch))
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        state = jax.block_until_ready(step(state, batch))
+        times.append(time.perf_counter() - t)
+    return first, 1e3 * statistics.median(times)
+
+
+def row_single(batch):
+    opt = optax.adam(LR)
+    dev = jax.devices()[0]
+    params = jax.device_put(init_params(), dev)
+    state = (params, opt.init(params))
+
+    def step(state, batch):
+        params, opt_state = state
+        g = jax.grad(lambda p: loss_fn(p, batch)[0])(params)
+        updates, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    step = jax.jit(step, donate_argnums=0)
+    return timed(step, state, jax.device_put(batch, dev))
+
+
+def row_handwritten(batch, sync=True):
+    opt = optax.adam(LR)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    rep = NamedSharding(mesh, P())
+    params = jax.device_put(init_params(), rep)
+    state = (params, jax.device_put(opt.init(params), rep))
+
+    def body(state, batch):
+        params, opt_state = state
+        pv = jax.tree.map(lambda w: lax.pcast(w, "data", to="varying"), params)
+        g = jax.grad(lambda p: loss_fn(p, batch)[0])(pv)
+        g = lax.pmean(g, "data") if sync else g
+        updates, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    out = (P(), P()) if sync else P("data")
+    if not sync:  # keep per-device results: the un-synced update differs per device
+        f = jax.shard_map(lambda s, b: jax.tree.map(lambda a: a[None], body(s, b)), mesh=mesh,
+                          in_specs=(P(), P("data")), out_specs=P("data"))
+        step = jax.jit(lambda s, b: jax.tree.map(lambda a: a[0], f(s, b)), donate_argnums=0)
+    else:
+        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")),
+                                     out_specs=out), donate_argnums=0)
+    return timed(step, state, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+
+
+def row_trainer(batch, **kw):
+    trainer = dp.Trainer(loss_fn, optax.adam(LR), **kw)
+    state = trainer.init(init_params(), jax.random.key(0))
+    placed = trainer.shard_batch(batch)
+
+    def step(state, b):
+        return trainer.step(state, b)[0]
+
+    return timed(step, state, placed)
+
+
+def torch_ddp(world: int, batch, q) -> None:
+    """Spawned ranks: DDP over gloo, medians from rank 0 put on ``q``."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ret = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_torch_rank, args=(r, world, batch, ret, args.steps,
+                                                   args.warmup)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = ret.get()
+    for p in procs:
+        p.join()
+    q.append(result)
+
+
+def _torch_rank(rank, world, batch, ret, steps, warmup):
+    import torch
+    import torch.distributed as tdist
+    from torch import nn
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    layers = []
+    for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:], strict=True)):
+        layers.append(nn.Linear(a, b))
+        if i < len(SIZES) - 2:
+            layers.append(nn.ReLU())
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(*layers))
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    per = BATCH // world
+    x = torch.from_numpy(batch["x"][rank * per:(rank + 1) * per])
+    y = torch.from_numpy(batch["y"][rank * per:(rank + 1) * per]).long()
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()  # DDP all-reduces the bucketed gradients during backward
+        opt.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    # the slowest rank sets the step time
+    med = torch.tensor([statistics.median(times)])
+    tdist.all_reduce(med, op=tdist.ReduceOp.MAX)
+    if rank == 0:
+        ret.put(1e3 * float(med))
+    tdist.destroy_process_group()
+
+
+def main() -> int:
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(BATCH, SIZES[0])).astype(np.float32),
+             "y": rng.integers(0, SIZES[-1], BATCH).astype(np.int32)}
+    n = jax.device_count()
+    print(f"MLP {'-'.join(map(str, SIZES))}, global batch {BATCH}, Adam, float32; "
+          f"{n} simulated devices on {os.cpu_count()} CPU cores; jax {jax.__version__}; "
+          f"median of {args.steps} steps after {args.warmup} warm-up")
+    rows: list[tuple[str, float, float | None]] = []
+    first, ms = row_single(batch)
+    rows.append(("(a) 1 device, jit + optax", ms, first))
+    first, ms = row_handwritten(batch)
+    rows.append((f"(b) {n} dev, shard_map + pmean (hand-written)", ms, first))
+    first, ms = row_handwritten(batch, sync=False)
+    rows.append((f"(b0) {n} dev, no gradient sync (attribution)", ms, first))
+    for name, kw in [("default (25 MiB buckets)", {}), ("bucketing off", {"bucket_mb": None}),
+                     ("bf16 gradients", {"grad_dtype": jnp.bfloat16}),
+                     ("ZeRO-1", {"shard_optimizer": True})]:
+        first, ms = row_trainer(batch, **kw)
+        rows.append((f"(c) {n} dev, dp.Trainer, {name}", ms, first))
+    torch_rows = {}
+    if not args.no_torch:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            print("torch is not installed (pip install torch==2.13.0): skipping (d)")
+        else:
+            for world in (2, 8):
+                out: list[float] = []
+                torch_ddp(world, batch, out)
+                torch_rows[world] = out[0]
+                rows.append((f"(d) torch DDP gloo, W={world}", out[0], None))
+    a = rows[0][1]
+    b = rows[1][1]
+    c = rows[3][1]
+    print(f"\n| {'row':48s} | step ms | vs (a) | vs (b) | compile+1st s |")
+    print(f"|{'-' * 50}|--------:|-------:|-------:|--------------:|")
+    for name, ms, first in rows:
+        fs = f"{first:.2f}" if first is not None else "-"
+        print(f"| {name:48s} | {ms:7.1f} | {ms / a:5.2f}x | {ms / b:5.2f}x | {fs:>13s} |")
+    print(f"\n(c)/(b) = {c / b:.2f} (goal <= 1.05); (c)/(a) = {c / a:.2f}")
+    if n in torch_rows:
+        print(f"(c)/(torch DDP W={n}) = {c / torch_rows[n]:.2f} (goal <= 0.4)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
