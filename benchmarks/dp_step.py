@@ -9,7 +9,8 @@ MLP 784-1024-1024-10, global batch 512, Adam, float32. Medians of per-step wall 
 (a) one device, whole batch, plain jit + optax;
 (b) 8 simulated devices, hand-written shard_map step: params made varying, grad, pmean, optax
     (what a careful JAX user writes);
-(b0) the same with no gradient sync at all (wrong, for attribution: compute + dispatch only);
+(b0), (b1) the same without the gradient all-reduce, and also without the optimizer update
+    (wrong on purpose: they attribute the step time to sync, update and forward/backward);
 (c) dp.Trainer.step on 8 devices: default (25 MiB buckets), bucketing off, bf16 gradients,
     ZeRO-1;
 (d) torch DDP, gloo on CPU, world sizes 2 and 8, the same global batch (512 / W per rank).
@@ -99,7 +100,10 @@ def row_single(batch):
     return timed(step, state, jax.device_put(batch, dev))
 
 
-def row_handwritten(batch, sync=True):
+def row_handwritten(batch, mode="pmean"):
+    """mode: "pmean" (the real step), "nosync" (no gradient all-reduce), "gradonly" (no
+    all-reduce and no optimizer: forward + backward only). The last two are wrong on purpose,
+    to attribute the step time; they return device 0's params (check_vma=False)."""
     opt = optax.adam(LR)
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rep = NamedSharding(mesh, P())
@@ -108,20 +112,21 @@ def row_handwritten(batch, sync=True):
 
     def body(state, batch):
         params, opt_state = state
-        pv = jax.tree.map(lambda w: lax.pcast(w, "data", to="varying"), params)
+        if mode == "pmean":
+            pv = jax.tree.map(lambda w: lax.pcast(w, "data", to="varying"), params)
+        else:
+            pv = params
         g = jax.grad(lambda p: loss_fn(p, batch)[0])(pv)
-        g = lax.pmean(g, "data") if sync else g
+        if mode == "gradonly":
+            return jax.tree.map(lambda w, d: w - 1e-30 * d, params, g), opt_state
+        if mode == "pmean":
+            g = lax.pmean(g, "data")
         updates, opt_state = opt.update(g, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    out = (P(), P()) if sync else P("data")
-    if not sync:  # keep per-device results: the un-synced update differs per device
-        f = jax.shard_map(lambda s, b: jax.tree.map(lambda a: a[None], body(s, b)), mesh=mesh,
-                          in_specs=(P(), P("data")), out_specs=P("data"))
-        step = jax.jit(lambda s, b: jax.tree.map(lambda a: a[0], f(s, b)), donate_argnums=0)
-    else:
-        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")),
-                                     out_specs=out), donate_argnums=0)
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")),
+                                 out_specs=(P(), P()), check_vma=mode == "pmean"),
+                   donate_argnums=0)
     return timed(step, state, jax.device_put(batch, NamedSharding(mesh, P("data"))))
 
 
@@ -201,8 +206,10 @@ def main() -> int:
     rows.append(("(a) 1 device, jit + optax", ms, first))
     first, ms = row_handwritten(batch)
     rows.append((f"(b) {n} dev, shard_map + pmean (hand-written)", ms, first))
-    first, ms = row_handwritten(batch, sync=False)
-    rows.append((f"(b0) {n} dev, no gradient sync (attribution)", ms, first))
+    first, ms = row_handwritten(batch, "nosync")
+    rows.append((f"(b0) {n} dev, (b) minus the all-reduce", ms, first))
+    first, ms = row_handwritten(batch, "gradonly")
+    rows.append((f"(b1) {n} dev, (b0) minus the optimizer", ms, first))
     for name, kw in [("default (25 MiB buckets)", {}), ("bucketing off", {"bucket_mb": None}),
                      ("bf16 gradients", {"grad_dtype": jnp.bfloat16}),
                      ("ZeRO-1", {"shard_optimizer": True})]:
@@ -222,7 +229,7 @@ def main() -> int:
                 rows.append((f"(d) torch DDP gloo, W={world}", out[0], None))
     a = rows[0][1]
     b = rows[1][1]
-    c = rows[3][1]
+    c = rows[4][1]
     print(f"\n| {'row':48s} | step ms | vs (a) | vs (b) | compile+1st s |")
     print(f"|{'-' * 50}|--------:|-------:|-------:|--------------:|")
     for name, ms, first in rows:
