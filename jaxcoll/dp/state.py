@@ -20,9 +20,9 @@ class TrainState(struct.PyTreeNode):
             for a stateless model.
         step: the number of optimizer steps taken (an int32 scalar). It is also the data
             position: :meth:`Trainer.fit` resumes at batch ``step``.
-        rng: the run's base key (raw ``uint32[2]`` key data). Step s on rank r, micro-batch i
-            draws from ``fold_in(fold_in(fold_in(rng, s), r), i)``, so dropout is reproducible
-            and differs per rank.
+        rng: the run's base key (raw ``uint32[2]`` key data). Step s on rank r draws from
+            ``fold_in(fold_in(rng, s), r)`` (folded again by the micro-batch index when
+            ``accum_steps > 1``), so dropout is reproducible and differs per rank.
     """
 
     params: Any
