@@ -98,14 +98,12 @@ def all_reduce(api: str, algorithm: Any, leaves, kinds, ax: Axis, op: ReduceOp):
 
 def reduce(api: str, algorithm: Any, leaves, kinds, ax: Axis, dst: int, op: ReduceOp):
     """Reduce ``leaves`` to ``dst`` with ``algorithm``; None means: use the native path."""
-    from ..primitives._lowering import is_rank
-    from ..primitives.all_reduce import all_reduce_leaf
+    from ..primitives.all_reduce import reduce_leaf
 
     return _run_grouped(
         api, "reduce", algorithm, leaves, ax,
         lambda mod, flat, i: mod.reduce(flat, ax, dst, op, kinds[i]),
-        lambda i: jnp.where(is_rank(ax, dst), all_reduce_leaf(leaves[i], ax, op, kinds[i]),
-                            leaves[i]),
+        lambda i: reduce_leaf(leaves[i], ax, dst, op, kinds[i]),
     )
 
 

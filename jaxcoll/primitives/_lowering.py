@@ -7,6 +7,7 @@ so ``jax.grad`` of a pattern is the transpose of the pattern, with no custom rul
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,6 +18,16 @@ from jax import lax
 
 from .._ops import ReduceOp, fold
 from ._axis import Axis
+
+
+def staged(*static_argnums: int):
+    """Compile a per-leaf lowering as one unit, with its axis/op arguments static.
+
+    Under ``jax.jit`` this changes nothing (the call is inlined). Under an eager ``shard_map``,
+    which dispatches and compiles every op it meets, a collective then costs one compiled
+    program instead of one per reshape, select and fold inside it.
+    """
+    return functools.partial(jax.jit, static_argnums=static_argnums)
 
 
 def varying_axes(x: Any) -> frozenset | None:
@@ -74,6 +85,7 @@ def tree_broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
     return x
 
 
+@staged(1, 2)
 def native_broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
     """Collective-broadcast (NCCL) on GPU; the ppermute tree where XLA has no lowering."""
     if ax.size == 1:

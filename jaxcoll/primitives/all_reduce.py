@@ -13,7 +13,7 @@ from .._ops import ReduceOp, check_op_dtype, coerce_op
 from .._typing import AxisName, PyTree
 from ._axis import Axis, resolve
 from ._group import group_op, is_group
-from ._lowering import generic_all_reduce, is_rank
+from ._lowering import generic_all_reduce, is_rank, staged
 
 _BOOL_NATIVE = {
     ReduceOp.SUM: lax.pmax, ReduceOp.MAX: lax.pmax, ReduceOp.BOR: lax.pmax,
@@ -23,6 +23,7 @@ _NATIVE = {ReduceOp.SUM: lax.psum, ReduceOp.AVG: lax.pmean,
            ReduceOp.MIN: lax.pmin, ReduceOp.MAX: lax.pmax}
 
 
+@staged(1, 2, 3)
 def all_reduce_leaf(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
     """All-reduce one validated leaf (the dispatch table shared by all_reduce and reduce)."""
     native = (_BOOL_NATIVE if kind == "bool" else _NATIVE).get(op)
@@ -148,7 +149,11 @@ def reduce(
     done = _dispatch.reduce("reduce", algorithm, leaves, kinds, ax, dst, op)
     if done is not None:
         return jax.tree_util.tree_unflatten(treedef, done)
-    here = is_rank(ax, dst)
-    out = [jnp.where(here, all_reduce_leaf(leaf, ax, op, kind), leaf)
-           for leaf, kind in zip(leaves, kinds)]
+    out = [reduce_leaf(leaf, ax, dst, op, kind) for leaf, kind in zip(leaves, kinds)]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@staged(1, 2, 3, 4)
+def reduce_leaf(x: jax.Array, ax: Axis, dst: int, op: ReduceOp, kind: str) -> jax.Array:
+    """Reduce one validated leaf to ``dst`` (all-reduce, then keep x off ``dst``)."""
+    return jnp.where(is_rank(ax, dst), all_reduce_leaf(x, ax, op, kind), x)

@@ -10,6 +10,7 @@ from .._checks import as_array_leaves, check_axis, check_divisible, check_leadin
 from .._typing import AxisName, PyTree
 from ._axis import resolve
 from ._group import group_op, is_group
+from ._lowering import staged
 
 
 def all_to_all(
@@ -78,6 +79,7 @@ def all_to_all(
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+@staged(1, 2, 3)
 def untiled_all_to_all(x: jax.Array, name, split_axis: int, concat_axis: int) -> jax.Array:
     """Untiled all_to_all expressed with the tiled primitive over an inserted unit axis.
 

@@ -10,9 +10,10 @@ from .._checks import as_array_leaves, check_axis, check_rank, check_static_int
 from .._typing import AxisName, PyTree
 from ._axis import Axis, resolve
 from ._group import group_op, is_group
-from ._lowering import is_rank
+from ._lowering import is_rank, staged
 
 
+@staged(0, 2, 3, 4, 5)
 def _gather_leaf(
     api: str, x: jax.Array, ax: Axis, axis: int, tiled: bool, algorithm: str = "native"
 ) -> jax.Array:
@@ -122,9 +123,11 @@ def gather(
     dst = check_rank("gather", "dst", dst, ax.size)
     axis = check_static_int("gather", "axis", axis)
     leaves, treedef = as_array_leaves("gather", x)
-    here = is_rank(ax, dst)
-    out = []
-    for leaf in leaves:
-        g = _gather_leaf("gather", leaf, ax, axis, bool(tiled))
-        out.append(jnp.where(here, g, jnp.zeros_like(g)))
+    out = [_rooted_gather_leaf(leaf, ax, dst, axis, bool(tiled)) for leaf in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@staged(1, 2, 3, 4)
+def _rooted_gather_leaf(x: jax.Array, ax: Axis, dst: int, axis: int, tiled: bool) -> jax.Array:
+    g = _gather_leaf("gather", x, ax, axis, tiled)
+    return jnp.where(is_rank(ax, dst), g, jnp.zeros_like(g))

@@ -10,9 +10,9 @@ from jax import lax
 
 from .._checks import as_array_leaves, check_pairs, check_static_int
 from .._typing import AxisName, PyTree
-from ._axis import resolve
+from ._axis import Axis, resolve
 from ._group import group_op, is_group
-from ._lowering import ensure_varying, is_rank
+from ._lowering import ensure_varying, is_rank, staged
 
 
 def sendrecv(x: PyTree, axis_name: AxisName, pairs: Sequence[tuple[int, int]]) -> PyTree:
@@ -59,13 +59,15 @@ def sendrecv(x: PyTree, axis_name: AxisName, pairs: Sequence[tuple[int, int]]) -
     leaves, treedef = as_array_leaves("sendrecv", x)
     if not pairs:
         return jax.tree_util.tree_unflatten(treedef, leaves)
-    receives = is_rank(ax, [d for _, d in pairs])
-    out = []
-    for leaf in leaves:
-        leaf = ensure_varying(leaf, ax)
-        got = lax.ppermute(leaf, ax.name, perm=pairs)
-        out.append(jnp.where(receives, got, leaf))
+    out = [_sendrecv_leaf(leaf, ax, pairs) for leaf in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@staged(1, 2)
+def _sendrecv_leaf(x: jax.Array, ax: Axis, pairs: tuple[tuple[int, int], ...]) -> jax.Array:
+    x = ensure_varying(x, ax)
+    got = lax.ppermute(x, ax.name, perm=pairs)
+    return jnp.where(is_rank(ax, [d for _, d in pairs]), got, x)
 
 
 def shift(x: PyTree, axis_name: AxisName, offset: int = 1) -> PyTree:

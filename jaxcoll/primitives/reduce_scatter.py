@@ -11,9 +11,10 @@ from .._ops import ReduceOp, check_op_dtype, coerce_op
 from .._typing import AxisName, PyTree
 from ._axis import Axis, resolve
 from ._group import group_op, is_group
-from ._lowering import reduce_scatter_leading, split_leading, unsplit_slice
+from ._lowering import reduce_scatter_leading, split_leading, staged, unsplit_slice
 
 
+@staged(1, 2, 3, 4, 5, 6)
 def reduce_scatter_leaf(
     x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int, tiled: bool,
     algorithm: str = "native",

@@ -9,9 +9,10 @@ from .._checks import as_array_leaves, check_axis, check_divisible, check_leadin
 from .._typing import AxisName, PyTree
 from ._axis import Axis, resolve
 from ._group import group_op, is_group
-from ._lowering import split_leading, unsplit_slice
+from ._lowering import split_leading, staged, unsplit_slice
 
 
+@staged(1, 2, 3, 4)
 def _scatter_leaf(x: jax.Array, ax: Axis, src: int, axis: int, tiled: bool) -> jax.Array:
     api = "scatter"
     if x.ndim == 0:
