@@ -26,10 +26,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxcoll import primitives as jp  # noqa: E402
 
 N = 8
-# The default broadcast does not trace on a 2-D mesh on CPU (lax.pbroadcast, in the GPU branch
-# of platform_dependent, reads a multi-letter axis name as a tuple of letters), so the 2-D
-# programs use the tree algorithm explicitly; the 1-D program keeps the default.
-BCAST_ALGORITHM = "auto"
 ME = jax.process_index()
 results: dict[str, np.ndarray] = {}
 
@@ -63,7 +59,7 @@ def suite(ax, f, i, b):
         "ar_ring": jp.all_reduce(f, ax, algorithm="ring"),
         "ar_tree": jp.all_reduce(f, ax, algorithm="tree"),
         "reduce": jp.reduce(f, ax, last, "sum"),
-        "bcast": jp.broadcast(f, ax, last, algorithm=BCAST_ALGORITHM),
+        "bcast": jp.broadcast(f, ax, last),
         "bcast_tree": jp.broadcast(i, ax, 1 % n, algorithm="tree"),
         "all_gather": jp.all_gather(f, ax),
         "all_gather_tiled": jp.all_gather(i, ax, axis=0, tiled=True),
@@ -165,8 +161,6 @@ def main(out_dir):
     mesh2 = Mesh(devices.reshape(2, 4), ("node", "local"))
     run_mesh("1d", mesh1, ["x"])
     # "node" spans processes in 2 x 4, "local" stays inside one, the tuple covers all 8.
-    global BCAST_ALGORITHM
-    BCAST_ALGORITHM = "tree"
     run_mesh("2d", mesh2, ["node", "local", ("node", "local")])
     run_dist()
     results[f"proc/process_count@{ME}"] = np.asarray(jax.process_count())
