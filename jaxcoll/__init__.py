@@ -1,8 +1,11 @@
 """jaxcoll: torch.distributed's collective vocabulary as SPMD code over a JAX device mesh.
 
-Importing jaxcoll queries no device and changes no setting.
+Importing jaxcoll queries no device and changes no setting. The data-parallel trainer needs
+the ``dp`` extra (flax, optax, orbax-checkpoint) and is imported explicitly:
+``from jaxcoll import dp``.
 """
 
+from . import algorithms as algorithms
 from . import dist as dist
 from . import primitives as primitives
 from ._init import init as init
@@ -16,6 +19,7 @@ __all__ = [
     "AxisName",
     "PyTree",
     "ReduceOp",
+    "algorithms",
     "dist",
     "init",
     "primitives",

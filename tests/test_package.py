@@ -1,0 +1,25 @@
+"""Importing jaxcoll has no side effects: no device query, no environment change, no flax."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PROBE = """
+import os, sys
+before = dict(os.environ)
+import jaxcoll
+from jax._src import xla_bridge
+assert not xla_bridge._backends, "importing jaxcoll initialized a JAX backend"
+assert dict(os.environ) == before, "importing jaxcoll changed the environment"
+heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('flax', 'optax', 'orbax'))
+assert not heavy, heavy
+print(sorted(jaxcoll.__all__))
+"""
+
+
+def test_import_has_no_side_effects():
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "'primitives'" in proc.stdout and "'dist'" in proc.stdout
