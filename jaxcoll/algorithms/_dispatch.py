@@ -21,14 +21,15 @@ from .auto import ALGORITHMS, choose_for
 _MODULES = {"ring": ring, "tree": tree, "hierarchical": hierarchical}
 
 
-def check_algorithm(api: str, algorithm: Any) -> str:
-    """``algorithm`` must be one of :data:`ALGORITHMS` (a string)."""
+def check_algorithm(api: str, algorithm: Any, argname: str = "algorithm") -> str:
+    """``algorithm`` (passed as ``argname``) must be one of :data:`ALGORITHMS` (a string)."""
     if not isinstance(algorithm, str):
-        raise TypeError(f"{api}: algorithm must be a string, one of {', '.join(ALGORITHMS)}; "
+        raise TypeError(f"{api}: {argname} must be a string, one of {', '.join(ALGORITHMS)}; "
                         f"got {algorithm!r} of type {type(algorithm).__name__} instead.")
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"{api}: algorithm={algorithm!r} is not one of {', '.join(ALGORITHMS)}. "
-                         f"Pass one of them (\"auto\" picks from the measured table).")
+        raise ValueError(f"{api}: {argname}={algorithm!r} is not one of "
+                         f"{', '.join(ALGORITHMS)}. Pass one of them (\"auto\" picks from the "
+                         f"measured table).")
     return algorithm
 
 

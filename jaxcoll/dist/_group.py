@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -115,15 +115,22 @@ def new_subgroups(group_size: int, *, axis_name: str = "x") -> Group:
         ((0, 1), (2, 3), (4, 5), (6, 7))
     """
     api = "dist.new_subgroups"
-    k = check_static_int(api, "group_size", group_size)
-    n = jax.device_count()
-    if k <= 0 or n % k:
-        divisors = [d for d in range(1, n + 1) if n % d == 0]
-        raise ValueError(f"{api}: group_size={k} does not divide the world of {n} ranks into "
-                         f"equal groups. Pass one of {divisors}, or use dist.new_group(ranks).")
+    k, n = _equal_split(api, "group_size", group_size, "groups",
+                        "Pass one of {divisors}, or use dist.new_group(ranks).")
     axis_name = _check_axis_name(api, axis_name)
     subs = tuple(tuple(range(g * k, (g + 1) * k)) for g in range(n // k))
     return Group(tuple(range(n)), (n // k, k), (_OUTER, axis_name), axis_name, subs)
+
+
+def _equal_split(api: str, argname: str, size: Any, parts: str, fix: str) -> tuple[int, int]:
+    """``size`` must split the world into equal ``parts``; return (size, world size)."""
+    k = check_static_int(api, argname, size)
+    n = jax.device_count()
+    if k <= 0 or n % k:
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        raise ValueError(f"{api}: {argname}={k} does not divide the world of {n} ranks into "
+                         f"equal {parts}. " + fix.format(divisors=divisors))
+    return k, n
 
 
 class Hierarchy(NamedTuple):
@@ -157,12 +164,7 @@ def hierarchy(local_size: int, *, axis_names: tuple[str, str] = ("node", "local"
         (2, 4)
     """
     api = "dist.hierarchy"
-    k = check_static_int(api, "local_size", local_size)
-    n = jax.device_count()
-    if k <= 0 or n % k:
-        divisors = [d for d in range(1, n + 1) if n % d == 0]
-        raise ValueError(f"{api}: local_size={k} does not divide the world of {n} ranks into "
-                         f"equal nodes. Pass one of {divisors}.")
+    k, n = _equal_split(api, "local_size", local_size, "nodes", "Pass one of {divisors}.")
     if (not isinstance(axis_names, tuple) or len(axis_names) != 2
             or not all(isinstance(a, str) and a for a in axis_names)
             or axis_names[0] == axis_names[1]):

@@ -9,7 +9,6 @@ before the reduction (as DDP does), and reduced exactly once.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,41 +19,20 @@ from jax import lax
 
 from .. import primitives
 from .._typing import AxisName, PyTree
+from ..algorithms._dispatch import check_algorithm
 
-ALGORITHMS = ("auto", "native", "ring", "tree", "hierarchical")
+_SYNCED = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 def algorithm_kwargs(api: str, grad_sync: Any) -> dict[str, dict[str, str]]:
-    """The ``algorithm=`` keyword each jaxcoll primitive gets for ``grad_sync``.
-
-    Passes ``grad_sync`` through to every primitive whose signature has an ``algorithm``
-    parameter. Where a primitive has none, only ``"auto"`` and ``"native"`` are accepted (the
-    native lowering is then the only one there is).
+    """The ``algorithm=`` keyword each collective of the gradient sync gets for ``grad_sync``.
 
     Raises:
         TypeError: ``grad_sync`` is not a string.
-        ValueError: ``grad_sync`` is not one of :data:`ALGORITHMS`, or it names an algorithm
-            the installed primitives do not offer.
+        ValueError: ``grad_sync`` is not one of :data:`jaxcoll.algorithms.ALGORITHMS`.
     """
-    if not isinstance(grad_sync, str):
-        raise TypeError(f"{api}: grad_sync must be a string, one of {ALGORITHMS}, got "
-                        f"{grad_sync!r} of type {type(grad_sync).__name__} instead.")
-    if grad_sync not in ALGORITHMS:
-        raise ValueError(f"{api}: grad_sync={grad_sync!r} is not an algorithm; pass one of "
-                         f"{ALGORITHMS}.")
-    out = {}
-    for name in ("all_reduce", "reduce_scatter", "all_gather"):
-        fn = getattr(primitives, name)
-        if "algorithm" in inspect.signature(fn).parameters:
-            out[name] = {"algorithm": grad_sync}
-        elif grad_sync in ("auto", "native"):
-            out[name] = {}
-        else:
-            raise ValueError(
-                f"{api}: grad_sync={grad_sync!r} needs jaxcoll.primitives.{name} to take an "
-                f"algorithm= argument, and this jaxcoll's does not. Use grad_sync='native'."
-            )
-    return out
+    check_algorithm(api, grad_sync, argname="grad_sync")
+    return {name: {"algorithm": grad_sync} for name in _SYNCED}
 
 
 def plan_buckets(leaves: list[Any], bucket_bytes: float | None) -> list[list[int]]:

@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 from .. import primitives
 from .._checks import check_static_int
 from .._typing import AxisName, PyTree
-from ..primitives._lowering import varying_axes
+from ._loop import batch_source, finish_history, total_steps
+from ._vma import axis_names, is_varying, to_varying
 from .adapters import Model
 from .grad_sync import (
     FlatLayout,
@@ -29,38 +30,6 @@ from .grad_sync import (
 from .state import TrainState
 
 LossFn = Callable[[PyTree, PyTree, jax.Array | None], tuple[jax.Array, dict[str, jax.Array]]]
-
-
-def _axis_names(axis_name: AxisName) -> tuple:
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
-def _to_varying(tree: PyTree, names: tuple) -> PyTree:
-    """Mark every leaf varying over ``names`` (the fix for the gradient trap).
-
-    A no-op under ``check_vma=False``, where shard_map tracks no such type (and ``jax.grad``
-    inserts no reduction in the first place).
-    """
-    if not _checking_vma(names):
-        return tree
-
-    def cast(x):
-        vma = varying_axes(x)
-        missing = tuple(a for a in names if vma is not None and a not in vma)
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree_util.tree_map(cast, tree)
-
-
-def _checking_vma(names: tuple) -> bool:
-    """Whether the enclosing shard_map tracks varying axes (check_vma=True)."""
-    probe = lax.axis_index(names[0] if len(names) == 1 else names)
-    return bool(set(names) & set(varying_axes(probe) or ()))
-
-
-def _is_varying(tree: PyTree, names: tuple) -> bool:
-    return any(bool(set(names) & set(varying_axes(x) or ()))
-               for x in jax.tree_util.tree_leaves(tree))
 
 
 class Trainer:
@@ -146,7 +115,7 @@ class Trainer:
                 raise ValueError(f"{api}: axis_name={axis_name!r} names several axes; pass the "
                                  f"mesh that has them.")
             mesh = Mesh(np.array(jax.devices()), (axis_name,))
-        names = _axis_names(axis_name)
+        names = axis_names(axis_name)
         missing = [a for a in names if a not in mesh.axis_names]
         if missing:
             raise ValueError(f"{api}: axis_name={axis_name!r} is not an axis of the mesh "
@@ -335,9 +304,9 @@ class Trainer:
 
     def _local_grads(self, params, model_state, batch, key):
         """Mean gradient of this rank's share of the batch, over ``accum_steps`` micro-batches."""
-        names = _axis_names(self.axis_name)
+        names = axis_names(self.axis_name)
         # The fix for the gradient trap: varying params, so jax.grad does not psum by itself.
-        params = _to_varying(params, names)
+        params = to_varying(params, names)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         k = self.accum_steps
         if k == 1:
@@ -345,13 +314,13 @@ class Trainer:
             return grads, loss, aux, model_state
         micro = jax.tree_util.tree_map(lambda a: a.reshape((k, a.shape[0] // k) + a.shape[1:]),
                                        batch)
-        model_state = _to_varying(model_state, names)  # one carry type through the scan
+        model_state = to_varying(model_state, names)  # one carry type through the scan
 
         def one(carry, xs):
             g_sum, loss_sum, aux_sum, ms = carry
             mb, i = xs
             (loss, (aux, ms)), g = grad_fn(params, ms, mb, jax.random.fold_in(key, i))
-            ms = _to_varying(ms, names)
+            ms = to_varying(ms, names)
             add = jax.tree_util.tree_map(jnp.add, (g_sum, loss_sum, aux_sum), (g, loss, aux))
             return (*add, ms), None
 
@@ -359,22 +328,22 @@ class Trainer:
                                 jax.tree_util.tree_map(lambda a: a[0], micro), key)
         (_, (aux0, _)), g0 = shapes
         zeros = jax.tree_util.tree_map(
-            lambda s: _to_varying(jnp.zeros(s.shape, s.dtype), names), (g0, aux0))
-        init = (zeros[0], _to_varying(jnp.zeros((), jnp.float32), names), zeros[1], model_state)
+            lambda s: to_varying(jnp.zeros(s.shape, s.dtype), names), (g0, aux0))
+        init = (zeros[0], to_varying(jnp.zeros((), jnp.float32), names), zeros[1], model_state)
         (g_sum, loss_sum, aux_sum, model_state), _ = lax.scan(one, init, (micro, jnp.arange(k)))
         scale = lambda t: jax.tree_util.tree_map(lambda a: a / k, t)  # noqa: E731
         return scale(g_sum), loss_sum / k, scale(aux_sum), model_state
 
     def _step_body(self, state: TrainState, batch: PyTree):
-        axis, names = self.axis_name, _axis_names(self.axis_name)
+        axis, names = self.axis_name, axis_names(self.axis_name)
         rank = lax.axis_index(axis)
         key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), rank)
         grads, loss, aux, model_state = self._local_grads(state.params, state.model_state,
                                                           batch, key)
         metrics = _mean_metrics({"loss": loss, **aux}, axis, self.algorithm["all_reduce"])
-        if _is_varying(model_state, names):
+        if is_varying(model_state, names):
             # Unsynchronised buffers (plain BatchNorm) differ per rank: average them.
-            model_state = primitives.all_reduce(_to_varying(model_state, names), axis, "avg",
+            model_state = primitives.all_reduce(to_varying(model_state, names), axis, "avg",
                                                 **self.algorithm["all_reduce"])
         if self.shard_optimizer:
             layout = self._layout
@@ -459,13 +428,13 @@ class Trainer:
 
         from .checkpoint import Checkpointer
 
-        total = _total_steps(data, steps, epochs)
+        total = total_steps(data, steps, epochs)
         ckpt = None
         if checkpoint_dir is not None:
             ckpt = Checkpointer(checkpoint_dir, every=every)
             state = ckpt.restore_latest(state)
         start = int(jax.device_get(state.step))
-        source = _batch_source(data, start)
+        source = batch_source(data, start)
         history: list[dict[str, Any]] = []
         bar = tqdm(total=total, initial=start, disable=not progress, unit="step",
                    dynamic_ncols=True)
@@ -490,7 +459,7 @@ class Trainer:
             bar.close()
             if ckpt is not None:
                 ckpt.close()
-        history = _finish_history(history)
+        history = finish_history(history)
         if eval_data is not None:
             results = self.evaluate(state, eval_data)
             if history:
@@ -515,50 +484,5 @@ def _mean_metrics(metrics: dict[str, jax.Array], axis: AxisName,
     if not names:
         return {}
     vec = jnp.stack([jnp.asarray(metrics[k], jnp.float32).reshape(()) for k in names])
-    vec = primitives.all_reduce(_to_varying(vec, _axis_names(axis)), axis, "avg", **kwargs)
+    vec = primitives.all_reduce(to_varying(vec, axis_names(axis)), axis, "avg", **kwargs)
     return {k: vec[i] for i, k in enumerate(names)}
-
-
-def _total_steps(data: Any, steps: int | None, epochs: int | None) -> int:
-    if (steps is None) == (epochs is None):
-        raise ValueError("Trainer.fit: pass exactly one of steps= (the total step count to "
-                         "reach) or epochs=.")
-    if steps is not None:
-        return check_static_int("Trainer.fit", "steps", steps)
-    epochs = check_static_int("Trainer.fit", "epochs", epochs)
-    try:
-        return epochs * len(data)
-    except TypeError:
-        raise TypeError("Trainer.fit: epochs= needs data with a length (e.g. dp.Batches); "
-                        "pass steps= for an iterator.") from None
-
-
-def _batch_source(data: Any, start: int) -> Callable[[int], PyTree]:
-    if hasattr(data, "__getitem__") and hasattr(data, "epoch"):
-        return data.__getitem__
-    iterator = iter(data)
-    for _ in range(start):
-        next(iterator)
-
-    def source(_s: int) -> PyTree:
-        try:
-            return next(iterator)
-        except StopIteration:
-            raise ValueError("Trainer.fit: data ran out of batches before steps= was "
-                             "reached.") from None
-
-    return source
-
-
-def _finish_history(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Turn device metrics into floats (one transfer) and add examples/s per step."""
-    host = jax.device_get(history)
-    end = time.perf_counter()
-    out = []
-    for i, h in enumerate(host):
-        t1 = host[i + 1]["t0"] if i + 1 < len(host) else end
-        rec = {k: (float(v) if k not in ("step", "examples") else int(v))
-               for k, v in h.items() if k != "t0"}
-        rec["examples_per_s"] = h["examples"] / max(t1 - h["t0"], 1e-9)
-        out.append(rec)
-    return out
