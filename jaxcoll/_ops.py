@@ -157,13 +157,12 @@ def combine_fn(op: ReduceOp, kind: str) -> Callable[[jax.Array, jax.Array], jax.
     return table[op]
 
 
-def fold(op: ReduceOp, kind: str, stacked: jax.Array, n: int) -> jax.Array:
+def fold(op: ReduceOp, kind: str, stacked: jax.Array) -> jax.Array:
     """Reduce ``stacked`` over its leading axis (the ``n`` ranks) with ``op``, in one XLA reduce.
 
     Callers reduce each chunk exactly once and then share it (reduce-scatter + all-gather), so
     the result is bit-identical on every rank even for float PRODUCT. AVG divides the sum by n.
     """
-    del n  # the leading axis carries it
     if kind == "bool":
         if op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.BOR):
             return lax.reduce_or(stacked, (0,))

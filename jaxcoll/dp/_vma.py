@@ -8,10 +8,9 @@ the local one and its own (bucketed) reduction is the only one.
 from __future__ import annotations
 
 import jax
-from jax import lax
 
 from .._typing import AxisName, PyTree
-from ..primitives._lowering import varying_axes
+from ..primitives._lowering import cast_varying, varying_axes
 
 
 def axis_names(axis_name: AxisName) -> tuple:
@@ -24,21 +23,7 @@ def to_varying(tree: PyTree, names: tuple) -> PyTree:
     A no-op under ``check_vma=False``, where shard_map tracks no such type (and ``jax.grad``
     inserts no reduction in the first place).
     """
-    if not checking_vma(names):
-        return tree
-
-    def cast(x):
-        vma = varying_axes(x)
-        missing = tuple(a for a in names if vma is not None and a not in vma)
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree_util.tree_map(cast, tree)
-
-
-def checking_vma(names: tuple) -> bool:
-    """Whether the enclosing shard_map tracks varying axes (check_vma=True)."""
-    probe = lax.axis_index(names[0] if len(names) == 1 else names)
-    return bool(set(names) & set(varying_axes(probe) or ()))
+    return jax.tree_util.tree_map(lambda x: cast_varying(x, names), tree)
 
 
 def is_varying(tree: PyTree, names: tuple) -> bool:

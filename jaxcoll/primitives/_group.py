@@ -204,14 +204,14 @@ def _all_reduce(api, rows, j, k, *, leaves=None, prep=None, op=ReduceOp.SUM):
     if rows is None:
         op, kinds = _reduce_prep(api, leaves, op, k)
         return [(op, kind) for kind in kinds]
-    return fold(prep[0], prep[1], rows, k)
+    return fold(prep[0], prep[1], rows)
 
 
 def _reduce(api, rows, j, k, *, leaves=None, prep=None, dst=0, op=ReduceOp.SUM):
     if rows is None:
         op, kinds = _reduce_prep(api, leaves, op, k, dst)
         return [(op, kind) for kind in kinds]
-    return fold(prep[0], prep[1], rows, k), j == dst
+    return fold(prep[0], prep[1], rows), j == dst
 
 
 def _broadcast(api, rows, j, k, *, leaves=None, prep=None, src=0):
@@ -286,7 +286,7 @@ def _reduce_scatter(api, rows, j, k, *, leaves=None, prep=None, op=ReduceOp.SUM,
                 for leaf in leaves]
         return [(op, kind, d) for kind, d in zip(kinds, dims, strict=True)]
     op, kind, dim = prep
-    return _slice(fold(op, kind, rows, k), dim, k, tiled, j)
+    return _slice(fold(op, kind, rows), dim, k, tiled, j)
 
 
 def _all_to_all(api, rows, j, k, *, leaves=None, prep=None, split_axis=0, concat_axis=0,

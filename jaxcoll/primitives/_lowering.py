@@ -46,17 +46,25 @@ def ensure_varying(x: jax.Array, ax: Axis) -> jax.Array:
     Patterns whose branches must agree on type (``platform_dependent``), or that mix a value
     with a ppermute'd copy of it, need one consistent type to start from.
     """
+    return cast_varying(x, ax.name if isinstance(ax.name, tuple) else (ax.name,))
+
+
+def cast_varying(x: jax.Array, names: tuple) -> jax.Array:
+    """Mark ``x`` varying over the mesh axes ``names`` where it is typed invariant.
+
+    A no-op under ``check_vma=False``, where shard_map tracks no such types (a probe of the
+    axis index, which is always varying when types are tracked, tells which case this is).
+    """
     vma = varying_axes(x)
-    names = ax.name if isinstance(ax.name, tuple) else (ax.name,)
     if vma is None:
         return x
     missing = tuple(a for a in names if a not in vma)
     if not missing:
         return x
-    try:
-        return lax.pcast(x, missing, to="varying")
-    except (ValueError, TypeError, NameError):  # check_vma=False: no types to reconcile
+    probe = lax.axis_index(names[0] if len(names) == 1 else names)
+    if not set(names) & set(varying_axes(probe) or ()):
         return x
+    return lax.pcast(x, missing, to="varying")
 
 
 def is_rank(ax: Axis, ranks: int | Iterable[int]) -> jax.Array:
@@ -116,14 +124,14 @@ def native_broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
 def reduce_scatter_leading(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
     """``x`` has shape ``(n, *s)``; return ``op`` over ranks of row ``rank``, shape ``s``.
 
-    One ``all_to_all`` brings row r of every rank to rank r; the rows are folded locally in
-    rank order, so the result is bit-identical to a sequential fold and the same on every rank.
+    One ``all_to_all`` brings row r of every rank to rank r; one local XLA reduce folds them.
+    Each chunk is reduced once, on one rank, so everyone who later receives it sees the same bits.
     """
     n = ax.size
     if n == 1:
-        return fold(op, kind, x, 1)
+        return fold(op, kind, x)
     rows = lax.all_to_all(x, ax.name, 0, 0, tiled=False)
-    return fold(op, kind, rows, n)
+    return fold(op, kind, rows)
 
 
 def generic_all_reduce(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:

@@ -58,8 +58,8 @@ def all_reduce(
       ``pmax``), which XLA lowers to NCCL on GPU.
     * bool SUM, MAX, BOR (logical or) -> ``pmax``; bool PRODUCT, MIN, BAND (logical and) ->
       ``pmin``: torch's rules for bool tensors.
-    * PRODUCT, BAND, BOR, BXOR (lax has no such collective): ``all_to_all`` + a local fold in
-      rank order (a reduce-scatter) then ``all_gather``. Exact (PRODUCT multiplies; no log/exp)
+    * PRODUCT, BAND, BOR, BXOR (lax has no such collective): ``all_to_all`` + one local reduce
+      (a reduce-scatter) then ``all_gather``. Exact (PRODUCT multiplies; no log/exp)
       and bit-identical on every rank; moves 2(n-1)/n of x per rank, like a ring.
 
     Args:

@@ -69,8 +69,8 @@ def reduce_scatter(
 
     Lowering: SUM and AVG on numbers: one ``lax.psum_scatter`` (HLO reduce-scatter; NCCL
     reduce_scatter on GPU), AVG then divides by n. Every other op, and bool: one
-    ``lax.all_to_all`` that brings slice r of every rank to rank r, then a local fold in rank
-    order: exact, and the same bytes on the wire as a native reduce-scatter.
+    ``lax.all_to_all`` that brings slice r of every rank to rank r, then one local reduce:
+    exact, and the same bytes on the wire as a native reduce-scatter.
 
     Args:
         x: an array or a pytree of arrays; ``x.shape[scatter_dimension]`` must be n (untiled)
