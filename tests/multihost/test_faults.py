@@ -36,12 +36,18 @@ def test_worker_that_raises_fails_the_job(tmp_path):
     assert survivors(job.token) == []
 
 
-@pytest.mark.timeout(90)
-def test_worker_killed_inside_a_collective_fails_the_job(tmp_path):
+def _start_looping(tmp_path, ready_within: float):
+    """Start the 2-process job whose workers loop on all-reduces; return once both loop."""
     t0 = time.monotonic()
     popen, token = start(JOB, "faults.py", [str(tmp_path), "loop"])
-    _wait_for(str(tmp_path / "loop0"), 60)
-    _wait_for(str(tmp_path / "loop1"), 60)
+    for k in (0, 1):
+        _wait_for(str(tmp_path / f"loop{k}"), ready_within)
+    return t0, popen, token
+
+
+@pytest.mark.timeout(90)
+def test_worker_killed_inside_a_collective_fails_the_job(tmp_path):
+    t0, popen, token = _start_looping(tmp_path, ready_within=60)
     victim = int((tmp_path / "pid1").read_text())
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)  # process 0 is looping on all-reduces with it
@@ -68,10 +74,7 @@ def test_worker_that_never_starts_fails_the_job_at_the_init_timeout(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_sigterm_to_the_launcher_is_forwarded_and_nothing_is_left(tmp_path):
-    t0 = time.monotonic()
-    popen, token = start(JOB, "faults.py", [str(tmp_path), "loop"])
-    _wait_for(str(tmp_path / "loop0"), 40)
-    _wait_for(str(tmp_path / "loop1"), 40)
+    t0, popen, token = _start_looping(tmp_path, ready_within=40)
     popen.send_signal(signal.SIGTERM)
     job = finish(popen, token, t0, timeout=30)
     assert job.returncode == 128 + signal.SIGTERM
