@@ -8,10 +8,11 @@ the ``dp`` extra (flax, optax, orbax-checkpoint) and is imported explicitly:
 from . import algorithms as algorithms
 from . import dist as dist
 from . import primitives as primitives
-from ._init import init as init
-from ._ops import ReduceOp as ReduceOp
-from ._typing import AxisName as AxisName
-from ._typing import PyTree as PyTree
+from . import groups as groups
+from ._core.ops import ReduceOp as ReduceOp
+from ._core.typing import AxisName as AxisName
+from ._core.typing import PyTree as PyTree
+from .dist import init as init
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "ReduceOp",
     "algorithms",
     "dist",
+    "groups",
     "init",
     "primitives",
 ]

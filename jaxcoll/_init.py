@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["init"]
+__all__ = ["initialize"]
 
 # Defaults sized for a job whose launcher watches every process (jaxcoll-run, srun): a peer
 # that has not connected after INIT_TIMEOUT, or has sent no heartbeat for HEARTBEAT_TIMEOUT,
@@ -180,13 +180,7 @@ def _fail_fast_hook(previous):
     return hook
 
 
-def _world():
-    from .dist import world  # local import: jaxcoll.dist builds on device queries
-
-    return world()
-
-
-def init(
+def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
@@ -199,7 +193,7 @@ def init(
     cluster_detection_method: str | None = None,
     fail_fast: bool = True,
 ):
-    """Join the multi-process job this process belongs to, and return the world group.
+    """Join the multi-process job this process belongs to (``jaxcoll.init`` returns the world).
 
     Like ``torch.distributed.init_process_group()``: call it once at the start of every
     process, before any other JAX call. It wraps ``jax.distributed.initialize`` (XLA's
@@ -251,7 +245,8 @@ def init(
             exit barrier for peers that may be blocked in a collective with it.
 
     Returns:
-        The world group, ``jaxcoll.dist.world()``: every device of every process.
+        None. :func:`jaxcoll.init` (this function, from the layer that knows groups) returns
+        the world group, ``jaxcoll.dist.world()``: every device of every process.
 
     Raises:
         ValueError: a bad or incomplete address, count or id (from the arguments or the
@@ -294,9 +289,9 @@ def init(
     if spec.num_processes is None and spec.coordinator_address is None:
         cluster = cluster_detection_method or _cluster(os.environ)
         if cluster is None or cluster == "deactivate":
-            return _world()  # one process, nothing to join
+            return None  # one process, nothing to join
     if spec.num_processes == 1:
-        return _world()
+        return None
 
     key = (spec.coordinator_address, spec.num_processes, spec.process_id)
     with _lock:
@@ -308,12 +303,12 @@ def init(
                     f"num_processes, process_id)={done}; it cannot join {key} as well. Call "
                     f"init once per process."
                 )
-            return _world()
+            return None
         _connect(api, spec, cluster, init_t, beat_t, stop_t, bind)
         _state["key"] = key
     if fail_fast and not getattr(sys.excepthook, "jaxcoll_fail_fast", False):
         sys.excepthook = _fail_fast_hook(sys.excepthook)
-    return _world()
+    return None
 
 
 def _connect(api, spec, cluster, init_t, beat_t, stop_t, bind) -> None:

@@ -1,4 +1,4 @@
-"""Collective algorithms built from ``ppermute``: ring, tree, hierarchical, and ``auto``.
+"""Collective algorithms: native, ring, tree, hierarchical, and ``auto``.
 
 Pick one with ``algorithm=`` on :func:`~jaxcoll.primitives.all_reduce`,
 :func:`~jaxcoll.primitives.reduce`, :func:`~jaxcoll.primitives.broadcast`,
@@ -14,23 +14,26 @@ Pick one with ``algorithm=`` on :func:`~jaxcoll.primitives.all_reduce`,
 
 Every algorithm supports every reduce op and dtype the primitive does, any group size, sizes
 not divisible by n, pytrees (leaves of one dtype are reduced as one buffer), ``jax.jit`` and
-``jax.grad``. The modules :mod:`.ring`, :mod:`.tree` and :mod:`.hierarchical` show how each is
-built from ``lax.ppermute`` and the native sub-collectives.
+``jax.grad``. Results that are equal on every rank (all-reduce, broadcast, all-gather) are
+typed invariant by every algorithm. This layer builds on :mod:`jaxcoll._core` only; the
+public primitives call it through :mod:`.registry`.
 """
 
 from . import hierarchical as hierarchical
+from . import native as native
 from . import ring as ring
 from . import tree as tree
-from .auto import ALGORITHMS as ALGORITHMS
 from .auto import OPS as OPS
 from .auto import choose as choose
 from .auto import table_from_results as table_from_results
+from .registry import ALGORITHMS as ALGORITHMS
 
 __all__ = [
     "ALGORITHMS",
     "OPS",
     "choose",
     "hierarchical",
+    "native",
     "ring",
     "table_from_results",
     "tree",

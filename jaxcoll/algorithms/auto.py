@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import jax
 
-from ..primitives._axis import Axis
 from ._table import TABLE
 
-ALGORITHMS = ("native", "ring", "tree", "hierarchical", "auto")
 OPS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter")
 
 
@@ -67,11 +65,6 @@ def choose(
                 return "native"
             return algorithm
     return "native"
-
-
-def choose_for(op: str, nbytes: int, ax: Axis) -> str:
-    """:func:`choose` for a resolved axis inside shard_map."""
-    return choose(op, nbytes, group_size=ax.size, two_level=isinstance(ax.name, tuple))
 
 
 def table_from_results(rows: list[dict], *, platform: str, topo: str) -> dict:

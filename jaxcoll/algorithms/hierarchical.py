@@ -13,7 +13,9 @@ the inner axis and sends only ``1/inner`` of the data across the outer one:
 * reduce: the hierarchical all-reduce, kept on ``dst``.
 
 Each phase is the primitive's native lowering on its sub-axis (``psum_scatter``, ``psum``,
-``all_gather``; ``all_to_all`` + a local fold for ops lax has no collective for). Ranks are
+``all_gather``; ``all_to_all`` + a local fold for ops lax has no collective for). The
+all-reduce, all-gather and broadcast end in native collectives typed invariant, so their
+results are typed invariant over both axes. Ranks are
 row-major over the tuple: rank = outer_rank * inner_size + inner_rank, as everywhere.
 """
 
@@ -23,79 +25,99 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._ops import ReduceOp
-from ..primitives._axis import Axis
-from ..primitives._lowering import (
-    ensure_varying,
-    is_rank,
-    native_broadcast,
-    reduce_scatter_leading,
-)
-from ..primitives.all_reduce import all_reduce_leaf
-from ._common import finish_avg, from_rows, sub_axes, to_rows
+from .._core import lowering
+from .._core.axis import Axis, is_rank
+from .._core.ops import ReduceOp, finish_avg
+from .._core.packing import from_rows, to_rows
+from .._core.vma import ensure_varying
+from ._shapes import gather_placed, scatter_rows
+
+PACKS = True  # leaves of one dtype travel as one buffer
+
+
+def sub_axes(api: str, ax: Axis) -> tuple[Axis, Axis]:
+    """Split a tuple axis into (outer, inner): inner is the last name, outer the rest.
+
+    Ranks are numbered row-major over the tuple, so rank = outer_rank * inner_size + inner_rank.
+    """
+    if not isinstance(ax.name, tuple):
+        raise ValueError(
+            f"{api}: algorithm='hierarchical' needs a 2-D group, a tuple axis_name like "
+            f"('node', 'local') (outer, inner), got axis_name={ax.name!r}. Build the mesh with "
+            f"two axes, e.g. jax.make_mesh((2, 4), ('node', 'local')), or pick another algorithm."
+        )
+    # Sub-axis names stay tuples: some lax collectives (pbroadcast) iterate a plain name.
+    outer_name, inner_name = ax.name[:-1], ax.name[-1:]
+    outer = Axis(outer_name, int(lax.axis_size(outer_name)))
+    inner = Axis(inner_name, int(lax.axis_size(inner_name)))
+    return outer, inner
+
+
+def _sum_op(op: ReduceOp) -> ReduceOp:
+    """AVG is summed through both levels and divided once at the end."""
+    return ReduceOp.SUM if op is ReduceOp.AVG else op
 
 
 def _rs_leading(rows: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
     """Reduce-scatter along the leading axis (size ax.size), no AVG division."""
-    if ax.size == 1:
-        return rows[0]
-    if kind != "bool" and op in (ReduceOp.SUM, ReduceOp.AVG):
-        return lax.psum_scatter(rows, ax.name, scatter_dimension=0, tiled=False)
-    return reduce_scatter_leading(rows, ax, op, kind)
-
-
-def _fold_op(op: ReduceOp) -> ReduceOp:
-    return ReduceOp.SUM if op is ReduceOp.AVG else op
+    return lowering.reduce_scatter(rows, ax, _sum_op(op), kind, 0, False)
 
 
 def all_reduce(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
     """Reduce-scatter inside, all-reduce ``1/inner`` across, all-gather inside."""
-    outer, inner = sub_axes("all_reduce", ax, "hierarchical")
+    outer, inner = sub_axes("all_reduce", ax)
     x = ensure_varying(x, ax)
-    part = _rs_leading(to_rows(x, inner.size), inner, _fold_op(op), kind)
+    part = _rs_leading(to_rows(x, inner.size), inner, op, kind)
     if outer.size > 1:
-        part = all_reduce_leaf(part, outer, _fold_op(op), kind)
+        part = lowering.all_reduce(part, outer, _sum_op(op), kind)
     part = finish_avg(part, op, ax.size)
-    full = lax.all_gather(part, inner.name, axis=0, tiled=False) if inner.size > 1 else part[None]
-    return from_rows(full, x)
+    return from_rows(lowering.all_gather(part, inner, 0, False), x)
 
 
 def reduce_scatter_rows(rows: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
     """``rows`` is ``(n, m)``; rank r = (o, i) gets row r. Inside first, then across."""
-    outer, inner = sub_axes("reduce_scatter", ax, "hierarchical")
+    outer, inner = sub_axes("reduce_scatter", ax)
     rows = ensure_varying(rows, ax)
     m = rows.shape[1]
     # Row o * inner + i goes to inner rank i of outer group o: put the inner index first.
     by_inner = rows.reshape(outer.size, inner.size, m).transpose(1, 0, 2)
-    mine = _rs_leading(by_inner, inner, _fold_op(op), kind)  # (outer, m), rows {o' * ni + i}
-    mine = _rs_leading(mine, outer, _fold_op(op), kind)  # (m,), row o * ni + i
+    mine = _rs_leading(by_inner, inner, op, kind)  # (outer, m), rows {o' * ni + i}
+    mine = _rs_leading(mine, outer, op, kind)  # (m,), row o * ni + i
     return finish_avg(mine, op, ax.size)
 
 
-def all_gather(x: jax.Array, ax: Axis) -> jax.Array:
+def _stacked(x: jax.Array, ax: Axis) -> jax.Array:
     """All-gather across (own part only), then inside: ``(n, *x.shape)`` in rank order."""
-    outer, inner = sub_axes("all_gather", ax, "hierarchical")
+    outer, inner = sub_axes("all_gather", ax)
     x = ensure_varying(x, ax)
-    g = lax.all_gather(x, outer.name, axis=0, tiled=False) if outer.size > 1 else x[None]
-    g = lax.all_gather(g, inner.name, axis=0, tiled=False) if inner.size > 1 else g[None]
+    g = lowering.all_gather(x, outer, 0, False)
+    g = lowering.all_gather(g, inner, 0, False)
     # g is (inner, outer, ...): rank o * ni + i is g[i, o].
     return jnp.swapaxes(g, 0, 1).reshape((ax.size,) + x.shape)
 
 
+def all_gather(x: jax.Array, ax: Axis, axis: int, tiled: bool) -> jax.Array:
+    """Hierarchical all-gather of a whole leaf, placed like ``lax.all_gather``."""
+    return gather_placed(_stacked, x, ax, axis, tiled)
+
+
+def reduce_scatter(x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int,
+                   tiled: bool) -> jax.Array:
+    """Hierarchical reduce-scatter along ``dim``."""
+    return scatter_rows(reduce_scatter_rows, x, ax, op, kind, dim, tiled)
+
+
 def broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
     """Inside the source's groups, then ``1/inner`` slices across, then all-gather inside."""
-    outer, inner = sub_axes("broadcast", ax, "hierarchical")
+    outer, inner = sub_axes("broadcast", ax)
     so, si = divmod(src, inner.size)
-    x = ensure_varying(x, ax)
-    if inner.size > 1:
-        x = native_broadcast(x, inner, si)
+    x = lowering.broadcast(ensure_varying(x, ax), inner, si)
     if outer.size == 1:
         return x
     rows = to_rows(x, inner.size)
     mine = lax.dynamic_index_in_dim(rows, inner.rank(), keepdims=False)
-    mine = native_broadcast(mine, outer, so)
-    full = lax.all_gather(mine, inner.name, axis=0, tiled=False) if inner.size > 1 else mine[None]
-    return from_rows(full, x)
+    mine = lowering.broadcast(mine, outer, so)
+    return from_rows(lowering.all_gather(mine, inner, 0, False), x)
 
 
 def reduce(x: jax.Array, ax: Axis, dst: int, op: ReduceOp, kind: str) -> jax.Array:

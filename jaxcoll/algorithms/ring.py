@@ -7,11 +7,14 @@ can. What makes it fast (each change measured in ``docs/benchmarks.md``):
 * the reduce-scatter carries a running partial sum from step to step (``acc = recv + chunk``),
   so the add fuses with reading the local chunk and no buffer is updated in place;
 * the chunks are contiguous rows of one ``(n, m)`` view of the flattened input;
-* the all-gather writes each received chunk once into the output (an in-place
-  dynamic-update-slice), instead of stacking the chunks and rotating them afterwards, which
-  costs a full extra pass over the buffer on CPU.
+* the all-reduce's gather phase is one native all-gather, typed invariant (every rank holds
+  the same result), so ``shard_map``'s checking holds with ``out_specs=P()``;
+* the steps are a rolled loop (``lax.fori_loop``): the program, and its compile time, do not
+  grow with the number of ranks;
+* the ring all-gather writes each received chunk once into the output (an in-place
+  dynamic-update-slice), instead of stacking the chunks and rotating them afterwards.
 
-Functions here work on one validated leaf and an :class:`~jaxcoll.primitives._axis.Axis`;
+Functions here work on one validated leaf and an :class:`~jaxcoll._core.axis.Axis`;
 the public entry points are the primitives with ``algorithm="ring"``.
 """
 
@@ -21,18 +24,27 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._ops import ReduceOp, combine_fn
-from ..primitives._axis import Axis
-from ..primitives._lowering import ensure_varying, is_rank
-from ._common import finish_avg, from_rows, ring_perm, to_bits, to_rows
+from .._core import lowering
+from .._core.axis import Axis, is_rank
+from .._core.ops import ReduceOp, combine_fn, finish_avg
+from .._core.packing import from_rows, to_bits, to_rows
+from .._core.vma import ensure_varying, replicated, root_cotangent
+from ._shapes import gather_placed, scatter_rows
+
+PACKS = True  # leaves of one dtype travel as one buffer
+
+
+def ring_perm(n: int) -> list[tuple[int, int]]:
+    """Every rank sends to rank ``+1`` (mod n): one full-cycle ``ppermute``."""
+    return [(i, (i + 1) % n) for i in range(n)]
 
 
 def reduce_scatter_rows(rows: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
     """``rows`` has shape ``(n, m)``; rank r gets row r folded over all ranks, shape ``(m,)``.
 
-    n-1 steps. In step s rank r sends its partial sum of row (r - 1 - s) to rank r + 1 and
-    adds its own row (r - 2 - s) to the partial it receives; after n-1 steps the partial is
-    row r, summed over all n ranks. AVG is divided by n at the end.
+    n-1 steps of a rolled loop. In step s rank r sends its partial sum of row (r - 1 - s) to
+    rank r + 1 and adds its own row (r - 2 - s) to the partial it receives; after n-1 steps the
+    partial is row r, summed over all n ranks. AVG is divided by n at the end.
     """
     n = ax.size
     if n == 1:
@@ -40,48 +52,62 @@ def reduce_scatter_rows(rows: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> j
     fn = combine_fn(op, kind)
     rows = ensure_varying(rows, ax)
     r = ax.rank()
-    acc = lax.dynamic_index_in_dim(rows, (r - 1) % n, keepdims=False)
     right = ring_perm(n)
-    for s in range(n - 1):
+
+    def step(s, acc):
         recv = lax.ppermute(acc, ax.name, right)
         mine = lax.dynamic_index_in_dim(rows, (r - 2 - s) % n, keepdims=False)
-        acc = fn(recv, mine)
-    return finish_avg(acc, op, n)
+        return fn(recv, mine)
+
+    acc = lax.dynamic_index_in_dim(rows, (r - 1) % n, keepdims=False)
+    return finish_avg(lax.fori_loop(0, n - 1, step, acc), op, n)
 
 
 def all_gather_rows(part: jax.Array, ax: Axis) -> jax.Array:
     """Rank r holds ``part`` of shape ``(m,)``; every rank gets all parts as ``(n, m)``.
 
-    n-1 steps: each rank forwards the part it received last to its right neighbour and writes
-    it in place at its row.
+    n-1 steps of a rolled loop: each rank forwards the part it received last to its right
+    neighbour and writes it in place at its row. Typed invariant (bit-identical copies).
     """
     n = ax.size
     part = ensure_varying(part, ax)
     if n == 1:
         return part[None]
     r = ax.rank()
-    out = jnp.zeros((n,) + part.shape, part.dtype)
-    out = lax.dynamic_update_index_in_dim(out, part, r, 0)
     right = ring_perm(n)
-    cur = part
-    for s in range(n - 1):
+
+    def step(s, carry):
+        out, cur = carry
         cur = lax.ppermute(cur, ax.name, right)  # the part of rank r - 1 - s
-        out = lax.dynamic_update_index_in_dim(out, cur, (r - 1 - s) % n, 0)
-    return out
+        return lax.dynamic_update_index_in_dim(out, cur, (r - 1 - s) % n, 0), cur
+
+    out = lax.dynamic_update_index_in_dim(
+        ensure_varying(jnp.zeros((n,) + part.shape, part.dtype), ax), part, r, 0)
+    out, _ = lax.fori_loop(0, n - 1, step, (out, part))
+    return replicated(out, ax)
 
 
 def all_reduce(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
-    """Ring all-reduce: reduce-scatter then all-gather, 2(n-1) steps, padded to n rows."""
+    """Ring reduce-scatter (n-1 steps), then one invariant native all-gather."""
     if ax.size == 1:
         return x
     part = reduce_scatter_rows(to_rows(x, ax.size), ax, op, kind)
-    return from_rows(all_gather_rows(part, ax), x)
+    return from_rows(lowering.all_gather(part, ax, 0, False), x)
 
 
-def all_gather(x: jax.Array, ax: Axis) -> jax.Array:
-    """Ring all-gather of a whole leaf: returns ``(n, *x.shape)`` in rank order."""
-    out = all_gather_rows(jnp.ravel(x), ax)
-    return out.reshape((ax.size,) + x.shape)
+def _stacked(x: jax.Array, ax: Axis) -> jax.Array:
+    return all_gather_rows(jnp.ravel(x), ax).reshape((ax.size,) + x.shape)
+
+
+def all_gather(x: jax.Array, ax: Axis, axis: int, tiled: bool) -> jax.Array:
+    """Ring all-gather of a whole leaf, placed like ``lax.all_gather``."""
+    return gather_placed(_stacked, x, ax, axis, tiled)
+
+
+def reduce_scatter(x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int,
+                   tiled: bool) -> jax.Array:
+    """Ring reduce-scatter along ``dim``."""
+    return scatter_rows(reduce_scatter_rows, x, ax, op, kind, dim, tiled)
 
 
 def _broadcast_bits(x: jax.Array, ax: Axis, src: int) -> jax.Array:
@@ -96,8 +122,8 @@ def broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
 
     Bit-exact for every dtype (the bits are only OR-ed with zeros) and bandwidth-optimal like
     van de Geijn's scatter + all-gather broadcast: each rank sends 2(n-1)/n of the buffer.
-    Bit casts have no derivative, so for float and complex data the gradient is given
-    directly: the transpose of a broadcast is a SUM reduce of the cotangents onto ``src``.
+    Typed invariant. Bit casts have no derivative, so for float and complex data the gradient
+    is given directly: the cotangent goes to ``src``.
     """
     if ax.size == 1:
         return x
@@ -112,11 +138,10 @@ def broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
         return bcast(v), None
 
     def bwd(_, ct):
-        total = all_reduce(ct, ax, ReduceOp.SUM, "floating")
-        return (jnp.where(is_rank(ax, src), total, jnp.zeros_like(total)),)
+        return (root_cotangent(ct, lowering.names_of(ax), src),)
 
     bcast.defvjp(fwd, bwd)
-    return bcast(x)
+    return bcast(ensure_varying(x, ax))
 
 
 def reduce(x: jax.Array, ax: Axis, dst: int, op: ReduceOp, kind: str) -> jax.Array:

@@ -11,6 +11,10 @@
   ``min(2**k, n - 2**k)`` parts it holds to rank ``r - 2**k``.
 * reduce-scatter: the recursive-doubling all-reduce, keeping row r (latency first: it sends
   the whole buffer log2(n) times, which only pays for small messages).
+
+The all-reduce, broadcast and all-gather leave every rank the same bits, so their results are
+typed invariant (:func:`jaxcoll._core.vma.replicated`, no op in the program) although they end
+in ``ppermute`` steps. The steps are unrolled: there are only about log2(n) of them.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._ops import ReduceOp, combine_fn
-from ..primitives._axis import Axis
-from ..primitives._lowering import ensure_varying, is_rank, tree_broadcast
-from ._common import finish_avg
+from .._core.axis import Axis, is_rank
+from .._core.lowering import tree_broadcast
+from .._core.ops import ReduceOp, combine_fn, finish_avg
+from .._core.vma import ensure_varying, replicated
+from ._shapes import gather_placed, scatter_rows
+
+PACKS = True  # leaves of one dtype travel as one buffer
 
 
 def _pow2_below(n: int) -> int:
@@ -55,7 +62,7 @@ def all_reduce(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
     if e:  # hand the result back to ranks p..n-1
         recv = lax.ppermute(acc, ax.name, [(i, p + i) for i in range(e)])
         acc = jnp.where(r >= p, recv, acc)
-    return finish_avg(acc, op, n)
+    return replicated(finish_avg(acc, op, n), ax)
 
 
 def reduce(x: jax.Array, ax: Axis, dst: int, op: ReduceOp, kind: str) -> jax.Array:
@@ -81,10 +88,10 @@ def broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
     """Binomial-tree broadcast from ``src``, ceil(log2 n) steps, bit-exact."""
     if ax.size == 1:
         return x
-    return tree_broadcast(x, ax, src)
+    return replicated(tree_broadcast(x, ax, src), ax)
 
 
-def all_gather(x: jax.Array, ax: Axis) -> jax.Array:
+def _stacked(x: jax.Array, ax: Axis) -> jax.Array:
     """Bruck all-gather: ``(n, *x.shape)`` in rank order after ceil(log2 n) steps."""
     n = ax.size
     x = ensure_varying(x, ax)
@@ -97,7 +104,18 @@ def all_gather(x: jax.Array, ax: Axis) -> jax.Array:
         recv = lax.ppermute(buf[:k], ax.name, [(i, (i - d) % n) for i in range(n)])
         buf = jnp.concatenate([buf, recv])
         d *= 2
-    return jnp.roll(buf, ax.rank(), axis=0)  # out[j] = buf[j - r]
+    return replicated(jnp.roll(buf, ax.rank(), axis=0), ax)  # out[j] = buf[j - r]
+
+
+def all_gather(x: jax.Array, ax: Axis, axis: int, tiled: bool) -> jax.Array:
+    """Bruck all-gather of a whole leaf, placed like ``lax.all_gather``."""
+    return gather_placed(_stacked, x, ax, axis, tiled)
+
+
+def reduce_scatter(x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int,
+                   tiled: bool) -> jax.Array:
+    """Recursive-doubling reduce-scatter along ``dim``."""
+    return scatter_rows(reduce_scatter_rows, x, ax, op, kind, dim, tiled)
 
 
 def reduce_scatter_rows(rows: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:

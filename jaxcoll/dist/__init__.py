@@ -15,9 +15,9 @@ Example (8 devices)::
     array(8., dtype=float32)
 """
 
-from .._init import init as init
-from .._ops import ReduceOp as ReduceOp
-from ..primitives._group import Group as Group
+from ._init import init as init
+from .._core.ops import ReduceOp as ReduceOp
+from ..groups import Group as Group
 from ._collectives import all_gather as all_gather
 from ._collectives import all_reduce as all_reduce
 from ._collectives import all_to_all as all_to_all

@@ -23,12 +23,12 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from .. import primitives
-from .._checks import check_pairs, check_rank
-from .._ops import ReduceOp, check_op_dtype, coerce_op
-from .._typing import PyTree
-from ..primitives._group import Group
+from .._core.checks import check_pairs, check_rank
+from .._core.ops import ReduceOp, check_op_dtype, coerce_op
+from .._core.typing import PyTree
+from ..groups import Group
 from ._group import resolve_group
-from ._per_rank import check_per_rank
+from ._per_rank import check_per_rank, per_rank
 from ._work import Work
 
 TRACES: collections.Counter[str] = collections.Counter()
@@ -315,8 +315,6 @@ def _p2p(api: str, x: PyTree, dst: int, src: int, group: Group | None, async_op:
 
 @functools.lru_cache(maxsize=64)
 def _barrier_token(group: Group) -> jax.Array:
-    from ._per_rank import per_rank
-
     return per_rank(lambda r: 0, group)
 
 

@@ -15,8 +15,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._checks import check_static_int
-from ..primitives._group import Group
+from .._core.checks import check_static_int
+from ..groups import Group
 
 _OUTER = "subgroup"
 

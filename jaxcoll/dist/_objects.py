@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from .._checks import check_rank
+from .._core.checks import check_rank
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

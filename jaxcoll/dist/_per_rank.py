@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..primitives._group import Group
+from ..groups import Group
 from ._group import group_sharding, resolve_group
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from .._typing import PyTree
+from .._core.typing import PyTree
 
 
 class Work:

@@ -8,8 +8,8 @@ from typing import Any
 
 import jax
 
-from .._checks import check_static_int
-from .._typing import PyTree
+from .._core.checks import check_static_int
+from .._core.typing import PyTree
 
 
 def total_steps(data: Any, steps: int | None, epochs: int | None) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import jax
 
-from .._typing import AxisName, PyTree
-from ..primitives._lowering import cast_varying, varying_axes
+from .._core.typing import AxisName, PyTree
+from .._core.vma import cast_varying, varying_axes
 
 
 def axis_names(axis_name: AxisName) -> tuple:

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from .._typing import PyTree
+from .._core.typing import PyTree
 
 # loss(outputs, batch) -> (per-example mean loss, dict of per-example-mean scalar metrics)
 OutputLoss = Callable[[Any, PyTree], tuple[jax.Array, dict[str, jax.Array]]]

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._typing import PyTree
+from .._core.typing import PyTree
 
 
 class Batches:

@@ -18,8 +18,9 @@ import numpy as np
 from jax import lax
 
 from .. import primitives
-from .._typing import AxisName, PyTree
-from ..algorithms._dispatch import check_algorithm
+from .._core.typing import AxisName, PyTree
+from ..algorithms import choose
+from ..algorithms.registry import check_algorithm
 
 _SYNCED = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -108,10 +109,6 @@ def _resolve(kwargs: dict[str, str], nbytes: int, axis_name: AxisName, n: int) -
     name = kwargs.get("algorithm", "native")
     if name != "auto":
         return name
-    try:
-        from ..algorithms import choose
-    except ImportError:  # pragma: no cover - a jaxcoll without the algorithms module
-        return "native"
     return choose("all_reduce", nbytes, group_size=n, two_level=isinstance(axis_name, tuple))
 
 

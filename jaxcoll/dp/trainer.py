@@ -15,8 +15,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import primitives
-from .._checks import check_static_int
-from .._typing import AxisName, PyTree
+from .._core.checks import check_static_int
+from .._core.typing import AxisName, PyTree
 from ._loop import batch_source, finish_history, total_steps
 from ._vma import axis_names, is_varying, to_varying
 from .adapters import Model

@@ -1,11 +1,13 @@
 """SPMD collectives: call them inside ``jax.shard_map`` over a device mesh.
 
-Each takes ``axis_name`` (a mesh axis or a tuple of them, as in ``jax.lax``) and a pytree,
-and returns new arrays. See each function for its lowering.
+Each takes ``axis_name`` (a mesh axis or a tuple of them, as in ``jax.lax``, or a group from
+:mod:`jaxcoll.dist`) and a pytree, and returns new arrays. See each function for its lowering.
+Each public function is thin: it checks its arguments, chooses an algorithm
+(:mod:`jaxcoll.algorithms`) and calls the lowering (:mod:`jaxcoll._core.lowering`).
 """
 
-from ._axis import rank as rank
-from ._axis import world_size as world_size
+from .ranks import rank as rank
+from .ranks import world_size as world_size
 from .all_reduce import all_reduce as all_reduce
 from .all_reduce import reduce as reduce
 from .all_to_all import all_to_all as all_to_all

@@ -5,31 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
-from .._checks import as_array_leaves, check_rank
-from .._ops import ReduceOp, check_op_dtype, coerce_op
-from .._typing import AxisName, PyTree
-from ._axis import Axis, resolve
-from ._group import group_op, is_group
-from ._lowering import generic_all_reduce, is_rank, staged
-
-_BOOL_NATIVE = {
-    ReduceOp.SUM: lax.pmax, ReduceOp.MAX: lax.pmax, ReduceOp.BOR: lax.pmax,
-    ReduceOp.PRODUCT: lax.pmin, ReduceOp.MIN: lax.pmin, ReduceOp.BAND: lax.pmin,
-}
-_NATIVE = {ReduceOp.SUM: lax.psum, ReduceOp.AVG: lax.pmean,
-           ReduceOp.MIN: lax.pmin, ReduceOp.MAX: lax.pmax}
-
-
-@staged(1, 2, 3)
-def all_reduce_leaf(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
-    """All-reduce one validated leaf (the dispatch table shared by all_reduce and reduce)."""
-    native = (_BOOL_NATIVE if kind == "bool" else _NATIVE).get(op)
-    if native is not None:
-        return native(x, ax.name)
-    return generic_all_reduce(x, ax, op, kind)
+from .._core.axis import resolve
+from .._core.checks import as_array_leaves, check_rank
+from .._core.ops import ReduceOp, check_op_dtype, coerce_op
+from .._core.protocol import handler
+from .._core.typing import AxisName, PyTree
+from ..algorithms import registry
 
 
 def _validated(api: str, x: Any, axis_name: Any, op: Any):
@@ -87,15 +69,11 @@ def all_reduce(
         >>> f(jnp.arange(8.0))
         Array([7., 7., 7., 7., 7., 7., 7., 7.], dtype=float32)
     """
-    if is_group(axis_name):
-        return group_op("all_reduce", x, axis_name, op=op)
+    if (own := handler(axis_name)) is not None:
+        return own(all_reduce, x, op=op, algorithm=algorithm)
     op, ax, leaves, kinds, treedef = _validated("all_reduce", x, axis_name, op)
-    from ..algorithms import _dispatch  # lazy: the algorithms build on this module
-
-    done = _dispatch.all_reduce("all_reduce", algorithm, leaves, kinds, ax, op)
-    if done is not None:
-        return jax.tree_util.tree_unflatten(treedef, done)
-    out = [all_reduce_leaf(leaf, ax, op, kind) for leaf, kind in zip(leaves, kinds)]
+    out = registry.run("all_reduce", "all_reduce", algorithm, leaves, ax,
+                       lambda mod, v, i: mod.all_reduce(v, ax, op, kinds[i]))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -140,20 +118,10 @@ def reduce(
         >>> f(jnp.array([1.0, 2.0, 3.0, 4.0]))
         Array([10., 2., 3., 4.], dtype=float32)
     """
-    if is_group(axis_name):
-        return group_op("reduce", x, axis_name, dst=dst, op=op)
+    if (own := handler(axis_name)) is not None:
+        return own(reduce, x, dst=dst, op=op, algorithm=algorithm)
     op, ax, leaves, kinds, treedef = _validated("reduce", x, axis_name, op)
     dst = check_rank("reduce", "dst", dst, ax.size)
-    from ..algorithms import _dispatch  # lazy: the algorithms build on this module
-
-    done = _dispatch.reduce("reduce", algorithm, leaves, kinds, ax, dst, op)
-    if done is not None:
-        return jax.tree_util.tree_unflatten(treedef, done)
-    out = [reduce_leaf(leaf, ax, dst, op, kind) for leaf, kind in zip(leaves, kinds)]
+    out = registry.run("reduce", "reduce", algorithm, leaves, ax,
+                       lambda mod, v, i: mod.reduce(v, ax, dst, op, kinds[i]))
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-@staged(1, 2, 3, 4)
-def reduce_leaf(x: jax.Array, ax: Axis, dst: int, op: ReduceOp, kind: str) -> jax.Array:
-    """Reduce one validated leaf to ``dst`` (all-reduce, then keep x off ``dst``)."""
-    return jnp.where(is_rank(ax, dst), all_reduce_leaf(x, ax, op, kind), x)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
-from .._checks import as_array_leaves, check_axis, check_divisible, check_leading
-from .._typing import AxisName, PyTree
-from ._axis import resolve
-from ._group import group_op, is_group
-from ._lowering import staged
+from .._core import lowering
+from .._core.axis import resolve
+from .._core.checks import as_array_leaves, check_axis, check_split
+from .._core.protocol import handler
+from .._core.typing import AxisName, PyTree
 
 
 def all_to_all(
@@ -55,44 +53,14 @@ def all_to_all(
         >>> f(jnp.arange(16.0))        # rank j holds [4j .. 4j+3]; rank r gets [r, 4+r, 8+r, 12+r]
         Array([ 0.,  4.,  8., 12.,  1.,  5.,  9., 13.,  2., ...], dtype=float32)
     """
-    if is_group(axis_name):
-        return group_op("all_to_all", x, axis_name, split_axis=split_axis,
-                        concat_axis=concat_axis, tiled=tiled)
+    if (own := handler(axis_name)) is not None:
+        return own(all_to_all, x, split_axis=split_axis, concat_axis=concat_axis, tiled=tiled)
     api = "all_to_all"
     ax = resolve(api, axis_name)
-    n = ax.size
     leaves, treedef = as_array_leaves(api, x)
     out = []
     for leaf in leaves:
-        if leaf.ndim == 0:
-            raise ValueError(f"{api}: x is a scalar, but it must hold {n} slices along split_axis.")
-        s = check_axis(api, "split_axis", split_axis, leaf.ndim)
+        s = check_split(api, leaf.shape, split_axis, ax.size, bool(tiled), "split_axis")
         c = check_axis(api, "concat_axis", concat_axis, leaf.ndim)
-        if tiled:
-            check_divisible(api, f"x.shape[{s}] (split_axis)", leaf.shape[s], n,
-                            "Pad split_axis to a multiple of the group size.")
-        else:
-            check_leading(api, f"x.shape[{s}] (split_axis)", leaf.shape[s], n,
-                          "Put one slice per rank along split_axis, or use tiled=True.")
-        out.append(lax.all_to_all(leaf, ax.name, s, c, tiled=True) if tiled
-                   else untiled_all_to_all(leaf, ax.name, s, c))
+        out.append(lowering.all_to_all(leaf, ax, s, c, bool(tiled)))
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-@staged(1, 2, 3)
-def untiled_all_to_all(x: jax.Array, name, split_axis: int, concat_axis: int) -> jax.Array:
-    """Untiled all_to_all expressed with the tiled primitive over an inserted unit axis.
-
-    This is the reshaping ``lax.all_to_all`` does itself, done here so that ``jax.grad`` works:
-    in jax 0.10 the transpose of an untiled all_to_all with ``split_axis != concat_axis``
-    inserts the unit axis a second time and fails with a cotangent shape error.
-    """
-    if split_axis == concat_axis:
-        return lax.all_to_all(x, name, split_axis, concat_axis, tiled=True)
-    if split_axis < concat_axis:
-        concat_axis += 1
-    else:
-        split_axis += 1
-    y = jnp.expand_dims(x, concat_axis)
-    out = lax.all_to_all(y, name, split_axis, concat_axis, tiled=True)
-    return jnp.squeeze(out, split_axis)

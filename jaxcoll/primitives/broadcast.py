@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import jax
 
-from .._checks import as_array_leaves, check_rank
-from .._typing import AxisName, PyTree
-from ._axis import resolve
-from ._group import group_op, is_group
-from ._lowering import native_broadcast
+from .._core.axis import resolve
+from .._core.checks import as_array_leaves, check_rank
+from .._core.protocol import handler
+from .._core.typing import AxisName, PyTree
+from ..algorithms import registry
 
 
 def broadcast(x: PyTree, axis_name: AxisName, src: int, *, algorithm: str = "auto") -> PyTree:
@@ -19,11 +19,13 @@ def broadcast(x: PyTree, axis_name: AxisName, src: int, *, algorithm: str = "aut
         def broadcast(x, axis_name, src):
             return x_of_rank(src)
 
-    Lowering: on GPU a single collective-broadcast (``lax.pbroadcast``, NCCL broadcast). XLA has
-    no collective-broadcast on CPU or TPU, so there ``lax.platform_dependent`` selects a
-    binomial tree of ceil(log2 n) ``ppermute`` steps from ``src``. Both are bit-exact (no
-    arithmetic), for every dtype including bool and complex. ``jax.grad`` sums the cotangents
-    of all ranks onto ``src`` (zeros elsewhere).
+    Lowering: one jaxcoll primitive with a lowering per platform: on GPU a single
+    collective-broadcast (``lax.pbroadcast``, NCCL broadcast); XLA has no collective-broadcast
+    on CPU or TPU, so there a binomial tree of ceil(log2 n) ``ppermute`` steps from ``src``.
+    A program exported for several platforms (``jax.export``, ``platforms=("cuda", "cpu")``)
+    carries both. Bit-exact (no arithmetic), for every dtype including bool and complex. The
+    result is typed invariant (the same on every rank), so ``out_specs=P()`` checks; ``jax.grad``
+    gives ``src`` the cotangent and every other rank zeros.
 
     Args:
         x: an array or a pytree of arrays. Only ``src``'s values matter; other ranks' ``x``
@@ -47,15 +49,11 @@ def broadcast(x: PyTree, axis_name: AxisName, src: int, *, algorithm: str = "aut
         >>> f(jnp.array([1.0, 0.0, 0.0, 0.0]))
         Array([1., 1., 1., 1.], dtype=float32)
     """
-    if is_group(axis_name):
-        return group_op("broadcast", x, axis_name, src=src)
+    if (own := handler(axis_name)) is not None:
+        return own(broadcast, x, src=src, algorithm=algorithm)
     ax = resolve("broadcast", axis_name)
     src = check_rank("broadcast", "src", src, ax.size)
     leaves, treedef = as_array_leaves("broadcast", x)
-    from ..algorithms import _dispatch  # lazy: the algorithms build on this module
-
-    done = _dispatch.broadcast("broadcast", algorithm, leaves, ax, src)
-    if done is not None:
-        return jax.tree_util.tree_unflatten(treedef, done)
-    out = [native_broadcast(leaf, ax, src) for leaf in leaves]
+    out = registry.run("broadcast", "broadcast", algorithm, leaves, ax,
+                       lambda mod, v, i: mod.broadcast(v, ax, src))
     return jax.tree_util.tree_unflatten(treedef, out)

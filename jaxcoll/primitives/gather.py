@@ -3,34 +3,13 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
-from .._checks import as_array_leaves, check_axis, check_rank, check_static_int
-from .._typing import AxisName, PyTree
-from ._axis import Axis, resolve
-from ._group import group_op, is_group
-from ._lowering import is_rank, staged
-
-
-@staged(0, 2, 3, 4, 5)
-def _gather_leaf(
-    api: str, x: jax.Array, ax: Axis, axis: int, tiled: bool, algorithm: str = "native"
-) -> jax.Array:
-    if tiled:
-        if x.ndim == 0:
-            raise ValueError(f"{api}: tiled=True concatenates along an existing axis, but x is a "
-                             f"scalar. Use tiled=False to stack, or reshape x to 1-D.")
-        axis = check_axis(api, "axis", axis, x.ndim)
-    else:
-        axis = check_axis(api, "axis", axis, x.ndim + 1)
-    if algorithm != "native":
-        from ..algorithms import _dispatch  # lazy: the algorithms build on this module
-
-        done = _dispatch.all_gather_leaf(api, algorithm, x, ax, axis, tiled)
-        if done is not None:
-            return done
-    return lax.all_gather(x, ax.name, axis=axis, tiled=tiled)
+from .._core import lowering
+from .._core.axis import resolve
+from .._core.checks import as_array_leaves, check_gather_axis, check_rank
+from .._core.protocol import handler
+from .._core.typing import AxisName, PyTree
+from ..algorithms import registry
 
 
 def all_gather(
@@ -46,7 +25,8 @@ def all_gather(
             xs = [x_of_rank(j) for j in range(world_size(axis_name))]
             return jnp.concatenate(xs, axis) if tiled else jnp.stack(xs, axis)
 
-    Lowering: one ``lax.all_gather`` (HLO all-gather; NCCL all_gather on GPU). Any dtype.
+    Lowering: one ``lax.all_gather`` (HLO all-gather; NCCL all_gather on GPU), typed invariant
+    (the same on every rank, so ``out_specs=P()`` checks). Any dtype.
     ``jax.grad`` gives each rank the sum over ranks of the cotangent of its own slice (the
     transpose is a reduce-scatter).
 
@@ -72,12 +52,14 @@ def all_gather(
         >>> f(jnp.array([1.0, 2.0, 3.0, 4.0]))[0]
         Array([[1.], [2.], [3.], [4.]], dtype=float32)
     """
-    if is_group(axis_name):
-        return group_op("all_gather", x, axis_name, axis=axis, tiled=tiled)
-    ax = resolve("all_gather", axis_name)
-    axis = check_static_int("all_gather", "axis", axis)
-    leaves, treedef = as_array_leaves("all_gather", x)
-    out = [_gather_leaf("all_gather", leaf, ax, axis, bool(tiled), algorithm) for leaf in leaves]
+    if (own := handler(axis_name)) is not None:
+        return own(all_gather, x, axis=axis, tiled=tiled, algorithm=algorithm)
+    api = "all_gather"
+    ax = resolve(api, axis_name)
+    leaves, treedef = as_array_leaves(api, x)
+    axes = [check_gather_axis(api, leaf.shape, axis, bool(tiled)) for leaf in leaves]
+    out = registry.each(api, api, algorithm, leaves, ax,
+                        lambda mod, v, i: mod.all_gather(v, ax, axes[i], bool(tiled)))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -117,17 +99,12 @@ def gather(
         >>> f(jnp.array([1.0, 2.0, 3.0, 4.0]))[:, :, 0]
         Array([[1., 2., 3., 4.], [0., 0., 0., 0.], [0., 0., 0., 0.], [0., 0., 0., 0.]], ...)
     """
-    if is_group(axis_name):
-        return group_op("gather", x, axis_name, dst=dst, axis=axis, tiled=tiled)
-    ax = resolve("gather", axis_name)
-    dst = check_rank("gather", "dst", dst, ax.size)
-    axis = check_static_int("gather", "axis", axis)
-    leaves, treedef = as_array_leaves("gather", x)
-    out = [_rooted_gather_leaf(leaf, ax, dst, axis, bool(tiled)) for leaf in leaves]
+    if (own := handler(axis_name)) is not None:
+        return own(gather, x, dst=dst, axis=axis, tiled=tiled)
+    api = "gather"
+    ax = resolve(api, axis_name)
+    dst = check_rank(api, "dst", dst, ax.size)
+    leaves, treedef = as_array_leaves(api, x)
+    out = [lowering.gather(leaf, ax, dst, check_gather_axis(api, leaf.shape, axis, bool(tiled)),
+                           bool(tiled)) for leaf in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-@staged(1, 2, 3, 4)
-def _rooted_gather_leaf(x: jax.Array, ax: Axis, dst: int, axis: int, tiled: bool) -> jax.Array:
-    g = _gather_leaf("gather", x, ax, axis, tiled)
-    return jnp.where(is_rank(ax, dst), g, jnp.zeros_like(g))

@@ -5,14 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
-from .._checks import as_array_leaves, check_pairs, check_static_int
-from .._typing import AxisName, PyTree
-from ._axis import Axis, resolve
-from ._group import group_op, is_group
-from ._lowering import ensure_varying, is_rank, staged
+from .._core import lowering
+from .._core.axis import resolve
+from .._core.checks import as_array_leaves, check_pairs, check_static_int
+from .._core.protocol import handler
+from .._core.typing import AxisName, PyTree
 
 
 def sendrecv(x: PyTree, axis_name: AxisName, pairs: Sequence[tuple[int, int]]) -> PyTree:
@@ -52,22 +50,13 @@ def sendrecv(x: PyTree, axis_name: AxisName, pairs: Sequence[tuple[int, int]]) -
         >>> f(jnp.array([10.0, 1.0, 2.0, 3.0]))
         Array([10.,  1.,  2., 10.], dtype=float32)
     """
-    if is_group(axis_name):
-        return group_op("sendrecv", x, axis_name, pairs=pairs)
+    if (own := handler(axis_name)) is not None:
+        return own(sendrecv, x, pairs=pairs)
     ax = resolve("sendrecv", axis_name)
     pairs = check_pairs("sendrecv", pairs, ax.size)
     leaves, treedef = as_array_leaves("sendrecv", x)
-    if not pairs:
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-    out = [_sendrecv_leaf(leaf, ax, pairs) for leaf in leaves]
+    out = [lowering.sendrecv(leaf, ax, pairs) if pairs else leaf for leaf in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-@staged(1, 2)
-def _sendrecv_leaf(x: jax.Array, ax: Axis, pairs: tuple[tuple[int, int], ...]) -> jax.Array:
-    x = ensure_varying(x, ax)
-    got = lax.ppermute(x, ax.name, perm=pairs)
-    return jnp.where(is_rank(ax, [d for _, d in pairs]), got, x)
 
 
 def shift(x: PyTree, axis_name: AxisName, offset: int = 1) -> PyTree:
@@ -97,15 +86,10 @@ def shift(x: PyTree, axis_name: AxisName, offset: int = 1) -> PyTree:
         >>> f(jnp.array([0.0, 1.0, 2.0, 3.0]))
         Array([3., 0., 1., 2.], dtype=float32)
     """
-    if is_group(axis_name):
-        return group_op("shift", x, axis_name, offset=offset)
+    if (own := handler(axis_name)) is not None:
+        return own(shift, x, offset=offset)
     ax = resolve("shift", axis_name)
     offset = check_static_int("shift", "offset", offset)
     leaves, treedef = as_array_leaves("shift", x)
-    n = ax.size
-    k = offset % n
-    if k == 0:
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-    perm = [(i, (i + k) % n) for i in range(n)]
-    out = [lax.ppermute(leaf, ax.name, perm=perm) for leaf in leaves]
+    out = [lowering.shift(leaf, ax, offset) for leaf in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -3,49 +3,13 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
-from .._checks import as_array_leaves, check_axis, check_divisible, check_leading
-from .._ops import ReduceOp, check_op_dtype, coerce_op
-from .._typing import AxisName, PyTree
-from ._axis import Axis, resolve
-from ._group import group_op, is_group
-from ._lowering import reduce_scatter_leading, split_leading, staged, unsplit_slice
-
-
-@staged(1, 2, 3, 4, 5, 6)
-def reduce_scatter_leaf(
-    x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int, tiled: bool,
-    algorithm: str = "native",
-) -> jax.Array:
-    """Reduce-scatter one validated leaf."""
-    api = "reduce_scatter"
-    n = ax.size
-    if x.ndim == 0:
-        raise ValueError(f"{api}: x is a scalar, but it must hold {n} slices along "
-                         f"scatter_dimension (one per rank).")
-    dim = check_axis(api, "scatter_dimension", dim, x.ndim)
-    if tiled:
-        check_divisible(api, f"x.shape[{dim}]", x.shape[dim], n,
-                        "Pad that dimension to a multiple of the group size.")
-    else:
-        check_leading(api, f"x.shape[{dim}]", x.shape[dim], n,
-                      "Stack one slice per rank along scatter_dimension, or use tiled=True.")
-    if algorithm != "native":
-        from ..algorithms import _dispatch  # lazy: the algorithms build on this module
-
-        parts = split_leading(x, dim, n, tiled)
-        done = _dispatch.reduce_scatter_parts(api, algorithm, parts, ax, op, kind)
-        if done is not None:
-            return unsplit_slice(done, dim, tiled)
-    if kind != "bool" and op in (ReduceOp.SUM, ReduceOp.AVG):
-        out = lax.psum_scatter(x, ax.name, scatter_dimension=dim, tiled=tiled)
-        if op is ReduceOp.AVG:
-            out = out / jnp.asarray(n, out.dtype)
-        return out
-    parts = split_leading(x, dim, n, tiled)
-    return unsplit_slice(reduce_scatter_leading(parts, ax, op, kind), dim, tiled)
+from .._core.axis import resolve
+from .._core.checks import as_array_leaves, check_split
+from .._core.ops import ReduceOp, check_op_dtype, coerce_op
+from .._core.protocol import handler
+from .._core.typing import AxisName, PyTree
+from ..algorithms import registry
 
 
 def reduce_scatter(
@@ -92,16 +56,17 @@ def reduce_scatter(
         >>> f(jnp.arange(16.0))        # rank j holds [4j, 4j+1, 4j+2, 4j+3]
         Array([12., 13., 14., 15.], dtype=float32)
     """
-    if is_group(axis_name):
-        return group_op("reduce_scatter", x, axis_name, op=op,
-                        scatter_dimension=scatter_dimension, tiled=tiled)
+    if (own := handler(axis_name)) is not None:
+        return own(reduce_scatter, x, op=op, scatter_dimension=scatter_dimension, tiled=tiled,
+                   algorithm=algorithm)
     api = "reduce_scatter"
     op = coerce_op(api, op)
     ax = resolve(api, axis_name)
     leaves, treedef = as_array_leaves(api, x)
-    out = []
-    for leaf in leaves:
-        kind = check_op_dtype(api, op, leaf.dtype)
-        out.append(reduce_scatter_leaf(leaf, ax, op, kind, scatter_dimension, bool(tiled),
-                                       algorithm))
+    kinds = [check_op_dtype(api, op, leaf.dtype) for leaf in leaves]
+    dims = [check_split(api, leaf.shape, scatter_dimension, ax.size, bool(tiled),
+                        "scatter_dimension") for leaf in leaves]
+    out = registry.each(api, api, algorithm, leaves, ax,
+                        lambda mod, v, i: mod.reduce_scatter(v, ax, op, kinds[i], dims[i],
+                                                             bool(tiled)))
     return jax.tree_util.tree_unflatten(treedef, out)

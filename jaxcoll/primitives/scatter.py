@@ -3,35 +3,12 @@
 from __future__ import annotations
 
 import jax
-from jax import lax
 
-from .._checks import as_array_leaves, check_axis, check_divisible, check_leading, check_rank
-from .._typing import AxisName, PyTree
-from ._axis import Axis, resolve
-from ._group import group_op, is_group
-from ._lowering import split_leading, staged, unsplit_slice
-
-
-@staged(1, 2, 3, 4)
-def _scatter_leaf(x: jax.Array, ax: Axis, src: int, axis: int, tiled: bool) -> jax.Array:
-    api = "scatter"
-    if x.ndim == 0:
-        raise ValueError(f"{api}: x is a scalar, but it must hold {ax.size} slices along `axis` "
-                         f"(one per rank).")
-    axis = check_axis(api, "axis", axis, x.ndim)
-    n = ax.size
-    if tiled:
-        check_divisible(api, f"x.shape[{axis}]", x.shape[axis], n,
-                        "Pad x so that every rank gets an equal slice.")
-    else:
-        check_leading(api, f"x.shape[{axis}]", x.shape[axis], n,
-                      "Stack one slice per rank along `axis`, or use tiled=True to split a "
-                      "longer axis into equal chunks.")
-    parts = split_leading(x, axis, n, tiled)
-    if n == 1:
-        return unsplit_slice(parts[0], axis, tiled)
-    rows = lax.all_to_all(parts, ax.name, 0, 0, tiled=False)  # rows[j] = slice r of rank j
-    return unsplit_slice(rows[src], axis, tiled)
+from .._core import lowering
+from .._core.axis import resolve
+from .._core.checks import as_array_leaves, check_rank, check_split
+from .._core.protocol import handler
+from .._core.typing import AxisName, PyTree
 
 
 def scatter(
@@ -73,10 +50,12 @@ def scatter(
         >>> f(data)
         Array([1., 2., 3., 4.], dtype=float32)
     """
-    if is_group(axis_name):
-        return group_op("scatter", x, axis_name, src=src, axis=axis, tiled=tiled)
-    ax = resolve("scatter", axis_name)
-    src = check_rank("scatter", "src", src, ax.size)
-    leaves, treedef = as_array_leaves("scatter", x)
-    out = [_scatter_leaf(leaf, ax, src, axis, bool(tiled)) for leaf in leaves]
+    if (own := handler(axis_name)) is not None:
+        return own(scatter, x, src=src, axis=axis, tiled=tiled)
+    api = "scatter"
+    ax = resolve(api, axis_name)
+    src = check_rank(api, "src", src, ax.size)
+    leaves, treedef = as_array_leaves(api, x)
+    out = [lowering.scatter(leaf, ax, src, check_split(api, leaf.shape, axis, ax.size, bool(tiled)),
+                            bool(tiled)) for leaf in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -137,24 +138,59 @@ def check_op_dtype(api: str, op: ReduceOp, dtype: np.dtype) -> str:
     return kind
 
 
+@dataclass(frozen=True)
+class Rule:
+    """How one op combines values of one dtype kind: the one table every lowering reads.
+
+    Attributes:
+        combine: the binary function folding two ranks' values (ring and tree steps).
+        reduce: reduces a stacked ``(n, ...)`` array over its leading axis in one XLA reduce.
+        native: the lax collective that computes the op over an axis, or None where lax has
+            none (PRODUCT, bitwise ops): those lower to all_to_all + ``reduce`` + all_gather.
+    """
+
+    combine: Callable[[jax.Array, jax.Array], jax.Array]
+    reduce: Callable[[jax.Array], jax.Array]
+    native: Callable[..., jax.Array] | None
+
+
+def _over_ranks(fn: Callable[..., jax.Array]) -> Callable[[jax.Array], jax.Array]:
+    return lambda stacked: fn(stacked, axis=0)
+
+
+def _lax_reduce(fn: Callable[..., jax.Array]) -> Callable[[jax.Array], jax.Array]:
+    return lambda stacked: fn(stacked, (0,))
+
+
+_OR = Rule(jnp.logical_or, _lax_reduce(lax.reduce_or), lax.pmax)
+_AND = Rule(jnp.logical_and, _lax_reduce(lax.reduce_and), lax.pmin)
+_RULES: dict[tuple[str, ReduceOp], Rule] = {
+    # torch's rules for bool: SUM and MAX are logical or, PRODUCT and MIN logical and.
+    ("bool", ReduceOp.SUM): _OR, ("bool", ReduceOp.MAX): _OR, ("bool", ReduceOp.BOR): _OR,
+    ("bool", ReduceOp.PRODUCT): _AND, ("bool", ReduceOp.MIN): _AND, ("bool", ReduceOp.BAND): _AND,
+    ("bool", ReduceOp.BXOR): Rule(jnp.logical_xor, _lax_reduce(lax.reduce_xor), None),
+    ("number", ReduceOp.SUM): Rule(jnp.add, _over_ranks(jnp.sum), lax.psum),
+    ("number", ReduceOp.AVG): Rule(jnp.add, _over_ranks(jnp.mean), lax.pmean),
+    ("number", ReduceOp.PRODUCT): Rule(jnp.multiply, _over_ranks(jnp.prod), None),
+    ("number", ReduceOp.MIN): Rule(jnp.minimum, _over_ranks(jnp.min), lax.pmin),
+    ("number", ReduceOp.MAX): Rule(jnp.maximum, _over_ranks(jnp.max), lax.pmax),
+    ("number", ReduceOp.BAND): Rule(jnp.bitwise_and, _lax_reduce(lax.reduce_and), None),
+    ("number", ReduceOp.BOR): Rule(jnp.bitwise_or, _lax_reduce(lax.reduce_or), None),
+    ("number", ReduceOp.BXOR): Rule(jnp.bitwise_xor, _lax_reduce(lax.reduce_xor), None),
+}
+
+
+def rule(op: ReduceOp, kind: str) -> Rule:
+    """The :class:`Rule` of ``op`` on data of ``kind`` (from :func:`check_op_dtype`)."""
+    return _RULES[("bool" if kind == "bool" else "number", op)]
+
+
 def combine_fn(op: ReduceOp, kind: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
-    """The binary function that folds two ranks' values for ``op`` on data of ``kind``."""
-    if kind == "bool":
-        table = {
-            ReduceOp.SUM: jnp.logical_or, ReduceOp.MAX: jnp.logical_or,
-            ReduceOp.BOR: jnp.logical_or,
-            ReduceOp.PRODUCT: jnp.logical_and, ReduceOp.MIN: jnp.logical_and,
-            ReduceOp.BAND: jnp.logical_and,
-            ReduceOp.BXOR: jnp.logical_xor,
-        }
-        return table[op]
-    table = {
-        ReduceOp.SUM: jnp.add, ReduceOp.AVG: jnp.add, ReduceOp.PRODUCT: jnp.multiply,
-        ReduceOp.MIN: jnp.minimum, ReduceOp.MAX: jnp.maximum,
-        ReduceOp.BAND: jnp.bitwise_and, ReduceOp.BOR: jnp.bitwise_or,
-        ReduceOp.BXOR: jnp.bitwise_xor,
-    }
-    return table[op]
+    """The binary function that folds two ranks' values for ``op`` on data of ``kind``.
+
+    AVG folds with ``+``; the caller divides the finished sum by n once.
+    """
+    return rule(op, kind).combine
 
 
 def fold(op: ReduceOp, kind: str, stacked: jax.Array) -> jax.Array:
@@ -163,19 +199,11 @@ def fold(op: ReduceOp, kind: str, stacked: jax.Array) -> jax.Array:
     Callers reduce each chunk exactly once and then share it (reduce-scatter + all-gather), so
     the result is bit-identical on every rank even for float PRODUCT. AVG divides the sum by n.
     """
-    if kind == "bool":
-        if op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.BOR):
-            return lax.reduce_or(stacked, (0,))
-        if op in (ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.BAND):
-            return lax.reduce_and(stacked, (0,))
-        return lax.reduce_xor(stacked, (0,))
+    return rule(op, kind).reduce(stacked).astype(stacked.dtype)
+
+
+def finish_avg(x: jax.Array, op: ReduceOp, n: int) -> jax.Array:
+    """AVG folds with ``+``; divide the finished sum by the group size once."""
     if op is ReduceOp.AVG:
-        return jnp.mean(stacked, axis=0).astype(stacked.dtype)
-    table = {
-        ReduceOp.SUM: jnp.sum, ReduceOp.PRODUCT: jnp.prod, ReduceOp.MIN: jnp.min,
-        ReduceOp.MAX: jnp.max,
-        ReduceOp.BAND: lambda a, axis: lax.reduce_and(a, (axis,)),
-        ReduceOp.BOR: lambda a, axis: lax.reduce_or(a, (axis,)),
-        ReduceOp.BXOR: lambda a, axis: lax.reduce_xor(a, (axis,)),
-    }
-    return table[op](stacked, axis=0).astype(stacked.dtype)
+        return (x / jnp.asarray(n, x.dtype)).astype(x.dtype)
+    return x

@@ -103,3 +103,40 @@ def check_pairs(api: str, pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
                 f"call; split the exchange into several calls."
             )
     return tuple(out)
+
+
+def check_split(api: str, shape: tuple[int, ...], axis: Any, n: int, tiled: bool,
+                argname: str = "axis") -> int:
+    """The axis that holds one slice per rank: size ``n`` (untiled) or a multiple of ``n``.
+
+    Shared by scatter, reduce_scatter and all_to_all (and their group forms). Returns the axis
+    as a non-negative int.
+    """
+    label = "`axis`" if argname == "axis" else argname
+    if not shape:
+        raise ValueError(f"{api}: x is a scalar, but it must hold {n} slices along {label} "
+                         f"(one per rank).")
+    axis = check_axis(api, argname, axis, len(shape))
+    what = f"x.shape[{axis}]" + ("" if argname in ("axis", "scatter_dimension")
+                                 else f" ({argname})")
+    if tiled:
+        check_divisible(api, what, shape[axis], n,
+                        f"Pad {label} to a multiple of the group size, so that every rank gets "
+                        f"an equal slice.")
+    else:
+        check_leading(api, what, shape[axis], n,
+                      f"Stack one slice per rank along {label}, or use tiled=True to split a "
+                      f"longer axis into equal chunks.")
+    return axis
+
+
+def check_gather_axis(api: str, shape: tuple[int, ...], axis: Any, tiled: bool) -> int:
+    """Where a gather puts the rank axis: ``0..ndim`` (a new axis) or, ``tiled``, an existing
+    axis ``0..ndim-1`` to concatenate along."""
+    axis = check_static_int(api, "axis", axis)
+    if not tiled:
+        return check_axis(api, "axis", axis, len(shape) + 1)
+    if not shape:
+        raise ValueError(f"{api}: tiled=True concatenates along an existing axis, but x is a "
+                         f"scalar. Use tiled=False to stack, or reshape x to 1-D.")
+    return check_axis(api, "axis", axis, len(shape))

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
-
-from ._group import group_op, is_group
 
 
 @dataclass(frozen=True)
@@ -65,33 +65,10 @@ def resolve(api: str, axis_name: Any) -> Axis:
     return Axis(axis_name, int(size))
 
 
-def rank(axis_name: Any) -> jax.Array:
-    """This device's rank along ``axis_name``: an int32 scalar in ``0..world_size-1``.
-
-    Equivalent to ``jax.lax.axis_index(axis_name)``; over a tuple of names the ranks are
-    numbered row-major (the last name varies fastest), like every jaxcoll collective.
-
-    Note:
-        torch's ``get_rank()`` names a process; here a rank is a device position along a mesh
-        axis, and the value is traced (it differs per device inside one SPMD program).
-
-    Example (4 devices)::
-
-        >>> mesh = jax.make_mesh((4,), ("x",))
-        >>> f = jax.shard_map(lambda: rank("x")[None], mesh=mesh, in_specs=(), out_specs=P("x"))
-        >>> f()
-        Array([0, 1, 2, 3], dtype=int32)
-    """
-    if is_group(axis_name):
-        return group_op("rank", None, axis_name)
-    return resolve("rank", axis_name).rank()
-
-
-def world_size(axis_name: Any) -> int:
-    """The number of ranks along ``axis_name`` (the product over a tuple of names).
-
-    Equivalent to ``jax.lax.axis_size(axis_name)``. A Python int, known at trace time.
-    """
-    if is_group(axis_name):
-        return group_op("world_size", None, axis_name)
-    return resolve("world_size", axis_name).size
+def is_rank(ax: Axis, ranks: int | Iterable[int]) -> jax.Array:
+    """A traced bool: is this device's rank ``ranks`` (an int) or one of ``ranks``?"""
+    if isinstance(ranks, (int, np.integer)):
+        return ax.rank() == ranks
+    mask = np.zeros(ax.size, dtype=bool)
+    mask[list(ranks)] = True
+    return lax.dynamic_index_in_dim(jnp.asarray(mask), ax.rank(), 0, keepdims=False)

@@ -1,0 +1,223 @@
+"""The native per-leaf lowerings: one lax collective per op wherever lax has one.
+
+Every function here works on one validated array leaf and a resolved
+:class:`~jaxcoll._core.axis.Axis`; the public primitives validate, choose an algorithm and call
+these for ``algorithm="native"``. Where lax lacks an op (rooted ops, PRODUCT and bitwise
+reductions, a CPU broadcast) the pattern is built from differentiable lax ops, so ``jax.grad``
+of a pattern is the transpose of the pattern. Results equal on every rank are typed invariant
+(all_reduce, broadcast, all_gather), so ``shard_map``'s checking holds with ``out_specs=P()``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core as _jcore
+from jax._src.interpreters import ad, batching, mlir
+
+from .axis import Axis, is_rank
+from .ops import ReduceOp, fold, rule
+from .packing import from_rows, split_leading, to_rows, unsplit_slice
+from .vma import _without, ensure_varying, root_cotangent, types_tracked
+
+
+def staged(*static_argnums: int):
+    """Compile a per-leaf lowering as one unit, with its axis/op arguments static.
+
+    Under ``jax.jit`` this changes nothing (the call is inlined). Under an eager ``shard_map``,
+    which dispatches and compiles every op it meets, a collective then costs one compiled
+    program instead of one per reshape, select and fold inside it.
+    """
+    return functools.partial(jax.jit, static_argnums=static_argnums)
+
+
+def names_of(ax: Axis) -> tuple:
+    """``ax.name`` as a tuple (some lax collectives iterate a plain string name)."""
+    return ax.name if isinstance(ax.name, tuple) else (ax.name,)
+
+
+# ------------------------------------------------------------------------------ all-gather
+def all_gather(x: jax.Array, ax: Axis, axis: int = 0, tiled: bool = False) -> jax.Array:
+    """``lax.all_gather``, typed invariant (every rank holds the same result) when types are
+    tracked. One HLO all-gather."""
+    if ax.size == 1:
+        return x if tiled else jnp.expand_dims(x, axis)
+    x = ensure_varying(x, ax)
+    to = "invarying" if types_tracked(names_of(ax)) else "varying"
+    return lax.all_gather(x, ax.name, axis=axis, tiled=tiled, to=to)
+
+
+# ------------------------------------------------------------------------------ all-reduce
+def reduce_scatter_leading(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
+    """``x`` has shape ``(n, *s)``; return ``op`` over ranks of row ``rank``, shape ``s``.
+
+    One ``all_to_all`` brings row r of every rank to rank r; one local XLA reduce folds them.
+    Each chunk is reduced once, on one rank, so everyone who later receives it sees the same bits.
+    """
+    if ax.size == 1:
+        return fold(op, kind, x)
+    rows = lax.all_to_all(ensure_varying(x, ax), ax.name, 0, 0, tiled=False)
+    return fold(op, kind, rows)
+
+
+def generic_all_reduce(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
+    """All-reduce for ops lax has no collective for: reduce-scatter (all_to_all + local fold)
+    then an invariant ``all_gather``. Each rank sends 2(n-1)/n of x; exact for every op."""
+    n = ax.size
+    if n == 1:
+        return x
+    part = reduce_scatter_leading(to_rows(x, n), ax, op, kind)
+    return from_rows(all_gather(part, ax, axis=0, tiled=False), x)
+
+
+@staged(1, 2, 3)
+def all_reduce(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
+    """All-reduce one leaf: the op's native lax collective, or :func:`generic_all_reduce`."""
+    if ax.size == 1:
+        return x
+    native = rule(op, kind).native
+    if native is not None:
+        return native(x, ax.name)
+    return generic_all_reduce(x, ax, op, kind)
+
+
+@staged(1, 2, 3, 4)
+def reduce(x: jax.Array, ax: Axis, dst: int, op: ReduceOp, kind: str) -> jax.Array:
+    """Reduce one leaf to ``dst`` (all-reduce, then keep x off ``dst``)."""
+    return jnp.where(is_rank(ax, dst), all_reduce(x, ax, op, kind), x)
+
+
+@staged(1, 2, 3, 4, 5)
+def reduce_scatter(x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int,
+                   tiled: bool) -> jax.Array:
+    """SUM/AVG on numbers: one ``lax.psum_scatter`` (AVG then divides); every other op and
+    bool: one ``all_to_all`` + one local reduce."""
+    n = ax.size
+    if kind != "bool" and op in (ReduceOp.SUM, ReduceOp.AVG):
+        out = lax.psum_scatter(x, ax.name, scatter_dimension=dim, tiled=tiled) if n > 1 else (
+            x if tiled else jnp.squeeze(x, dim))
+        if op is ReduceOp.AVG:
+            out = (out / jnp.asarray(n, out.dtype)).astype(out.dtype)
+        return out
+    parts = split_leading(x, dim, n, tiled)
+    return unsplit_slice(reduce_scatter_leading(parts, ax, op, kind), dim, tiled)
+
+
+# ------------------------------------------------------------------------------- broadcast
+def tree_broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
+    """Binomial-tree broadcast from ``src``: ceil(log2 n) ``ppermute`` steps, bit-exact.
+
+    In step k every rank that already holds the value (relative rank v < 2**k) sends it to
+    relative rank v + 2**k. Typed as jax types ppermute: varying.
+    """
+    n = ax.size
+    x = ensure_varying(x, ax)
+    step = 1
+    while step < n:
+        pairs = [((src + v) % n, (src + v + step) % n) for v in range(step) if v + step < n]
+        received = lax.ppermute(x, ax.name, perm=pairs)
+        x = jnp.where(is_rank(ax, [d for _, d in pairs]), received, x)
+        step *= 2
+    return x
+
+
+# One primitive for the broadcast, so that each platform gets its own lowering, also in one
+# program exported for several platforms at once (``lax.platform_dependent`` cannot: it lowers
+# the GPU-only branch for the CPU too). Its result is typed invariant; its transpose hands the
+# (invariant) cotangent to ``src``, so no broken pbroadcast transpose rule is ever reached.
+broadcast_p = _jcore.Primitive("jaxcoll_broadcast")
+broadcast_p.def_abstract_eval(lambda aval, *, ax, src: _without(aval, names_of(ax)))
+
+
+def _broadcast_gpu(x, *, ax, src):
+    return lax.pbroadcast(x, names_of(ax), src)  # NCCL broadcast (HLO collective-broadcast)
+
+
+def _broadcast_tree(x, *, ax, src):
+    return tree_broadcast(x, ax, src)
+
+
+mlir.register_lowering(broadcast_p, mlir.lower_fun(_broadcast_tree, multiple_results=False))
+for _platform in ("cuda", "rocm"):
+    mlir.register_lowering(broadcast_p, mlir.lower_fun(_broadcast_gpu, multiple_results=False),
+                           platform=_platform)
+ad.deflinear2(broadcast_p, lambda ct, x, *, ax, src: [root_cotangent(ct, names_of(ax), src)])
+
+
+@staged(1, 2)
+def broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
+    """Collective-broadcast (NCCL) on GPU; the ppermute tree where XLA has none (CPU, TPU)."""
+    if ax.size == 1:
+        return x
+    return broadcast_p.bind(ensure_varying(x, ax), ax=ax, src=src)
+
+
+# ------------------------------------------------------------------- rooted and one-to-one
+@staged(1, 2, 3, 4)
+def gather(x: jax.Array, ax: Axis, dst: int, axis: int, tiled: bool) -> jax.Array:
+    """``lax.all_gather`` then a select on the rank: zeros off ``dst``."""
+    g = all_gather(x, ax, axis, tiled)
+    return jnp.where(is_rank(ax, dst), g, jnp.zeros_like(g))
+
+
+@staged(1, 2, 3, 4)
+def scatter(x: jax.Array, ax: Axis, src: int, axis: int, tiled: bool) -> jax.Array:
+    """One ``lax.all_to_all``; the row that came from ``src`` is kept."""
+    n = ax.size
+    parts = split_leading(x, axis, n, tiled)
+    if n == 1:
+        return unsplit_slice(parts[0], axis, tiled)
+    rows = lax.all_to_all(parts, ax.name, 0, 0, tiled=False)  # rows[j] = slice r of rank j
+    return unsplit_slice(rows[src], axis, tiled)
+
+
+@staged(1, 2, 3, 4)
+def all_to_all(x: jax.Array, ax: Axis, split_axis: int, concat_axis: int,
+               tiled: bool) -> jax.Array:
+    """One ``lax.all_to_all``. Untiled, it is written as the tiled primitive over an inserted
+    unit axis: in jax 0.10 the transpose of an untiled all_to_all with ``split_axis !=
+    concat_axis`` inserts the unit axis a second time and fails with a cotangent shape error."""
+    if tiled or split_axis == concat_axis:
+        return lax.all_to_all(x, ax.name, split_axis, concat_axis, tiled=True)
+    if split_axis < concat_axis:
+        concat_axis += 1
+    else:
+        split_axis += 1
+    y = jnp.expand_dims(x, concat_axis)
+    out = lax.all_to_all(y, ax.name, split_axis, concat_axis, tiled=True)
+    return jnp.squeeze(out, split_axis)
+
+
+@staged(1, 2)
+def sendrecv(x: jax.Array, ax: Axis, pairs: tuple[tuple[int, int], ...]) -> jax.Array:
+    """One ``lax.ppermute``; ranks that receive nothing keep their own ``x``."""
+    x = ensure_varying(x, ax)
+    got = lax.ppermute(x, ax.name, perm=pairs)
+    return jnp.where(is_rank(ax, [d for _, d in pairs]), got, x)
+
+
+def shift(x: jax.Array, ax: Axis, offset: int) -> jax.Array:
+    """One cyclic ``lax.ppermute``: rank r gets rank ``r - offset``'s value."""
+    k = offset % ax.size
+    if k == 0:
+        return x
+    return lax.ppermute(x, ax.name, perm=[(i, (i + k) % ax.size) for i in range(ax.size)])
+
+
+def _broadcast_batcher(axis_data, vals_in, dims_in, *, ax, src):
+    """Under ``jax.vmap(axis_name=...)``: every member takes entry ``src`` of the mapped axis."""
+    (v,), (d,) = vals_in, dims_in
+    if axis_data.name not in names_of(ax):
+        return broadcast_p.bind(v, ax=ax, src=src), d
+    if len(names_of(ax)) != 1:
+        raise NotImplementedError("broadcast under vmap over a tuple of axis names")
+    if d is batching.not_mapped:
+        return v, d
+    picked = lax.index_in_dim(v, src, axis=d, keepdims=True)
+    return jnp.broadcast_to(picked, v.shape), d
+
+
+batching.fancy_primitive_batchers[broadcast_p] = _broadcast_batcher

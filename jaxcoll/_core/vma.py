@@ -1,0 +1,118 @@
+"""shard_map's varying-axis types: read them, widen them, and mark a replicated result.
+
+Inside ``jax.shard_map`` with checking on (``check_vma=True``, the default) every value is
+typed *varying* over the mesh axes where devices may hold different values, and *invariant*
+where they provably hold the same. jaxcoll keeps the types true:
+
+* :func:`cast_varying` widens a value to varying (``lax.pcast``; no communication) where a
+  pattern needs one type to start from;
+* :func:`replicated` marks a value that an algorithm made bit-identical on every rank (a
+  ppermute tree, a ring) as invariant, at no cost: it is the identity in the compiled program.
+
+Under ``check_vma=False`` shard_map tracks no such types; both are then no-ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core as _jcore
+from jax._src.interpreters import ad, batching, mlir
+
+
+def varying_axes(x: Any) -> frozenset | None:
+    """The mesh axes ``x`` varies over (shard_map's check_vma type), or None if untyped."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)  # jax >= 0.11
+    if vma is None:
+        mat = getattr(aval, "mat", None)  # jax 0.10
+        vma = getattr(mat, "varying", None)
+    return vma
+
+
+def _names(name: Any) -> tuple:
+    return tuple(name) if isinstance(name, (tuple, list)) else (name,)
+
+
+def _lax_name(names: tuple) -> Any:
+    return names[0] if len(names) == 1 else names
+
+
+def types_tracked(names: tuple) -> bool:
+    """Whether shard_map tracks varying types over ``names`` here (``check_vma=True``).
+
+    The axis index is typed varying exactly when types are tracked.
+    """
+    probe = lax.axis_index(_lax_name(names))
+    return bool(set(names) & set(varying_axes(probe) or ()))
+
+
+def cast_varying(x: jax.Array, names: tuple) -> jax.Array:
+    """Mark ``x`` varying over the mesh axes ``names`` where it is typed invariant.
+
+    A no-op under ``check_vma=False``, where shard_map tracks no such types.
+    """
+    vma = varying_axes(x)
+    if vma is None:
+        return x
+    missing = tuple(a for a in names if a not in vma)
+    if not missing or not types_tracked(names):
+        return x
+    return lax.pcast(x, missing, to="varying")
+
+
+def ensure_varying(x: jax.Array, ax: Any) -> jax.Array:
+    """:func:`cast_varying` over every name of a resolved axis ``ax``."""
+    return cast_varying(x, _names(ax.name))
+
+
+def _without(aval: Any, axes: tuple) -> Any:
+    """``aval`` typed invariant over ``axes``."""
+    if hasattr(aval, "mat"):  # jax 0.10
+        keep = frozenset(a for a in aval.mat.varying if a not in axes)
+        return aval.update(manual_axis_type=aval.mat.update(varying=keep))
+    keep = frozenset(a for a in aval.vma if a not in axes)  # jax >= 0.11
+    return aval.update(vma=keep)
+
+
+def root_cotangent(ct: jax.Array, names: tuple, root: int) -> jax.Array:
+    """The cotangent of a varying input whose rank ``root`` alone fed an output.
+
+    With types tracked, the output's cotangent is invariant (one value): ``root`` gets it,
+    every other rank zeros. Untracked, each rank holds its own cotangent: they are summed.
+    """
+    name = _lax_name(names)
+    if types_tracked(names):
+        ct = cast_varying(ct, names)
+    else:
+        ct = lax.psum(ct, name)
+    return jnp.where(lax.axis_index(name) == root, ct, jnp.zeros_like(ct))
+
+
+# The replicated cast: varying -> invariant, for values equal on every rank. Identity in the
+# program. Its transpose reads the value as "rank 0's copy" (equal to every other copy), so the
+# cotangent goes to rank 0 alone: exact, and what the algorithm's own transpose then spreads.
+replicated_p = _jcore.Primitive("jaxcoll_replicated")
+replicated_p.def_impl(lambda x, *, axes: x)
+replicated_p.def_abstract_eval(lambda aval, *, axes: _without(aval, axes))
+mlir.register_lowering(replicated_p, lambda ctx, x, *, axes: [x])
+ad.deflinear2(replicated_p, lambda ct, x, *, axes: [root_cotangent(ct, axes, 0)])
+batching.primitive_batchers[replicated_p] = (
+    lambda vals, dims, *, axes: (replicated_p.bind(vals[0], axes=axes), dims[0]))
+
+
+def replicated(x: jax.Array, ax: Any) -> jax.Array:
+    """Type ``x`` invariant over ``ax``: only for values bit-identical on every rank.
+
+    Used by algorithms that end in ``ppermute`` steps (which jax types varying) but leave every
+    rank the same bits: the tree all-reduce, tree/ring broadcast, Bruck and ring all-gather.
+    No communication and no op in the compiled program; a no-op when types are not tracked.
+    """
+    names = _names(ax.name)
+    vma = varying_axes(x)
+    if not vma or not set(names) & set(vma) or not types_tracked(names):
+        return x
+    return replicated_p.bind(x, axes=tuple(a for a in names if a in vma))
