@@ -10,9 +10,9 @@ A :class:`Group` is the one concept behind both layers:
   primitives never import this module. Groups that cover their mesh axis in order
   (``dist.world()`` on a mesh of the same size, the groups of ``dist.hierarchy``) run the
   plain collective over that axis, with any ``algorithm=``. Any other subset or partition
-  runs as one ``lax.all_gather`` over the whole axis, then the same primitive under
-  ``jax.vmap`` over the member rows in group order (so its semantics and checks are the
-  primitive's own); ``sendrecv`` and ``shift`` as one ``lax.ppermute`` with the ranks mapped.
+  runs as one ``lax.all_gather`` over the whole axis, then the op's reference computation on
+  the member rows in group order (the table ``_ON_ROWS``, keyed by the primitive);
+  ``sendrecv`` and ``shift`` as one ``lax.ppermute`` with the ranks mapped.
   The gather moves n times the data of a native group collective: a correct fallback, not a
   fast one, and ``algorithm=`` other than ``"auto"``/``"native"`` is refused there.
   ``lax``'s ``axis_index_groups`` is not used: ``psum`` rejects it inside ``shard_map``.
@@ -31,12 +31,20 @@ from jax import lax
 
 from . import primitives
 from ._core.axis import Axis, resolve
-from ._core.checks import as_array_leaves, check_pairs, check_static_int
+from ._core.checks import (
+    as_array_leaves,
+    check_axis,
+    check_gather_axis,
+    check_pairs,
+    check_rank,
+    check_split,
+    check_static_int,
+)
+from ._core.ops import ReduceOp, check_op_dtype, coerce_op, fold
+from ._core.packing import place_gathered, split_leading, unsplit_slice
 from .algorithms.registry import check_algorithm
 
 __all__ = ["Group"]
-
-_VMAP_AXIS = "_jaxcoll_group_members"
 
 
 @dataclass(frozen=True)
@@ -148,22 +156,22 @@ def _run(group: Group, primitive: Callable[..., Any], x: Any, kwargs: dict[str, 
     if primitive in (primitives.sendrecv, primitives.shift):
         return _permute(api, primitive, x, group, ax, lay, **kwargs)
     leaves, treedef = as_array_leaves(api, x)
-    # Every member row, in group order: row j is group rank j's value.
-    idx = jnp.asarray(lay.rows)[r]
-    rows = [jnp.take(lax.all_gather(leaf, ax.name), idx, axis=0) for leaf in leaves]
-
-    def member(*values):  # the primitive itself, over the group's k ranks
-        return primitive(jax.tree_util.tree_unflatten(treedef, values), _VMAP_AXIS, **kwargs)
-
-    results = jax.vmap(member, axis_name=_VMAP_AXIS, axis_size=lay.k)(*rows)
+    compute = _ON_ROWS[primitive]
+    kwargs.pop("algorithm", None)
+    prepared = compute(api, None, None, lay.k, leaves=leaves, **kwargs)  # check args first
     me = jnp.asarray(lay.member)[r]
     j = jnp.maximum(jnp.asarray(lay.grank)[r], 0)
+    idx = jnp.asarray(lay.rows)[r]
     out = []
-    for leaf, res in zip(leaves, jax.tree_util.tree_leaves(results), strict=True):
-        mine = res[j]
-        other = leaf if (mine.shape == leaf.shape and mine.dtype == leaf.dtype) \
-            else jnp.zeros_like(mine)
-        out.append(jnp.where(me, mine, other))
+    for leaf, prep in zip(leaves, prepared, strict=True):
+        rows = jnp.take(lax.all_gather(leaf, ax.name), idx, axis=0)  # (k, *s), group order
+        res = compute(api, rows, j, lay.k, prep=prep, **kwargs)
+        keep = me
+        if isinstance(res, tuple):  # (result, which members get it): rooted ops
+            res, keep = res[0], me & res[1]
+        other = leaf if (res.shape == leaf.shape and res.dtype == leaf.dtype) \
+            else jnp.zeros_like(res)
+        out.append(jnp.where(keep, res, other))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -178,3 +186,91 @@ def _permute(api: str, primitive: Callable[..., Any], x: Any, group: Group, ax: 
         pairs = tuple((i, (i + offset) % k) for i in range(k)) if offset else ()
     mapped = [(sub[a], sub[b]) for sub in group.subgroups for a, b in pairs]
     return primitives.sendrecv(x, ax.name, mapped)
+
+
+# The reference computation of each op on the member rows ``(k, *s)`` in group order, for
+# group rank ``j``. Each is called twice: first with rows=None to check the arguments against
+# the leaves (returning one prepared value per leaf), then per leaf with the rows.
+
+
+def _reduce_prep(api, leaves, op, k, dst=None):
+    op = coerce_op(api, op)
+    if dst is not None:
+        check_rank(api, "dst", dst, k)
+    return [(op, check_op_dtype(api, op, leaf.dtype)) for leaf in leaves]
+
+
+def _all_reduce(api, rows, j, k, *, leaves=None, prep=None, op=ReduceOp.SUM):
+    if rows is None:
+        return _reduce_prep(api, leaves, op, k)
+    return fold(*prep, rows)
+
+
+def _reduce(api, rows, j, k, *, leaves=None, prep=None, dst=0, op=ReduceOp.SUM):
+    if rows is None:
+        return _reduce_prep(api, leaves, op, k, dst)
+    return fold(*prep, rows), j == dst
+
+
+def _broadcast(api, rows, j, k, *, leaves=None, prep=None, src=0):
+    if rows is None:
+        check_rank(api, "src", src, k)
+        return [None] * len(leaves)
+    return rows[src]
+
+
+def _all_gather(api, rows, j, k, *, leaves=None, prep=None, axis=0, tiled=False):
+    if rows is None:
+        return [check_gather_axis(api, leaf.shape, axis, bool(tiled)) for leaf in leaves]
+    return place_gathered(rows, prep, bool(tiled))
+
+
+def _gather(api, rows, j, k, *, leaves=None, prep=None, dst=0, axis=0, tiled=False):
+    if rows is None:
+        check_rank(api, "dst", dst, k)
+        return _all_gather(api, None, j, k, leaves=leaves, axis=axis, tiled=tiled)
+    return place_gathered(rows, prep, bool(tiled)), j == dst
+
+
+def _slice(x, axis, k, tiled, j):
+    return unsplit_slice(split_leading(x, axis, k, tiled)[j], axis, tiled)
+
+
+def _scatter(api, rows, j, k, *, leaves=None, prep=None, src=0, axis=0, tiled=False):
+    if rows is None:
+        check_rank(api, "src", src, k)
+        return [check_split(api, leaf.shape, axis, k, bool(tiled)) for leaf in leaves]
+    return _slice(rows[src], prep, k, bool(tiled), j)
+
+
+def _reduce_scatter(api, rows, j, k, *, leaves=None, prep=None, op=ReduceOp.SUM,
+                    scatter_dimension=0, tiled=False):
+    if rows is None:
+        ops = _reduce_prep(api, leaves, op, k)
+        dims = [check_split(api, leaf.shape, scatter_dimension, k, bool(tiled),
+                            "scatter_dimension") for leaf in leaves]
+        return [(*o, d) for o, d in zip(ops, dims, strict=True)]
+    op, kind, dim = prep
+    return _slice(fold(op, kind, rows), dim, k, bool(tiled), j)
+
+
+def _all_to_all(api, rows, j, k, *, leaves=None, prep=None, split_axis=0, concat_axis=0,
+                tiled=False):
+    if rows is None:
+        return [(check_split(api, leaf.shape, split_axis, k, bool(tiled), "split_axis"),
+                 check_axis(api, "concat_axis", concat_axis, leaf.ndim)) for leaf in leaves]
+    s, c = prep
+    pieces = jnp.stack([_slice(rows[m], s, k, bool(tiled), j) for m in range(k)])
+    return place_gathered(pieces, c, bool(tiled))
+
+
+_ON_ROWS = {
+    primitives.all_reduce: _all_reduce,
+    primitives.reduce: _reduce,
+    primitives.broadcast: _broadcast,
+    primitives.all_gather: _all_gather,
+    primitives.gather: _gather,
+    primitives.scatter: _scatter,
+    primitives.reduce_scatter: _reduce_scatter,
+    primitives.all_to_all: _all_to_all,
+}
