@@ -7,8 +7,8 @@ the ``dp`` extra (flax, optax, orbax-checkpoint) and is imported explicitly:
 
 from . import algorithms as algorithms
 from . import dist as dist
-from . import primitives as primitives
 from . import groups as groups
+from . import primitives as primitives
 from ._core.ops import ReduceOp as ReduceOp
 from ._core.typing import AxisName as AxisName
 from ._core.typing import PyTree as PyTree

@@ -6,8 +6,6 @@ Each public function is thin: it checks its arguments, chooses an algorithm
 (:mod:`jaxcoll.algorithms`) and calls the lowering (:mod:`jaxcoll._core.lowering`).
 """
 
-from .ranks import rank as rank
-from .ranks import world_size as world_size
 from .all_reduce import all_reduce as all_reduce
 from .all_reduce import reduce as reduce
 from .all_to_all import all_to_all as all_to_all
@@ -16,6 +14,8 @@ from .gather import all_gather as all_gather
 from .gather import gather as gather
 from .p2p import sendrecv as sendrecv
 from .p2p import shift as shift
+from .ranks import rank as rank
+from .ranks import world_size as world_size
 from .reduce_scatter import reduce_scatter as reduce_scatter
 from .scatter import scatter as scatter
 

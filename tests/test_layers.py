@@ -1,0 +1,144 @@
+"""The package's imports point down its layers, and never in a circle.
+
+Layers, lowest first (README "Architecture"): ``jaxcoll._core`` (ground) < ``algorithms`` <
+``primitives`` < ``groups`` < ``dist``, ``dp`` < ``bench`` < the top-level re-exports.
+``_init`` (joining a multi-process job) and ``run`` (the launcher) stand apart and import
+nothing of jaxcoll. A module may import modules of a lower layer and of its own package;
+every import counts, at module level or inside a function (a function-local import that
+dodges a circle is still a circle, so none are allowed).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import shutil
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxcoll"
+
+# (unit, layer): a module belongs to the longest unit that prefixes its name.
+UNITS = {
+    "jaxcoll._core": 0,
+    "jaxcoll._init": 0,
+    "jaxcoll.run": 0,
+    "jaxcoll.algorithms": 1,
+    "jaxcoll.primitives": 2,
+    "jaxcoll.groups": 3,
+    "jaxcoll.dist": 4,
+    "jaxcoll.dp": 4,
+    "jaxcoll.bench": 5,
+    "jaxcoll": 6,
+}
+APART = {"jaxcoll._init", "jaxcoll.run"}
+
+
+def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = ["jaxcoll", *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def unit_of(module: str) -> str:
+    return max((u for u in UNITS if module == u or module.startswith(u + ".")), key=len)
+
+
+def imports(module: str, path: pathlib.Path, known: set[str]) -> list[tuple[str, int, bool]]:
+    """(imported jaxcoll module, line, inside a function) for every import in ``path``."""
+    tree = ast.parse(path.read_text())
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    local = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            local |= {id(n) for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            name = ".".join(base + ([node.module] if node.module else []))
+            cands = [f"{name}.{a.name}" for a in node.names] + [name]
+        elif isinstance(node, ast.Import):
+            cands = [a.name for a in node.names]
+        else:
+            continue
+        for c in cands:
+            if c in known and c != module:
+                found.append((c, node.lineno, id(node) in local))
+                break
+    return found
+
+
+def violations(root: pathlib.Path) -> list[str]:
+    """Every import against the layer order, every function-local import, every circle."""
+    mods = modules(root)
+    known = set(mods)
+    bad, graph = [], {}
+    for mod, path in sorted(mods.items()):
+        graph[mod] = set()
+        unit = unit_of(mod)
+        for dep, line, in_function in imports(mod, path, known):
+            where = f"{path.relative_to(root.parent)}:{line}"
+            dep_unit = unit_of(dep)
+            if in_function:
+                bad.append(f"{where}: {mod} imports {dep} inside a function")
+            if unit in APART and dep_unit != unit:
+                bad.append(f"{where}: {mod} stands apart but imports {dep}")
+            elif dep_unit != unit and UNITS[dep_unit] >= UNITS[unit]:
+                bad.append(f"{where}: {mod} (layer {UNITS[unit]}) imports {dep} "
+                           f"(layer {UNITS[dep_unit]}), which is not below it")
+            if not (mod == unit and dep.startswith(mod + ".")):  # a package re-exporting its own
+                graph[mod].add(dep)
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                bad.append("import circle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    return bad
+
+
+def test_imports_point_down_the_layers():
+    assert violations(ROOT) == []
+
+
+def test_every_module_has_a_layer():
+    assert all(unit_of(m) in UNITS for m in modules(ROOT))
+    assert unit_of("jaxcoll.algorithms.ring") == "jaxcoll.algorithms"
+    assert unit_of("jaxcoll.groups") == "jaxcoll.groups"
+
+
+@pytest.mark.parametrize(
+    "file, line, expected",
+    [
+        ("_core/ops.py", "from jaxcoll import dist\n", "(layer 0) imports jaxcoll.dist (layer 4)"),
+        ("algorithms/ring.py", "from ..primitives import all_reduce\n",
+         "imports jaxcoll.primitives.all_reduce (layer 2), which is not below it"),
+        ("dp/__init__.py", "from ..dist import world\n", "imports jaxcoll.dist (layer 4)"),
+        ("_init.py", "from ._core import ops\n", "stands apart but imports jaxcoll._core"),
+        ("primitives/gather.py", "def f():\n    from . import scatter\n", "inside a function"),
+        ("dist/_work.py", "from . import _collectives\n", "import circle: "),
+    ],
+)
+def test_the_check_fails_on_a_planted_import(tmp_path, file, line, expected):
+    copy = tmp_path / "jaxcoll"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(copy / file, "a") as fh:
+        fh.write("\n" + line)
+    found = violations(copy)
+    assert any(expected in v for v in found), found
