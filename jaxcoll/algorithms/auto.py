@@ -26,6 +26,7 @@ and what is wrong; it is never silently ignored.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from importlib import resources
@@ -70,12 +71,23 @@ def user_table_path() -> Path:
         >>> user_table_path()  # with neither variable set
         PosixPath('/home/me/.cache/jaxcoll/auto_table.json')
     """
-    given = os.environ.get(ENV_VAR)
+    return Path(_user_path())
+
+
+def _user_path() -> str:
+    env = os.environ
+    return _path_for(env.get(ENV_VAR), env.get("XDG_CACHE_HOME"), env.get("HOME"))
+
+
+@functools.lru_cache(maxsize=16)
+def _path_for(given: str | None, cache: str | None, home: str | None) -> str:
+    """The user file for these variables (cached: ``choose`` asks on every trace). ``home``
+    is part of the cache key only: ``expanduser`` reads ``$HOME``."""
     if given:
-        return Path(given).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME", "")
-    root = Path(cache) if os.path.isabs(cache) else Path.home() / ".cache"
-    return root / "jaxcoll" / "auto_table.json"
+        return os.path.expanduser(given)
+    root = cache if cache and os.path.isabs(cache) else os.path.join(
+        os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "jaxcoll", "auto_table.json")
 
 
 def _entry(where: str, value: Any, last_bound: int | None) -> tuple[int | None, str]:
@@ -184,12 +196,12 @@ def default_table() -> Table:
 def _current() -> Table:
     """The defaults merged with the user file, cached on the file's path and stat."""
     global _cached
-    path = user_table_path()
+    path = _user_path()
     try:
-        st = path.stat()
-        key: tuple = (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
+        st = os.stat(path)
+        key: tuple = (path, st.st_mtime_ns, st.st_size, st.st_ino)
     except FileNotFoundError:
-        key = (str(path), None)
+        key = (path, None)
     cached = _cached
     if cached is not None and cached[0] == key:
         return cached[1]
