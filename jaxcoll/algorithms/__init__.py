@@ -12,6 +12,10 @@ Pick one with ``algorithm=`` on :func:`~jaxcoll.primitives.all_reduce`,
 ``"auto"``         the default: the measured winner for platform, op and size (``choose``)
 =================  ==========================================================================
 
+``auto`` reads the table shipped as package data (``auto_table.json``) merged with the user's
+file (:func:`user_table_path`, written by ``jaxcoll-bench --update-table``); see
+:mod:`.auto`.
+
 Every algorithm supports every reduce op and dtype the primitive does, any group size, sizes
 not divisible by n, pytrees (leaves of one dtype are reduced as one buffer), ``jax.jit`` and
 ``jax.grad``. Results that are equal on every rank (all-reduce, broadcast, all-gather) are
@@ -25,7 +29,9 @@ from . import ring as ring
 from . import tree as tree
 from .auto import OPS as OPS
 from .auto import choose as choose
+from .auto import load_table as load_table
 from .auto import table_from_results as table_from_results
+from .auto import user_table_path as user_table_path
 from .registry import ALGORITHMS as ALGORITHMS
 
 __all__ = [
@@ -33,8 +39,10 @@ __all__ = [
     "OPS",
     "choose",
     "hierarchical",
+    "load_table",
     "native",
     "ring",
     "table_from_results",
     "tree",
+    "user_table_path",
 ]

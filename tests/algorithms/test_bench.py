@@ -7,7 +7,8 @@ import json
 import pytest
 
 from jaxcoll import algorithms
-from jaxcoll.bench import main, parse_bytes
+from jaxcoll.bench import main, parse_args, parse_bytes
+from jaxcoll.bench.output import format_row, header
 
 
 def test_bench_small_table(tmp_path, capsys):
@@ -50,7 +51,49 @@ def test_parse_bytes_and_table_from_results():
                              platform="cpu", topo="single_process") == "native"
 
 
-def test_auto_is_native_for_small_messages_on_cpu():
+def test_auto_is_native_for_small_messages_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXCOLL_AUTO_TABLE", str(tmp_path / "none.json"))  # defaults only
     for op in algorithms.OPS:
         assert algorithms.choose(op, 4096, group_size=8, two_level=False, platform="cpu",
                                  topo="single_process") == "native"
+
+
+def test_launcher_variables_are_the_defaults(monkeypatch):
+    """jaxcoll-run sets JAXCOLL_COORDINATOR_ADDRESS, JAXCOLL_NUM_PROCESSES, JAXCOLL_PROCESS_ID
+    and, with --devices-per-proc, JAX_NUM_CPU_DEVICES."""
+    monkeypatch.delenv("JAXCOLL_COORDINATOR", raising=False)
+    monkeypatch.setenv("JAXCOLL_COORDINATOR_ADDRESS", "127.0.0.1:1234")
+    monkeypatch.setenv("JAXCOLL_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAXCOLL_PROCESS_ID", "1")
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "4")
+    a = parse_args([])
+    assert (a.coordinator, a.num_processes, a.process_id, a.devices) == \
+        ("127.0.0.1:1234", 2, 1, 4)
+    assert parse_args(["--coordinator", "h:1"]).coordinator == "h:1"
+    monkeypatch.delenv("JAXCOLL_COORDINATOR_ADDRESS")
+    monkeypatch.setenv("JAXCOLL_COORDINATOR", "old:5")
+    assert parse_args([]).coordinator == "old:5"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--ops", "allreduce"], "--ops: 'allreduce' is not one of all_reduce, all_gather"),
+    (["--algorithms", "fast"], "--algorithms: 'fast' is not one of native, ring, tree, "
+                               "hierarchical, auto"),
+    (["--min-bytes", "2K", "--max-bytes", "1K"], "--min-bytes 2048 is larger than"),
+    (["--mesh", "2by4"], "--mesh: expected OUTERxINNER such as 2x4, got '2by4'"),
+    (["--table-file", "t.json"], "--table-file is only used with --update-table"),
+])
+def test_bad_arguments_exit_naming_the_flag(argv, match, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_row_format_is_fixed_width():
+    row = {"op": "all_reduce", "algorithm": "ring", "bytes": 4096, "count": 1024,
+           "dtype": "float32", "time_us": 12.345, "algbw": 0.5, "busbw": 0.875, "wrong": 0}
+    assert format_row(row) == ("  all_reduce     ring               4K       1024  float32"
+                               "        12.3        0.500        0.875       0")
+    assert header(["x"]).splitlines() == [
+        "# x", "# op             algorithm        size      count    dtype    time(us)"
+               "  algbw(GB/s)  busbw(GB/s)  #wrong"]
