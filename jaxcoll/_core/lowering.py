@@ -20,7 +20,7 @@ from jax import lax
 from jax._src import core as _jcore
 from jax._src.interpreters import ad, batching, mlir
 
-from .axis import Axis, is_rank
+from .axis import Axis, is_rank, permute
 from .ops import ReduceOp, fold, rule
 from .packing import from_rows, split_leading, to_rows, unsplit_slice
 from .vma import _without, ensure_varying, root_cotangent, types_tracked
@@ -153,7 +153,7 @@ def tree_broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
     step = 1
     while step < n:
         pairs = [((src + v) % n, (src + v + step) % n) for v in range(step) if v + step < n]
-        received = lax.ppermute(x, ax.name, perm=pairs)
+        received = permute(x, ax, pairs)
         x = jnp.where(is_rank(ax, [d for _, d in pairs]), received, x)
         step *= 2
     return x
@@ -230,7 +230,7 @@ def all_to_all(x: jax.Array, ax: Axis, split_axis: int, concat_axis: int,
 def sendrecv(x: jax.Array, ax: Axis, pairs: tuple[tuple[int, int], ...]) -> jax.Array:
     """One ``lax.ppermute``; ranks that receive nothing keep their own ``x``."""
     x = ensure_varying(x, ax)
-    got = lax.ppermute(x, ax.name, perm=pairs)
+    got = permute(x, ax, pairs)
     return jnp.where(is_rank(ax, [d for _, d in pairs]), got, x)
 
 
@@ -249,7 +249,7 @@ def _broadcast_batcher(axis_data, vals_in, dims_in, *, ax, src):
         return broadcast_p.bind(v, ax=ax, src=src), d
     if len(names_of(ax)) != 1:
         raise NotImplementedError("broadcast under vmap over a tuple of axis names")
-    if d is batching.not_mapped:
+    if d is None:  # not mapped: every member holds the same value already
         return v, d
     picked = lax.index_in_dim(v, src, axis=d, keepdims=True)
     return jnp.broadcast_to(picked, v.shape), d
