@@ -131,6 +131,8 @@ def reduce_scatter(x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int,
     """SUM/AVG on numbers: one ``lax.psum_scatter`` (AVG then divides); every other op and
     bool: one ``all_to_all`` + one local reduce."""
     n = ax.size
+    if x.size == 0:  # XLA rejects an empty scattered dimension; there is nothing to reduce
+        return unsplit_slice(jnp.zeros_like(split_leading(x, dim, n, tiled)[0]), dim, tiled)
     if kind != "bool" and op in (ReduceOp.SUM, ReduceOp.AVG):
         out = lax.psum_scatter(x, ax.name, scatter_dimension=dim, tiled=tiled) if n > 1 else (
             x if tiled else jnp.squeeze(x, dim))
