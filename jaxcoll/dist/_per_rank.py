@@ -69,8 +69,35 @@ def per_rank(
             raise ValueError(f"{api}: row {i} has shape {row.shape} and dtype {row.dtype}, but "
                              f"row {mine[0]} has {first.shape} and {first.dtype}; every rank must "
                              f"hold the same shape and dtype (pad or cast first).")
+    for i, row in rows.items():
+        _check_survives(api, i, row)
     shards = [jax.device_put(rows[i][None], devices[group.ranks[i]]) for i in mine]
     return jax.make_array_from_single_device_arrays((n, *first.shape), sharding, shards)
+
+
+def _check_survives(api: str, i: int, row: np.ndarray) -> None:
+    """Raise unless ``row`` keeps its values in the dtype JAX will hold it in.
+
+    Without ``jax_enable_x64`` JAX holds 64-bit data in 32 bits: integers must fit (2**40 + 1
+    would silently become 1), floats must not overflow to inf (rounding, as ``jnp.asarray``
+    rounds float64 to float32, is expected).
+    """
+    held = np.dtype(jax.dtypes.canonicalize_dtype(row.dtype))
+    if held == row.dtype or row.size == 0:
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        narrow = row.astype(held)
+    if np.issubdtype(row.dtype, np.integer) or row.dtype == np.bool_:
+        lost = narrow.astype(row.dtype) != row
+    else:
+        lost = np.isfinite(row) & ~np.isfinite(narrow)
+    if lost.any():
+        where = tuple(int(k) for k in np.argwhere(lost)[0])
+        raise ValueError(
+            f"{api}: row {i} holds {row.dtype} values that {held} cannot hold (e.g. "
+            f"{row[where]!r} at {where}); JAX keeps 64-bit data in 32 bits unless "
+            f"jax_enable_x64 is set. Enable it (jax.config.update('jax_enable_x64', True)) "
+            f"before creating arrays, or pass values that fit {held}.")
 
 
 def to_ranks(x: jax.Array) -> list[np.ndarray]:

@@ -47,6 +47,12 @@ def test_host_queries_and_objects() -> None:
         (lambda: dist.hierarchy(0), ValueError, r"hierarchy: local_size=0 does not divide"),
         (lambda: dist.per_rank([np.zeros(2)] * 3), ValueError,
          r"per_rank: got 3 values but the group has 8 rows"),
+        (lambda: dist.per_rank(lambda r: np.int64([2**40 + 1])), ValueError,
+         r"per_rank: row 0 holds int64 values that int32 cannot hold.*jax_enable_x64"),
+        (lambda: dist.per_rank(lambda r: np.uint64([2**33])), ValueError,
+         r"per_rank: row 0 holds uint64 values that uint32 cannot hold.*jax_enable_x64"),
+        (lambda: dist.per_rank(lambda r: np.float64([1e300])), ValueError,
+         r"per_rank: row 0 holds float64 values that float32 cannot hold"),
         (lambda: dist.per_rank(lambda r: np.zeros(r % 2 + 1)), ValueError,
          r"per_rank: row 1 has shape \(2,\)"),
         (lambda: dist.all_reduce(dist.per_rank(np.zeros(8)), group=dist.new_group([0, 1])),
@@ -85,3 +91,11 @@ def test_host_queries_and_objects() -> None:
 def test_errors(call, exc, match) -> None:
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_values_that_fit_are_accepted() -> None:
+    """Python ints and floats arrive as 64-bit NumPy values; those that fit are held as is."""
+    x = dist.per_rank(lambda r: np.int64([r, 2**31 - 1]))
+    assert x.dtype == np.int32 and dist.to_ranks(x)[7].tolist() == [7, 2**31 - 1]
+    f = dist.per_rank(lambda r: np.float64([0.1 * r]))
+    assert f.dtype == np.float32
