@@ -36,13 +36,16 @@ TRACES: collections.Counter[str] = collections.Counter()
 
 
 @functools.lru_cache(maxsize=512)
-def _program(name: str, group: Group, options: tuple[tuple[str, Any], ...]):
+def _program(api: str, name: str, group: Group, options: tuple[tuple[str, Any], ...]):
     fn = getattr(primitives, name)
     kwargs = dict(options)
     spec = P(group.mesh_axes)
 
     def body(x):
         TRACES[name] += 1
+        if "op" in kwargs:  # checked when a new dtype is traced, not on every call
+            for leaf in jax.tree_util.tree_leaves(x):
+                check_op_dtype(api, kwargs["op"], leaf.dtype)
         local = jax.tree_util.tree_map(lambda a: a[0], x)  # this rank's value
         out = fn(local, group.axis_name, **kwargs)
         return jax.tree_util.tree_map(lambda a: a[None], out)
@@ -52,16 +55,14 @@ def _program(name: str, group: Group, options: tuple[tuple[str, Any], ...]):
 
 def _run(api: str, name: str, x: PyTree, group: Group, async_op: bool, **options: Any):
     check_per_rank(api, x, group)
-    out = _program(name, group, tuple(sorted(options.items())))(x)
+    out = _program(api, name, group, tuple(sorted(options.items())))(x)
     return Work(out) if async_op else out
 
 
 def _op(api: str, x: PyTree, op: Any) -> ReduceOp:
-    op = coerce_op(api, op)
-    for leaf in jax.tree_util.tree_leaves(x):
-        if hasattr(leaf, "dtype"):
-            check_op_dtype(api, op, leaf.dtype)
-    return op
+    """``op`` as a ReduceOp; whether it suits ``x``'s dtypes is checked when the program for
+    them is traced (:func:`_program`), so a repeated call does no checking."""
+    return op if isinstance(op, ReduceOp) else coerce_op(api, op)
 
 
 def all_reduce(

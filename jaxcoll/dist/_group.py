@@ -43,8 +43,12 @@ def world(*, axis_name: str = "x") -> Group:
         >>> dist.world().ranks
         (0, 1, 2, 3, 4, 5, 6, 7)
     """
-    axis_name = _check_axis_name("world", axis_name)
-    n = jax.device_count()
+    return _world(jax.device_count(), _check_axis_name("world", axis_name))
+
+
+@functools.lru_cache(maxsize=16)
+def _world(n: int, axis_name: str) -> Group:
+    """One Group object per world size and name: the default group of every dist call."""
     ranks = tuple(range(n))
     return Group(ranks, (n,), (axis_name,), axis_name, (ranks,))
 
@@ -205,7 +209,7 @@ def hierarchy(local_size: int, *, axis_names: tuple[str, str] = ("node", "local"
 def resolve_group(api: str, group: Group | None) -> Group:
     """``group`` itself, or :func:`world` for None; TypeError for anything else."""
     if group is None:
-        return world()
+        return _world(jax.device_count(), "x")
     if not isinstance(group, Group):
         raise TypeError(f"{api}: group must be a Group from dist.world(), dist.new_group(...), "
                         f"dist.new_subgroups(...) or dist.hierarchy(...), or None for the world; "

@@ -143,7 +143,7 @@ def check_per_rank(api: str, x: Any, group: Group) -> list[jax.Array]:
             got = "a scalar" if leaf.ndim == 0 else f"{leaf.shape[0]} rows"
             raise ValueError(f"{api}: {where} has {got} but the group {group!r} has {n} rows, "
                              f"one per rank. Build it with dist.per_rank(values, group=group).")
-        if not leaf.sharding.is_equivalent_to(target, leaf.ndim):
+        if leaf.sharding != target and not leaf.sharding.is_equivalent_to(target, leaf.ndim):
             raise ValueError(f"{api}: {where} is not placed one row per rank of {group!r} "
                              f"(its sharding is {leaf.sharding}). Build it with "
                              f"dist.per_rank(values, group=group), or pass the result of a "
