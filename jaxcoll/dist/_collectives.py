@@ -59,6 +59,11 @@ def _run(api: str, name: str, x: PyTree, group: Group, async_op: bool, **options
     return Work(out) if async_op else out
 
 
+@functools.lru_cache(maxsize=256)
+def _checked_pairs(api: str, pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
+    return check_pairs(api, pairs, n)  # cached: a repeated exchange is checked once
+
+
 def _op(api: str, x: PyTree, op: Any) -> ReduceOp:
     """``op`` as a ReduceOp; whether it suits ``x``'s dtypes is checked when the program for
     them is traced (:func:`_program`), so a repeated call does no checking."""
@@ -281,7 +286,8 @@ def sendrecv(
     """
     api = "dist.sendrecv"
     group = resolve_group(api, group)
-    pairs = check_pairs(api, pairs, group.size)
+    pairs = _checked_pairs(api, tuple(map(tuple, pairs)) if isinstance(pairs, list) else pairs,
+                           group.size)
     return _run(api, "sendrecv", x, group, async_op, pairs=pairs)
 
 

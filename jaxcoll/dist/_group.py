@@ -46,6 +46,12 @@ def world(*, axis_name: str = "x") -> Group:
     return _world(jax.device_count(), _check_axis_name("world", axis_name))
 
 
+@functools.lru_cache(maxsize=1)
+def _default_world() -> Group:
+    """``world()``, built once: the device count is fixed once JAX's backend is up."""
+    return world()
+
+
 @functools.lru_cache(maxsize=16)
 def _world(n: int, axis_name: str) -> Group:
     """One Group object per world size and name: the default group of every dist call."""
@@ -209,7 +215,7 @@ def hierarchy(local_size: int, *, axis_names: tuple[str, str] = ("node", "local"
 def resolve_group(api: str, group: Group | None) -> Group:
     """``group`` itself, or :func:`world` for None; TypeError for anything else."""
     if group is None:
-        return _world(jax.device_count(), "x")
+        return _default_world()
     if not isinstance(group, Group):
         raise TypeError(f"{api}: group must be a Group from dist.world(), dist.new_group(...), "
                         f"dist.new_subgroups(...) or dist.hierarchy(...), or None for the world; "
