@@ -137,6 +137,6 @@ def test_grad_of_each_linear_op_alone_under_vmap():
     w = _weights()
     for k, ref in LINEAR.items():
         f = jax.vmap(CASES[k][0], axis_name=A)
-        got = jax.grad(lambda X: jnp.sum(w[k] * f(X)))(x)
-        np.testing.assert_allclose(got, jax.grad(lambda X: jnp.sum(w[k] * ref(X)))(x),
-                                   rtol=1e-5, atol=1e-5, err_msg=k)
+        got = jax.grad(lambda X, f=f, k=k: jnp.sum(w[k] * f(X)))(x)
+        want = jax.grad(lambda X, ref=ref, k=k: jnp.sum(w[k] * ref(X)))(x)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=k)
