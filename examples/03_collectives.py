@@ -101,6 +101,13 @@ show("send(0 -> 1)", dist.send(dist.per_rank(lambda r: np.float32([42.0 if r == 
                                dst=1, src=0))
 show("ring sendrecv", dist.sendrecv(t, [(r, (r + 1) % WORLD) for r in range(WORLD)]))
 
+# With a group, as torch: new_group sorts its ranks, src=/dst= are GLOBAL ranks and
+# group_src=/group_dst= ranks within the group. Row j is group rank j.
+pair = dist.new_group([3, 1])                                  # group ranks 0, 1 = global 1, 3
+tp = dist.per_rank(lambda j: np.float32([pair.ranks[j] + 1.0]), pair)    # global rank + 1
+show("group [1, 3] broadcast(src=3)", dist.broadcast(tp, src=3, group=pair))
+show("group [1, 3] reduce(group_dst=0)", dist.reduce(tp, group=pair, group_dst=0))
+
 # async: issue the all_reduce, compute something else while it runs, then wait().
 work = dist.all_reduce(t, async_op=True)          # returns at once, like torch's Work
 other = jnp.linalg.norm(jnp.ones((256, 256)) @ jnp.ones((256, 256)))   # overlaps the collective

@@ -47,7 +47,7 @@ from .algorithms.registry import check_algorithm
 __all__ = ["Group"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=True)
 class Group:
     """Ranks that run a collective together; build one with ``jaxcoll.dist``.
 
@@ -71,6 +71,14 @@ class Group:
     mesh_axes: tuple[str, ...]
     axis_name: str
     subgroups: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        # Groups key every cache of compiled programs: hash once, not on every call.
+        object.__setattr__(self, "_hash", hash((self.ranks, self.mesh_shape, self.mesh_axes,
+                                                self.axis_name, self.subgroups)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def size(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ class Axis:
 
     name: Any  # what lax takes: a name or a tuple of names
     size: int
+    vmapped: bool = False  # bound by jax.vmap(axis_name=...), not by a mesh
 
     def rank(self) -> jax.Array:
         """This device's position along the axis (row-major over a tuple of names)."""
@@ -62,7 +63,8 @@ def resolve(api: str, axis_name: Any) -> Axis:
             f"a mesh with axis {_describe(axis_name)}, e.g. jax.shard_map(f, mesh=mesh, "
             f"in_specs=P({_describe(axis_name)}), out_specs=P({_describe(axis_name)}))."
         ) from None
-    return Axis(axis_name, int(size))
+    manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+    return Axis(axis_name, int(size), vmapped=not all(a in manual for a in names))
 
 
 def is_rank(ax: Axis, ranks: int | Iterable[int]) -> jax.Array:
@@ -72,3 +74,17 @@ def is_rank(ax: Axis, ranks: int | Iterable[int]) -> jax.Array:
     mask = np.zeros(ax.size, dtype=bool)
     mask[list(ranks)] = True
     return lax.dynamic_index_in_dim(jnp.asarray(mask), ax.rank(), 0, keepdims=False)
+
+
+def permute(x: jax.Array, ax: Axis, pairs: Sequence[tuple[int, int]]) -> jax.Array:
+    """``lax.ppermute`` over ``ax`` with the (src, dst) ``pairs``; ranks no pair sends to get
+    zeros. Under ``jax.vmap`` (whose ppermute wants a full permutation) the pairs are completed
+    with the idle ranks; callers mask what those receive."""
+    pairs = list(pairs)
+    if ax.vmapped and len(pairs) < ax.size:
+        idle_src = [r for r in range(ax.size) if r not in {s for s, _ in pairs}]
+        idle_dst = [r for r in range(ax.size) if r not in {d for _, d in pairs}]
+        extra = list(zip(idle_src, idle_dst))
+        got = lax.ppermute(x, ax.name, perm=pairs + extra)
+        return jnp.where(is_rank(ax, [d for _, d in extra]), jnp.zeros_like(got), got)
+    return lax.ppermute(x, ax.name, perm=pairs)

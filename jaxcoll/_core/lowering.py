@@ -11,14 +11,16 @@ of a pattern is the transpose of the pattern. Results equal on every rank are ty
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src import core as _jcore
 from jax._src.interpreters import ad, batching, mlir
 
-from .axis import Axis, is_rank
+from .axis import Axis, is_rank, permute
 from .ops import ReduceOp, fold, rule
 from .packing import from_rows, split_leading, to_rows, unsplit_slice
 from .vma import _without, ensure_varying, root_cotangent, types_tracked
@@ -73,15 +75,48 @@ def generic_all_reduce(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.A
     return from_rows(all_gather(part, ax, axis=0, tiled=False), x)
 
 
+def _ordered_key(x: jax.Array, nan_first: bool) -> tuple[jax.Array, Any]:
+    """Float bits as signed integers in the float order, NaN beyond every number.
+
+    Positive floats keep their bits; negative ones flip their magnitude bits, so integer order
+    is float order (-inf < ... < -0 < +0 < ... < +inf). Every NaN becomes the one NaN that
+    sorts above +inf (``nan_first=False``: for MAX) or below -inf (for MIN), so a native
+    integer pmax/pmin propagates NaN as ``jnp.maximum`` does. Returns the keys and the map back.
+    """
+    width = jnp.dtype(x.dtype).itemsize
+    sint = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[width]
+    mask = jnp.asarray(np.iinfo(sint).max, sint)  # every bit but the sign
+
+    def key(v):
+        b = lax.bitcast_convert_type(v, sint)
+        return jnp.where(b < 0, b ^ mask, b)
+
+    nan = jnp.asarray(-jnp.nan if nan_first else jnp.nan, x.dtype)
+    k = key(jnp.where(jnp.isnan(x), nan, x))
+
+    def back(k):
+        return lax.bitcast_convert_type(jnp.where(k < 0, k ^ mask, k), x.dtype)
+
+    return k, back
+
+
 @staged(1, 2, 3)
 def all_reduce(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
-    """All-reduce one leaf: the op's native lax collective, or :func:`generic_all_reduce`."""
+    """All-reduce one leaf: the op's native lax collective, or :func:`generic_all_reduce`.
+
+    Float MIN/MAX run as an integer pmin/pmax of order-preserving keys: one all-reduce that
+    propagates NaN on every platform (XLA:CPU's float pmax/pmin drop it: 8 ranks, NaN on
+    rank 3 gave 7.), bit-exact otherwise.
+    """
     if ax.size == 1:
         return x
     native = rule(op, kind).native
-    if native is not None:
-        return native(x, ax.name)
-    return generic_all_reduce(x, ax, op, kind)
+    if native is None:
+        return generic_all_reduce(x, ax, op, kind)
+    if kind == "floating" and op in (ReduceOp.MIN, ReduceOp.MAX):
+        k, back = _ordered_key(x, nan_first=op is ReduceOp.MIN)
+        return back(native(k, ax.name))
+    return native(x, ax.name)
 
 
 @staged(1, 2, 3, 4)
@@ -96,6 +131,8 @@ def reduce_scatter(x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int,
     """SUM/AVG on numbers: one ``lax.psum_scatter`` (AVG then divides); every other op and
     bool: one ``all_to_all`` + one local reduce."""
     n = ax.size
+    if x.size == 0:  # XLA rejects an empty scattered dimension; there is nothing to reduce
+        return unsplit_slice(jnp.zeros_like(split_leading(x, dim, n, tiled)[0]), dim, tiled)
     if kind != "bool" and op in (ReduceOp.SUM, ReduceOp.AVG):
         out = lax.psum_scatter(x, ax.name, scatter_dimension=dim, tiled=tiled) if n > 1 else (
             x if tiled else jnp.squeeze(x, dim))
@@ -118,7 +155,7 @@ def tree_broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
     step = 1
     while step < n:
         pairs = [((src + v) % n, (src + v + step) % n) for v in range(step) if v + step < n]
-        received = lax.ppermute(x, ax.name, perm=pairs)
+        received = permute(x, ax, pairs)
         x = jnp.where(is_rank(ax, [d for _, d in pairs]), received, x)
         step *= 2
     return x
@@ -195,7 +232,7 @@ def all_to_all(x: jax.Array, ax: Axis, split_axis: int, concat_axis: int,
 def sendrecv(x: jax.Array, ax: Axis, pairs: tuple[tuple[int, int], ...]) -> jax.Array:
     """One ``lax.ppermute``; ranks that receive nothing keep their own ``x``."""
     x = ensure_varying(x, ax)
-    got = lax.ppermute(x, ax.name, perm=pairs)
+    got = permute(x, ax, pairs)
     return jnp.where(is_rank(ax, [d for _, d in pairs]), got, x)
 
 
@@ -214,7 +251,7 @@ def _broadcast_batcher(axis_data, vals_in, dims_in, *, ax, src):
         return broadcast_p.bind(v, ax=ax, src=src), d
     if len(names_of(ax)) != 1:
         raise NotImplementedError("broadcast under vmap over a tuple of axis names")
-    if d is batching.not_mapped:
+    if d is None:  # not mapped: every member holds the same value already
         return v, d
     picked = lax.index_in_dim(v, src, axis=d, keepdims=True)
     return jnp.broadcast_to(picked, v.shape), d

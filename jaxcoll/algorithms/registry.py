@@ -52,7 +52,10 @@ def nbytes_of(leaves: list[jax.Array]) -> int:
 
 def pick(api: str, op: str, algorithm: str, ax: Axis, nbytes: int) -> ModuleType:
     """The algorithm module for one call: ``algorithm`` itself, or ``auto``'s choice for a
-    message of ``nbytes`` bytes per rank (``algorithm`` already checked)."""
+    message of ``nbytes`` bytes per rank (``algorithm`` already checked). An empty message
+    takes the native path whatever the algorithm: there is nothing to move."""
+    if nbytes == 0:
+        return native
     if algorithm == "auto":
         algorithm = choose(op, nbytes, group_size=ax.size, two_level=isinstance(ax.name, tuple))
     return MODULES[algorithm]

@@ -28,7 +28,7 @@ from .._core import lowering
 from .._core.axis import Axis, is_rank
 from .._core.ops import ReduceOp, combine_fn, finish_avg
 from .._core.packing import from_rows, to_bits, to_rows
-from .._core.vma import ensure_varying, replicated, root_cotangent
+from .._core.vma import ensure_varying, replicated
 from ._shapes import gather_placed, scatter_rows
 
 PACKS = True  # leaves of one dtype travel as one buffer
@@ -122,25 +122,30 @@ def broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
 
     Bit-exact for every dtype (the bits are only OR-ed with zeros) and bandwidth-optimal like
     van de Geijn's scatter + all-gather broadcast: each rank sends 2(n-1)/n of the buffer.
-    Typed invariant. Bit casts have no derivative, so for float and complex data the gradient
-    is given directly: the cotangent goes to ``src``.
+    Typed invariant. Bit casts have no derivative, so for float and complex data the tangent
+    is carried by the binomial ppermute tree instead (the same linear map).
     """
     if ax.size == 1:
         return x
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return _broadcast_bits(x, ax, src)
 
-    @jax.custom_vjp
+    if ax.vmapped:
+        # Under jax.vmap nothing travels, and jax (0.10) traces a custom JVP rule under jit
+        # outside the vmap axis: take the tree, which gives the same bits and is differentiable.
+        return replicated(lowering.tree_broadcast(x, ax, src), ax)
+
+    @jax.custom_jvp
     def bcast(v):
         return _broadcast_bits(v, ax, src)
 
-    def fwd(v):
-        return bcast(v), None
+    @bcast.defjvp
+    def _jvp(primals, tangents):
+        # The tangent takes the (linear, transposable) ppermute tree: reverse mode gives src
+        # the cotangent.
+        (v,), (t,) = primals, tangents
+        return bcast(v), replicated(lowering.tree_broadcast(t, ax, src), ax)
 
-    def bwd(_, ct):
-        return (root_cotangent(ct, lowering.names_of(ax), src),)
-
-    bcast.defvjp(fwd, bwd)
     return bcast(ensure_varying(x, ax))
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._core.axis import Axis, is_rank
+from .._core.axis import Axis, is_rank, permute
 from .._core.lowering import tree_broadcast
 from .._core.ops import ReduceOp, combine_fn, finish_avg
 from .._core.vma import ensure_varying, replicated
@@ -51,16 +51,16 @@ def all_reduce(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
     e = n - p
     acc = x
     if e:  # ranks p..n-1 fold into ranks 0..e-1
-        recv = lax.ppermute(acc, ax.name, [(p + i, i) for i in range(e)])
+        recv = permute(acc, ax, [(p + i, i) for i in range(e)])
         acc = jnp.where(r < e, fn(acc, recv), acc)
     d = 1
     while d < p:
-        recv = lax.ppermute(acc, ax.name, [(i, i ^ d) for i in range(p)])
+        recv = permute(acc, ax, [(i, i ^ d) for i in range(p)])
         upper = (r & d) != 0  # this rank is the higher of the pair: fold recv op acc
         acc = jnp.where(upper, fn(recv, acc), fn(acc, recv))
         d *= 2
     if e:  # hand the result back to ranks p..n-1
-        recv = lax.ppermute(acc, ax.name, [(i, p + i) for i in range(e)])
+        recv = permute(acc, ax, [(i, p + i) for i in range(e)])
         acc = jnp.where(r >= p, recv, acc)
     return replicated(finish_avg(acc, op, n), ax)
 
@@ -78,7 +78,7 @@ def reduce(x: jax.Array, ax: Axis, dst: int, op: ReduceOp, kind: str) -> jax.Arr
     while d < n:
         senders = [v for v in range(n) if v % (2 * d) == d]
         pairs = [((dst + v) % n, (dst + v - d) % n) for v in senders]
-        recv = lax.ppermute(acc, ax.name, pairs)
+        recv = permute(acc, ax, pairs)
         acc = jnp.where(is_rank(ax, [b for _, b in pairs]), fn(acc, recv), acc)
         d *= 2
     return jnp.where(is_rank(ax, dst), finish_avg(acc, op, n), x)

@@ -39,6 +39,7 @@ from ._group import is_initialized as is_initialized
 from ._group import local_ranks as local_ranks
 from ._group import new_group as new_group
 from ._group import new_subgroups as new_subgroups
+from ._group import ordered_group as ordered_group
 from ._group import world as world
 from ._objects import all_gather_object as all_gather_object
 from ._objects import broadcast_object as broadcast_object
@@ -68,6 +69,7 @@ __all__ = [
     "local_ranks",
     "new_group",
     "new_subgroups",
+    "ordered_group",
     "per_rank",
     "recv",
     "reduce",

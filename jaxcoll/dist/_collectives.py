@@ -23,11 +23,11 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from .. import primitives
-from .._core.checks import check_pairs, check_rank
+from .._core.checks import check_pairs
 from .._core.ops import ReduceOp, check_op_dtype, coerce_op
 from .._core.typing import PyTree
 from ..groups import Group
-from ._group import resolve_group
+from ._group import group_root, resolve_group
 from ._per_rank import check_per_rank, per_rank
 from ._work import Work
 
@@ -36,13 +36,16 @@ TRACES: collections.Counter[str] = collections.Counter()
 
 
 @functools.lru_cache(maxsize=512)
-def _program(name: str, group: Group, options: tuple[tuple[str, Any], ...]):
+def _program(api: str, name: str, group: Group, options: tuple[tuple[str, Any], ...]):
     fn = getattr(primitives, name)
     kwargs = dict(options)
     spec = P(group.mesh_axes)
 
     def body(x):
         TRACES[name] += 1
+        if "op" in kwargs:  # checked when a new dtype is traced, not on every call
+            for leaf in jax.tree_util.tree_leaves(x):
+                check_op_dtype(api, kwargs["op"], leaf.dtype)
         local = jax.tree_util.tree_map(lambda a: a[0], x)  # this rank's value
         out = fn(local, group.axis_name, **kwargs)
         return jax.tree_util.tree_map(lambda a: a[None], out)
@@ -52,16 +55,19 @@ def _program(name: str, group: Group, options: tuple[tuple[str, Any], ...]):
 
 def _run(api: str, name: str, x: PyTree, group: Group, async_op: bool, **options: Any):
     check_per_rank(api, x, group)
-    out = _program(name, group, tuple(sorted(options.items())))(x)
+    out = _program(api, name, group, tuple(sorted(options.items())))(x)
     return Work(out) if async_op else out
 
 
+@functools.lru_cache(maxsize=256)
+def _checked_pairs(api: str, pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
+    return check_pairs(api, pairs, n)  # cached: a repeated exchange is checked once
+
+
 def _op(api: str, x: PyTree, op: Any) -> ReduceOp:
-    op = coerce_op(api, op)
-    for leaf in jax.tree_util.tree_leaves(x):
-        if hasattr(leaf, "dtype"):
-            check_op_dtype(api, op, leaf.dtype)
-    return op
+    """``op`` as a ReduceOp; whether it suits ``x``'s dtypes is checked when the program for
+    them is traced (:func:`_program`), so a repeated call does no checking."""
+    return op if isinstance(op, ReduceOp) else coerce_op(api, op)
 
 
 def all_reduce(
@@ -105,13 +111,14 @@ def all_reduce(
 
 
 def reduce(
-    x: PyTree, dst: int = 0, op: ReduceOp | str = ReduceOp.SUM, group: Group | None = None,
-    async_op: bool = False,
+    x: PyTree, dst: int | None = None, op: ReduceOp | str = ReduceOp.SUM,
+    group: Group | None = None, async_op: bool = False, *, group_dst: int | None = None,
 ) -> PyTree | Work:
-    """Rank ``dst`` of ``group`` gets ``op`` over all ranks' values; the others keep theirs.
+    """Rank ``dst`` gets ``op`` over all ranks' values of ``group``; the others keep theirs.
 
-    ``torch.distributed.reduce(tensor, dst, op, group, async_op)`` with ``dst`` a rank within
-    the group (torch's ``group_dst``). Lowering: :func:`jaxcoll.primitives.reduce`.
+    ``torch.distributed.reduce(tensor, dst, op, group, async_op, group_dst)``: ``dst`` is a
+    GLOBAL rank (a member of the group), ``group_dst`` a rank within the group; pass one.
+    Lowering: :func:`jaxcoll.primitives.reduce`.
 
     Example (8 devices)::
 
@@ -121,16 +128,18 @@ def reduce(
     """
     api = "dist.reduce"
     group = resolve_group(api, group)
-    dst = check_rank(api, "dst", dst, group.size)
+    dst = group_root(api, group, dst, group_dst, "dst")
     return _run(api, "reduce", x, group, async_op, dst=dst, op=_op(api, x, op))
 
 
 def broadcast(
-    x: PyTree, src: int = 0, group: Group | None = None, async_op: bool = False
+    x: PyTree, src: int | None = None, group: Group | None = None, async_op: bool = False, *,
+    group_src: int | None = None,
 ) -> PyTree | Work:
     """Every rank of ``group`` gets rank ``src``'s value.
 
-    ``torch.distributed.broadcast(tensor, src, group, async_op)``, ``src`` within the group.
+    ``torch.distributed.broadcast(tensor, src, group, async_op, group_src)``: ``src`` is a
+    GLOBAL rank (a member of the group), ``group_src`` a rank within the group; pass one.
     Lowering: :func:`jaxcoll.primitives.broadcast` (NCCL broadcast on GPU, a ppermute tree on
     CPU). Bit-exact, any dtype.
 
@@ -142,7 +151,7 @@ def broadcast(
     """
     api = "dist.broadcast"
     group = resolve_group(api, group)
-    src = check_rank(api, "src", src, group.size)
+    src = group_root(api, group, src, group_src, "src")
     return _run(api, "broadcast", x, group, async_op, src=src)
 
 
@@ -168,12 +177,14 @@ def all_gather(
 
 
 def gather(
-    x: PyTree, dst: int = 0, group: Group | None = None, async_op: bool = False, *,
-    axis: int = 0, tiled: bool = False,
+    x: PyTree, dst: int | None = None, group: Group | None = None, async_op: bool = False, *,
+    group_dst: int | None = None, axis: int = 0, tiled: bool = False,
 ) -> PyTree | Work:
-    """Rank ``dst`` gets all ranks' values in rank order; the other rows are zeros.
+    """Rank ``dst`` gets all ranks' values in group rank order; the other rows are zeros.
 
-    ``torch.distributed.gather(tensor, gather_list, dst)``. Every row has the gathered shape
+    ``torch.distributed.gather(tensor, gather_list, dst, group, async_op, group_dst)``: ``dst``
+    a GLOBAL rank, ``group_dst`` a rank within the group; pass one. Every row has the gathered
+    shape
     (SPMD), so non-destination rows are zeros where torch gives them nothing.
     Lowering: :func:`jaxcoll.primitives.gather`.
 
@@ -185,17 +196,19 @@ def gather(
     """
     api = "dist.gather"
     group = resolve_group(api, group)
-    dst = check_rank(api, "dst", dst, group.size)
+    dst = group_root(api, group, dst, group_dst, "dst")
     return _run(api, "gather", x, group, async_op, dst=dst, axis=axis, tiled=bool(tiled))
 
 
 def scatter(
-    x: PyTree, src: int = 0, group: Group | None = None, async_op: bool = False, *,
-    axis: int = 0, tiled: bool = False,
+    x: PyTree, src: int | None = None, group: Group | None = None, async_op: bool = False, *,
+    group_src: int | None = None, axis: int = 0, tiled: bool = False,
 ) -> PyTree | Work:
-    """Rank r gets slice r of rank ``src``'s value; the other rows of ``x`` are not read.
+    """Group rank r gets slice r of rank ``src``'s value; the other rows of ``x`` are not read.
 
-    ``torch.distributed.scatter(tensor, scatter_list, src)``: each row of ``x`` holds the n
+    ``torch.distributed.scatter(tensor, scatter_list, src, group, async_op, group_src)``:
+    ``src`` a GLOBAL rank, ``group_src`` a rank within the group; pass one. Each row of ``x``
+    holds the n
     slices stacked along ``axis`` (or, ``tiled``, an axis n times longer). Only ``src``'s row
     matters; the others give the shape. Lowering: :func:`jaxcoll.primitives.scatter`.
 
@@ -207,7 +220,7 @@ def scatter(
     """
     api = "dist.scatter"
     group = resolve_group(api, group)
-    src = check_rank(api, "src", src, group.size)
+    src = group_root(api, group, src, group_src, "src")
     return _run(api, "scatter", x, group, async_op, src=src, axis=axis, tiled=bool(tiled))
 
 
@@ -273,43 +286,54 @@ def sendrecv(
     """
     api = "dist.sendrecv"
     group = resolve_group(api, group)
-    pairs = check_pairs(api, pairs, group.size)
+    pairs = _checked_pairs(api, tuple(map(tuple, pairs)) if isinstance(pairs, list) else pairs,
+                           group.size)
     return _run(api, "sendrecv", x, group, async_op, pairs=pairs)
 
 
-def send(x: PyTree, dst: int, src: int, group: Group | None = None) -> PyTree:
+def send(x: PyTree, dst: int | None = None, src: int | None = None,
+         group: Group | None = None, *, group_dst: int | None = None,
+         group_src: int | None = None) -> PyTree:
     """Rank ``src`` sends its value to rank ``dst``: ``sendrecv(x, [(src, dst)])``.
 
     torch's ``send(tensor, dst)`` on the sender plus ``recv(tensor, src)`` on the receiver,
-    written once for both sides (SPMD), so ``send`` names both ranks.
+    written once for both sides (SPMD), so ``send`` names both ranks. As in torch, ``dst`` and
+    ``src`` are GLOBAL ranks; ``group_dst`` / ``group_src`` name ranks within ``group``.
 
     Example (8 devices)::
 
         >>> dist.to_ranks(dist.send(dist.per_rank(np.arange(8.0)), dst=5, src=0))[5]
         array(0., dtype=float32)
     """
-    return _p2p("dist.send", x, dst, src, group, False)
+    return _p2p("dist.send", x, group, False, dst, src, group_dst, group_src)
 
 
-def recv(x: PyTree, src: int, dst: int, group: Group | None = None) -> PyTree:
+def recv(x: PyTree, src: int | None = None, dst: int | None = None,
+         group: Group | None = None, *, group_src: int | None = None,
+         group_dst: int | None = None) -> PyTree:
     """Rank ``dst`` receives rank ``src``'s value: the same exchange as :func:`send`."""
-    return _p2p("dist.recv", x, dst, src, group, False)
+    return _p2p("dist.recv", x, group, False, dst, src, group_dst, group_src)
 
 
-def isend(x: PyTree, dst: int, src: int, group: Group | None = None) -> Work:
+def isend(x: PyTree, dst: int | None = None, src: int | None = None,
+          group: Group | None = None, *, group_dst: int | None = None,
+          group_src: int | None = None) -> Work:
     """:func:`send` with ``async_op=True``: returns a :class:`Work`."""
-    return _p2p("dist.isend", x, dst, src, group, True)
+    return _p2p("dist.isend", x, group, True, dst, src, group_dst, group_src)
 
 
-def irecv(x: PyTree, src: int, dst: int, group: Group | None = None) -> Work:
+def irecv(x: PyTree, src: int | None = None, dst: int | None = None,
+          group: Group | None = None, *, group_src: int | None = None,
+          group_dst: int | None = None) -> Work:
     """:func:`recv` with ``async_op=True``: returns a :class:`Work`."""
-    return _p2p("dist.irecv", x, dst, src, group, True)
+    return _p2p("dist.irecv", x, group, True, dst, src, group_dst, group_src)
 
 
-def _p2p(api: str, x: PyTree, dst: int, src: int, group: Group | None, async_op: bool):
+def _p2p(api: str, x: PyTree, group: Group | None, async_op: bool, dst, src, group_dst,
+         group_src):
     group = resolve_group(api, group)
-    src = check_rank(api, "src", src, group.size)
-    dst = check_rank(api, "dst", dst, group.size)
+    src = group_root(api, group, src, group_src, "src")
+    dst = group_root(api, group, dst, group_dst, "dst")
     return _run(api, "sendrecv", x, group, async_op, pairs=((src, dst),))
 
 

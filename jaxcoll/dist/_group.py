@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._core.checks import check_static_int
+from .._core.checks import check_rank, check_static_int
 from ..groups import Group
 
 _OUTER = "subgroup"
@@ -43,17 +43,29 @@ def world(*, axis_name: str = "x") -> Group:
         >>> dist.world().ranks
         (0, 1, 2, 3, 4, 5, 6, 7)
     """
-    axis_name = _check_axis_name("world", axis_name)
-    n = jax.device_count()
+    return _world(jax.device_count(), _check_axis_name("world", axis_name))
+
+
+@functools.lru_cache(maxsize=1)
+def _default_world() -> Group:
+    """``world()``, built once: the device count is fixed once JAX's backend is up."""
+    return world()
+
+
+@functools.lru_cache(maxsize=16)
+def _world(n: int, axis_name: str) -> Group:
+    """One Group object per world size and name: the default group of every dist call."""
     ranks = tuple(range(n))
     return Group(ranks, (n,), (axis_name,), axis_name, (ranks,))
 
 
 def new_group(ranks: Sequence[int], *, axis_name: str = "x") -> Group:
-    """A group of the given global ranks, in the order given (group rank j is ``ranks[j]``).
+    """A group of the given global ranks, in ascending order (group rank j is the j-th
+    smallest), as ``torch.distributed.new_group(ranks)`` orders them.
 
-    Like ``torch.distributed.new_group(ranks)``. A collective on the group runs on the member
-    devices only, as one ``shard_map`` over a mesh of those devices.
+    A collective on the group runs on the member devices only, as one ``shard_map`` over a
+    mesh of those devices. For a group whose ranks keep the order given, use
+    :func:`ordered_group`.
 
     Args:
         ranks: distinct global ranks (device indices), any order, any subset.
@@ -67,11 +79,30 @@ def new_group(ranks: Sequence[int], *, axis_name: str = "x") -> Group:
 
     Example (8 devices)::
 
-        >>> g = dist.new_group([1, 5, 6])
-        >>> dist.get_world_size(g)
-        3
+        >>> g = dist.new_group([6, 1, 5])
+        >>> g.ranks, dist.get_world_size(g)
+        ((1, 5, 6), 3)
     """
     api = "dist.new_group"
+    return _group_of(api, tuple(sorted(_check_ranks(api, ranks))), axis_name)
+
+
+def ordered_group(ranks: Sequence[int], *, axis_name: str = "x") -> Group:
+    """A group of the given global ranks in the order given: group rank j is ``ranks[j]``.
+
+    jaxcoll's own (torch's ``new_group`` sorts, and so does :func:`new_group`): e.g. a ring
+    whose neighbours are not in ascending device order.
+
+    Example (8 devices)::
+
+        >>> dist.ordered_group([6, 1, 5]).ranks
+        (6, 1, 5)
+    """
+    api = "dist.ordered_group"
+    return _group_of(api, _check_ranks(api, ranks), axis_name)
+
+
+def _check_ranks(api: str, ranks: Any) -> tuple[int, ...]:
     if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence | np.ndarray):
         raise TypeError(f"{api}: ranks must be a sequence of ints, got {ranks!r} instead.")
     ranks = tuple(check_static_int(api, "ranks entry", r) for r in ranks)
@@ -86,6 +117,10 @@ def new_group(ranks: Sequence[int], *, axis_name: str = "x") -> Group:
     if bad:
         raise ValueError(f"{api}: rank {bad[0]} in ranks={list(ranks)} is out of range for a "
                          f"world of {n} ranks (0..{n - 1}). Pass ranks between 0 and {n - 1}.")
+    return ranks
+
+
+def _group_of(api: str, ranks: tuple[int, ...], axis_name: str) -> Group:
     axis_name = _check_axis_name(api, axis_name)
     return Group(ranks, (len(ranks),), (axis_name,), axis_name, (ranks,))
 
@@ -180,7 +215,7 @@ def hierarchy(local_size: int, *, axis_names: tuple[str, str] = ("node", "local"
 def resolve_group(api: str, group: Group | None) -> Group:
     """``group`` itself, or :func:`world` for None; TypeError for anything else."""
     if group is None:
-        return world()
+        return _default_world()
     if not isinstance(group, Group):
         raise TypeError(f"{api}: group must be a Group from dist.world(), dist.new_group(...), "
                         f"dist.new_subgroups(...) or dist.hierarchy(...), or None for the world; "
@@ -192,6 +227,30 @@ def resolve_group(api: str, group: Group | None) -> Group:
 def group_sharding(group: Group) -> NamedSharding:
     """Where a per-rank array for ``group`` lives: row i on the device of ``group.ranks[i]``."""
     return NamedSharding(group.mesh, P(group.mesh_axes))
+
+
+def group_root(api: str, group: Group, rank: Any, group_rank: Any, name: str) -> int:
+    """The group rank of a root given as torch gives it: ``name`` (``src``/``dst``) a GLOBAL
+    rank, or ``group_<name>`` a rank within the group; one of them, not both."""
+    if rank is not None and group_rank is not None:
+        raise ValueError(f"{api}: pass {name}= (a global rank) or group_{name}= (a rank within "
+                         f"the group), not both; got {name}={rank!r}, group_{name}="
+                         f"{group_rank!r}.")
+    if group_rank is not None:
+        return check_rank(api, f"group_{name}", group_rank, group.size)
+    if rank is None:
+        raise ValueError(f"{api}: pass {name}= (a global rank) or group_{name}= (a rank "
+                         f"within the group).")
+    rank = check_static_int(api, name, rank)
+    if len(group.subgroups) > 1:
+        raise ValueError(f"{api}: {name}={rank} names one global rank, but {group!r} is a "
+                         f"partition whose subgroups each need their own root; pass "
+                         f"group_{name}= (the rank within each subgroup) instead.")
+    if rank not in group.ranks:
+        raise ValueError(f"{api}: Global rank {rank} is not part of group {group!r} (its "
+                         f"global ranks: {list(group.ranks)}). Pass a member's global rank as "
+                         f"{name}=, or a rank within the group as group_{name}=.")
+    return group.ranks.index(rank)
 
 
 def get_world_size(group: Group | None = None) -> int:

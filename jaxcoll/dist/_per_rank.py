@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
 import numpy as np
 
 from ..groups import Group
@@ -69,8 +72,35 @@ def per_rank(
             raise ValueError(f"{api}: row {i} has shape {row.shape} and dtype {row.dtype}, but "
                              f"row {mine[0]} has {first.shape} and {first.dtype}; every rank must "
                              f"hold the same shape and dtype (pad or cast first).")
+    for i, row in rows.items():
+        _check_survives(api, i, row)
     shards = [jax.device_put(rows[i][None], devices[group.ranks[i]]) for i in mine]
     return jax.make_array_from_single_device_arrays((n, *first.shape), sharding, shards)
+
+
+def _check_survives(api: str, i: int, row: np.ndarray) -> None:
+    """Raise unless ``row`` keeps its values in the dtype JAX will hold it in.
+
+    Without ``jax_enable_x64`` JAX holds 64-bit data in 32 bits: integers must fit (2**40 + 1
+    would silently become 1), floats must not overflow to inf (rounding, as ``jnp.asarray``
+    rounds float64 to float32, is expected).
+    """
+    held = np.dtype(jax.dtypes.canonicalize_dtype(row.dtype))
+    if held == row.dtype or row.size == 0:
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        narrow = row.astype(held)
+    if np.issubdtype(row.dtype, np.integer) or row.dtype == np.bool_:
+        lost = narrow.astype(row.dtype) != row
+    else:
+        lost = np.isfinite(row) & ~np.isfinite(narrow)
+    if lost.any():
+        where = tuple(int(k) for k in np.argwhere(lost)[0])
+        raise ValueError(
+            f"{api}: row {i} holds {row.dtype} values that {held} cannot hold (e.g. "
+            f"{row[where]!r} at {where}); JAX keeps 64-bit data in 32 bits unless "
+            f"jax_enable_x64 is set. Enable it (jax.config.update('jax_enable_x64', True)) "
+            f"before creating arrays, or pass values that fit {held}.")
 
 
 def to_ranks(x: jax.Array) -> list[np.ndarray]:
@@ -99,13 +129,26 @@ def to_ranks(x: jax.Array) -> list[np.ndarray]:
     return [rows[i] for i in sorted(rows)]
 
 
+@functools.lru_cache(maxsize=256)
+def _placed_like(sharding: Any, target: NamedSharding, ndim: int) -> bool:
+    """Whether an array of ``ndim`` dims placed by ``sharding`` has one row per rank as
+    ``target`` places it. Cached: the outputs of one dist program share their sharding object,
+    so a repeated call finds it by identity."""
+    if not isinstance(sharding, jax.sharding.Sharding) or ndim < 1:
+        return False
+    return sharding == target or sharding.is_equivalent_to(target, ndim)
+
+
 def check_per_rank(api: str, x: Any, group: Group) -> list[jax.Array]:
     """Every leaf of ``x`` must be a per-rank array for ``group``; return the leaves."""
     leaves = jax.tree_util.tree_leaves(x)
+    target = group_sharding(group)
+    if len(leaves) == 1 and _placed_like(getattr(leaves[0], "sharding", None), target,
+                                         getattr(leaves[0], "ndim", -1)):
+        return leaves  # the common case, one lookup: a dist result passed on
     if not leaves:
         raise ValueError(f"{api}: x has no arrays; pass a per-rank array from dist.per_rank.")
     n = len(group.ranks)
-    target = group_sharding(group)
     for i, leaf in enumerate(leaves):
         where = "x" if len(leaves) == 1 else f"leaf {i} of x"
         if not isinstance(leaf, jax.Array):
@@ -116,7 +159,7 @@ def check_per_rank(api: str, x: Any, group: Group) -> list[jax.Array]:
             got = "a scalar" if leaf.ndim == 0 else f"{leaf.shape[0]} rows"
             raise ValueError(f"{api}: {where} has {got} but the group {group!r} has {n} rows, "
                              f"one per rank. Build it with dist.per_rank(values, group=group).")
-        if not leaf.sharding.is_equivalent_to(target, leaf.ndim):
+        if not _placed_like(leaf.sharding, target, leaf.ndim):
             raise ValueError(f"{api}: {where} is not placed one row per rank of {group!r} "
                              f"(its sharding is {leaf.sharding}). Build it with "
                              f"dist.per_rank(values, group=group), or pass the result of a "

@@ -8,7 +8,7 @@ import jax
 
 from .._core.axis import resolve
 from .._core.checks import as_array_leaves, check_rank
-from .._core.ops import ReduceOp, check_op_dtype, coerce_op
+from .._core.ops import ReduceOp, accumulator, check_op_dtype, coerce_op
 from .._core.protocol import handler
 from .._core.typing import AxisName, PyTree
 from ..algorithms import registry
@@ -20,6 +20,14 @@ def _validated(api: str, x: Any, axis_name: Any, op: Any):
     leaves, treedef = as_array_leaves(api, x)
     kinds = [check_op_dtype(api, op, leaf.dtype) for leaf in leaves]
     return op, ax, leaves, kinds, treedef
+
+
+def _in_accumulator(op: ReduceOp, leaves: list[jax.Array], run) -> list[jax.Array]:
+    """Run the reduction with each leaf in its accumulation dtype (float16 SUM/AVG in
+    float32: see :func:`jaxcoll._core.ops.accumulator`); results come back in the leaf's."""
+    wide = [leaf.astype(acc) if (acc := accumulator(op, leaf.dtype)) else leaf
+            for leaf in leaves]
+    return [out.astype(leaf.dtype) for out, leaf in zip(run(wide), leaves, strict=True)]
 
 
 def all_reduce(
@@ -72,8 +80,9 @@ def all_reduce(
     if (own := handler(axis_name)) is not None:
         return own(all_reduce, x, op=op, algorithm=algorithm)
     op, ax, leaves, kinds, treedef = _validated("all_reduce", x, axis_name, op)
-    out = registry.run("all_reduce", "all_reduce", algorithm, leaves, ax,
-                       lambda mod, v, i: mod.all_reduce(v, ax, op, kinds[i]))
+    out = _in_accumulator(op, leaves, lambda wide: registry.run(
+        "all_reduce", "all_reduce", algorithm, wide, ax,
+        lambda mod, v, i: mod.all_reduce(v, ax, op, kinds[i])))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -122,6 +131,7 @@ def reduce(
         return own(reduce, x, dst=dst, op=op, algorithm=algorithm)
     op, ax, leaves, kinds, treedef = _validated("reduce", x, axis_name, op)
     dst = check_rank("reduce", "dst", dst, ax.size)
-    out = registry.run("reduce", "reduce", algorithm, leaves, ax,
-                       lambda mod, v, i: mod.reduce(v, ax, dst, op, kinds[i]))
+    out = _in_accumulator(op, leaves, lambda wide: registry.run(
+        "reduce", "reduce", algorithm, wide, ax,
+        lambda mod, v, i: mod.reduce(v, ax, dst, op, kinds[i])))
     return jax.tree_util.tree_unflatten(treedef, out)

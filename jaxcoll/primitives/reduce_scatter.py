@@ -6,7 +6,7 @@ import jax
 
 from .._core.axis import resolve
 from .._core.checks import as_array_leaves, check_split
-from .._core.ops import ReduceOp, check_op_dtype, coerce_op
+from .._core.ops import ReduceOp, accumulator, check_op_dtype, coerce_op
 from .._core.protocol import handler
 from .._core.typing import AxisName, PyTree
 from ..algorithms import registry
@@ -66,7 +66,10 @@ def reduce_scatter(
     kinds = [check_op_dtype(api, op, leaf.dtype) for leaf in leaves]
     dims = [check_split(api, leaf.shape, scatter_dimension, ax.size, bool(tiled),
                         "scatter_dimension") for leaf in leaves]
-    out = registry.each(api, api, algorithm, leaves, ax,
+    wide = [leaf.astype(acc) if (acc := accumulator(op, leaf.dtype)) else leaf
+            for leaf in leaves]  # float16 SUM/AVG in float32, as all_reduce
+    out = registry.each(api, api, algorithm, wide, ax,
                         lambda mod, v, i: mod.reduce_scatter(v, ax, op, kinds[i], dims[i],
                                                              bool(tiled)))
+    out = [o.astype(leaf.dtype) for o, leaf in zip(out, leaves, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, out)

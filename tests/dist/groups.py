@@ -14,7 +14,8 @@ GROUPS = {
     "world": (lambda: dist.world(), [EIGHT], EIGHT),
     "size1": (lambda: dist.new_group([2]), [[0]], [2]),
     "size3": (lambda: dist.new_group([1, 5, 6]), [[0, 1, 2]], [1, 5, 6]),
-    "size4": (lambda: dist.new_group([6, 0, 3, 4]), [[0, 1, 2, 3]], [6, 0, 3, 4]),
+    "size4": (lambda: dist.new_group([6, 0, 3, 4]), [[0, 1, 2, 3]], [0, 3, 4, 6]),  # sorted
+    "ordered4": (lambda: dist.ordered_group([6, 0, 3, 4]), [[0, 1, 2, 3]], [6, 0, 3, 4]),
     "sub2": (lambda: dist.new_subgroups(2), [[0, 1], [2, 3], [4, 5], [6, 7]], EIGHT),
     "node": (lambda: dist.hierarchy(4).node, [[0, 4], [1, 5], [2, 6], [3, 7]], EIGHT),
     "local": (lambda: dist.hierarchy(4).local, [[0, 1, 2, 3], [4, 5, 6, 7]], EIGHT),

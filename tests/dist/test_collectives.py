@@ -94,7 +94,7 @@ def test_reducing_collectives(name: str, op: str) -> None:
         calls = {
             "all_reduce": (dist.all_reduce(x, op=op, group=group, async_op=async_op),
                            lambda xs: oracle.all_reduce(xs, op)),
-            "reduce": (dist.reduce(x, dst=dst, op=op, group=group, async_op=async_op),
+            "reduce": (dist.reduce(x, group_dst=dst, op=op, group=group, async_op=async_op),
                        lambda xs: oracle.reduce(xs, op, dst)),
             "reduce_scatter": (dist.reduce_scatter(x, op=op, group=group, async_op=async_op),
                                lambda xs: oracle.reduce_scatter(xs, op, tiled=False)),
@@ -118,13 +118,13 @@ def test_data_movement(name: str) -> None:
     for async_op in (False, True):
         a = {"async_op": async_op, "group": group}
         calls = {
-            "broadcast": (dist.broadcast(x, src=src, **a), lambda xs: o.broadcast(xs, src)),
+            "broadcast": (dist.broadcast(x, group_src=src, **a), lambda xs: o.broadcast(xs, src)),
             "all_gather": (dist.all_gather(x, **a), lambda xs: o.all_gather(xs, False)),
             "all_gather tiled": (dist.all_gather(x, tiled=True, **a),
                                  lambda xs: o.all_gather(xs, True)),
-            "gather": (dist.gather(x, dst=dst, **a), lambda xs: o.gather(xs, dst)),
-            "scatter": (dist.scatter(x, src=src, **a), lambda xs: o.scatter(xs, src, False)),
-            "scatter tiled": (dist.scatter(x, src=src, tiled=True, **a),
+            "gather": (dist.gather(x, group_dst=dst, **a), lambda xs: o.gather(xs, dst)),
+            "scatter": (dist.scatter(x, group_src=src, **a), lambda xs: o.scatter(xs, src, False)),
+            "scatter tiled": (dist.scatter(x, group_src=src, tiled=True, **a),
                               lambda xs: o.scatter(xs, src, True)),
             "all_to_all": (dist.all_to_all(x, split_axis=0, concat_axis=1, **a),
                            lambda xs: o.all_to_all_untiled(xs, 0, 1)),
@@ -140,10 +140,9 @@ def test_data_movement(name: str) -> None:
     def want_fn(xs):
         return o.sendrecv(xs, [(src, dst)])
 
-    for out in (dist.send(x, dst=dst, src=src, group=group),
-                dist.recv(x, src=src, dst=dst, group=group),
-                dist.isend(x, dst=dst, src=src, group=group).wait(),
-                dist.irecv(x, src=src, dst=dst, group=group).wait()):
+    ends = {"group_dst": dst, "group_src": src, "group": group}
+    for out in (dist.send(x, **ends), dist.recv(x, **ends), dist.isend(x, **ends).wait(),
+                dist.irecv(x, **ends).wait()):
         got = results(out, False)
         for d in DTYPES:
             check(got[d], expected(rows, data[d], want_fn), d, f"send on {name}, {d}")

@@ -41,5 +41,8 @@ def test_03_dist_form_with_async() -> None:
     assert dist_rows(out, "all_gather") == ["[1.0, 2.0, 3.0, 4.0]"] * 4
     assert dist_rows(out, "send(0 -> 1)") == ["[42.0]", "[42.0]", "[-1.0]", "[-1.0]"]
     assert dist_rows(out, "ring sendrecv") == ["[4.0]", "[1.0]", "[2.0]", "[3.0]"]
+    # a group of global ranks 3 and 1: sorted as torch sorts, src a global rank
+    assert dist_rows(out, "group [1, 3] broadcast(src=3)") == ["[4.0]", "[4.0]"]
+    assert dist_rows(out, "group [1, 3] reduce(group_dst=0)") == ["[6.0]", "[4.0]"]
     assert "dist: other work while all_reduce ran: 65536.0" in out
     assert dist_rows(out, "async all_reduce after wait()") == ["[10.0]"] * 4

@@ -17,8 +17,9 @@ def test_per_rank_round_trip_and_row_order() -> None:
     assert x.shape == (2, 3) and x.dtype == np.int32
     got = dist.to_ranks(x)
     assert [r.tolist() for r in got] == [[0, 1, 2], [3, 4, 5]]
+    # torch's new_group orders the ranks: row 0 is global rank 1, row 1 global rank 5
     assert {s.device.id: int(np.asarray(s.data)[0, 0]) for s in x.addressable_shards} == {
-        jax.devices()[5].id: 0, jax.devices()[1].id: 3}
+        jax.devices()[1].id: 0, jax.devices()[5].id: 3}
     f = dist.per_rank(lambda r: np.float32(r * 10))
     assert [float(v) for v in dist.to_ranks(f)] == [r * 10.0 for r in range(8)]
 
@@ -46,6 +47,12 @@ def test_host_queries_and_objects() -> None:
         (lambda: dist.hierarchy(0), ValueError, r"hierarchy: local_size=0 does not divide"),
         (lambda: dist.per_rank([np.zeros(2)] * 3), ValueError,
          r"per_rank: got 3 values but the group has 8 rows"),
+        (lambda: dist.per_rank(lambda r: np.int64([2**40 + 1])), ValueError,
+         r"per_rank: row 0 holds int64 values that int32 cannot hold.*jax_enable_x64"),
+        (lambda: dist.per_rank(lambda r: np.uint64([2**33])), ValueError,
+         r"per_rank: row 0 holds uint64 values that uint32 cannot hold.*jax_enable_x64"),
+        (lambda: dist.per_rank(lambda r: np.float64([1e300])), ValueError,
+         r"per_rank: row 0 holds float64 values that float32 cannot hold"),
         (lambda: dist.per_rank(lambda r: np.zeros(r % 2 + 1)), ValueError,
          r"per_rank: row 1 has shape \(2,\)"),
         (lambda: dist.all_reduce(dist.per_rank(np.zeros(8)), group=dist.new_group([0, 1])),
@@ -55,12 +62,20 @@ def test_host_queries_and_objects() -> None:
         (lambda: dist.all_reduce(np.zeros(8)), TypeError,
          r"dist.all_reduce: x must be a per-rank jax.Array.*dist.per_rank"),
         (lambda: dist.broadcast(dist.per_rank(np.zeros(8)), src=8), ValueError,
-         r"dist.broadcast: src=8 is out of range for a group of 8 ranks"),
+         r"dist.broadcast: Global rank 8 is not part of group"),
         (lambda: dist.reduce(dist.per_rank(np.zeros(3)[:, None].repeat(1, 1), dist.new_group(
             [1, 5, 6])), dst=3, group=dist.new_group([1, 5, 6])), ValueError,
-         r"dist.reduce: dst=3 is out of range for a group of 3"),
+         r"dist.reduce: Global rank 3 is not part of group .*\[1, 5, 6\].*group_dst="),
         (lambda: dist.send(dist.per_rank(np.zeros(8)), dst=0, src=-1), ValueError,
-         r"dist.send: src=-1 is out of range"),
+         r"dist.send: Global rank -1 is not part of group"),
+        (lambda: dist.broadcast(dist.per_rank(np.zeros(8)), src=1, group_src=1), ValueError,
+         r"dist.broadcast: pass src= \(a global rank\) or group_src= .* not both"),
+        (lambda: dist.gather(dist.per_rank(np.zeros(8))), ValueError,
+         r"dist.gather: pass dst= \(a global rank\) or group_dst="),
+        (lambda: dist.scatter(dist.per_rank(np.zeros(8)), src=2, group=dist.new_subgroups(2)),
+         ValueError, r"dist.scatter: src=2 names one global rank, but .* partition.*group_src="),
+        (lambda: dist.reduce(dist.per_rank(np.zeros(8)), group_dst=8), ValueError,
+         r"dist.reduce: group_dst=8 is out of range for a group of 8 ranks"),
         (lambda: dist.sendrecv(dist.per_rank(np.zeros(8)), [(0, 1), (2, 1)]), ValueError,
          r"dist.sendrecv: .*rank 1 receives more than once"),
         (lambda: dist.all_reduce(dist.per_rank(np.zeros(8, np.int32)), op="avg"), TypeError,
@@ -76,3 +91,11 @@ def test_host_queries_and_objects() -> None:
 def test_errors(call, exc, match) -> None:
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_values_that_fit_are_accepted() -> None:
+    """Python ints and floats arrive as 64-bit NumPy values; those that fit are held as is."""
+    x = dist.per_rank(lambda r: np.int64([r, 2**31 - 1]))
+    assert x.dtype == np.int32 and dist.to_ranks(x)[7].tolist() == [7, 2**31 - 1]
+    f = dist.per_rank(lambda r: np.float64([0.1 * r]))
+    assert f.dtype == np.float32

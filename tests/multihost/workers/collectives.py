@@ -129,15 +129,15 @@ def run_dist():
         ops = {
             "all_reduce": dist.all_reduce(xs, group=g),
             "all_reduce_max": dist.all_reduce(ints, "max", group=g),
-            "reduce": dist.reduce(xs, n - 1, group=g),
-            "broadcast": dist.broadcast(xs, n - 1, group=g),
+            "reduce": dist.reduce(xs, group=g, group_dst=n - 1),
+            "broadcast": dist.broadcast(xs, group=g, group_src=n - 1),
             "all_gather": dist.all_gather(xs, group=g),
-            "gather": dist.gather(ints, 0, group=g),
-            "scatter": dist.scatter(ts, 0, group=g, tiled=True),
+            "gather": dist.gather(ints, group=g, group_dst=0),
+            "scatter": dist.scatter(ts, group=g, group_src=0, tiled=True),
             "reduce_scatter": dist.reduce_scatter(ts, group=g, tiled=True),
             "all_to_all": dist.all_to_all(ts, group=g, tiled=True),
             "sendrecv": dist.sendrecv(ints, [(0, n - 1)], group=g),
-            "send": dist.send(xs, n - 1, 0, group=g),
+            "send": dist.send(xs, group=g, group_dst=n - 1, group_src=0),
             "async_all_reduce": dist.all_reduce(xs, group=g, async_op=True).wait(),
         }
         for opname, y in ops.items():
