@@ -4,7 +4,10 @@
     .venv/bin/python benchmarks/dp_step.py --steps 10 --no-torch   # quicker, JAX rows only
 
 MLP 784-1024-1024-10, global batch 512, Adam, float32. Medians of per-step wall times
-(each step waited for) after warm-up, all rows in one run:
+(each step waited for) after warm-up, all rows in one run. The JAX rows are interleaved: every
+row is compiled and warmed up first, then each of ``--rounds`` rounds times a share of every
+row's steps in turn, so that load from other processes on a shared machine hits all rows
+alike instead of whichever row happened to run at the time:
 
 (a) one device, whole batch, plain jit + optax;
 (b) 8 simulated devices, hand-written shard_map step: params made varying, grad, pmean, optax
@@ -28,6 +31,7 @@ DEVICES = 8
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=20, help="measured steps per row")
 parser.add_argument("--warmup", type=int, default=3)
+parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the rows")
 parser.add_argument("--no-torch", action="store_true")
 parser.add_argument("--devices", type=int, default=DEVICES)
 args = parser.parse_args()
@@ -70,18 +74,34 @@ def loss_fn(params, batch, rng=None):
 
 
 def timed(step, state, batch):
-    """(compile+first step seconds, median step ms); every step is waited for."""
+    """(compile+first step seconds, run): ``run(k)`` times k more steps, each waited for."""
     t = time.perf_counter()
     state = jax.block_until_ready(step(state, batch))
     first = time.perf_counter() - t
     for _ in range(args.warmup):
         state = jax.block_until_ready(step(state, batch))
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        state = jax.block_until_ready(step(state, batch))
-        times.append(time.perf_counter() - t)
-    return first, 1e3 * statistics.median(times)
+    held = [state]
+
+    def run(k: int) -> list[float]:
+        times = []
+        for _ in range(k):
+            t = time.perf_counter()
+            held[0] = jax.block_until_ready(step(held[0], batch))
+            times.append(time.perf_counter() - t)
+        return times
+
+    return first, run
+
+
+def interleaved(runs: list) -> list[float]:
+    """Median step ms of every row, its steps timed in ``args.rounds`` interleaved rounds."""
+    rounds = max(1, min(args.rounds, args.steps))
+    times: list[list[float]] = [[] for _ in runs]
+    for r in range(rounds):
+        k = args.steps // rounds + (r < args.steps % rounds)
+        for i, run in enumerate(runs):
+            times[i].extend(run(k))
+    return [1e3 * statistics.median(t) for t in times]
 
 
 def row_single(batch):
@@ -200,21 +220,22 @@ def main() -> int:
     n = jax.device_count()
     print(f"MLP {'-'.join(map(str, SIZES))}, global batch {BATCH}, Adam, float32; "
           f"{n} simulated devices on {os.cpu_count()} CPU cores; jax {jax.__version__}; "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
-    rows: list[tuple[str, float, float | None]] = []
-    first, ms = row_single(batch)
-    rows.append(("(a) 1 device, jit + optax", ms, first))
-    first, ms = row_handwritten(batch)
-    rows.append((f"(b) {n} dev, shard_map + pmean (hand-written)", ms, first))
-    first, ms = row_handwritten(batch, "nosync")
-    rows.append((f"(b0) {n} dev, (b) minus the all-reduce", ms, first))
-    first, ms = row_handwritten(batch, "gradonly")
-    rows.append((f"(b1) {n} dev, (b0) minus the optimizer", ms, first))
+          f"median of {args.steps} steps after {args.warmup} warm-up, in {args.rounds} "
+          f"interleaved rounds")
+    pending: list[tuple[str, float, object]] = []
+    pending.append(("(a) 1 device, jit + optax", *row_single(batch)))
+    pending.append((f"(b) {n} dev, shard_map + pmean (hand-written)", *row_handwritten(batch)))
+    pending.append((f"(b0) {n} dev, (b) minus the all-reduce",
+                    *row_handwritten(batch, "nosync")))
+    pending.append((f"(b1) {n} dev, (b0) minus the optimizer",
+                    *row_handwritten(batch, "gradonly")))
     for name, kw in [("default (25 MiB buckets)", {}), ("bucketing off", {"bucket_mb": None}),
                      ("bf16 gradients", {"grad_dtype": jnp.bfloat16}),
                      ("ZeRO-1", {"shard_optimizer": True})]:
-        first, ms = row_trainer(batch, **kw)
-        rows.append((f"(c) {n} dev, dp.Trainer, {name}", ms, first))
+        pending.append((f"(c) {n} dev, dp.Trainer, {name}", *row_trainer(batch, **kw)))
+    medians = interleaved([run for _, _, run in pending])
+    rows: list[tuple[str, float, float | None]] = [
+        (name, ms, first) for (name, first, _), ms in zip(pending, medians, strict=True)]
     torch_rows = {}
     if not args.no_torch:
         try:

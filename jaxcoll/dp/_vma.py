@@ -1,8 +1,8 @@
-"""Varying-axis (vma) helpers for the trainer: the fix for the gradient trap.
+"""Varying-axis (vma) helpers for the step: the fix for the gradient trap.
 
-Inside ``shard_map`` with ``check_vma=True``, ``jax.grad`` of replicated params already sums the
-gradient over the data axis. The trainer marks params varying first, so the gradient it gets is
-the local one and its own (bucketed) reduction is the only one.
+Inside ``shard_map`` with ``check_vma=True`` (which every dp program keeps on), ``jax.grad`` of
+replicated params already sums the gradient over the data axis. The step marks params varying
+first, so the gradient it gets is the local one and the strategy's reduction is the only one.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 
 from .._core.typing import AxisName, PyTree
-from .._core.vma import cast_varying, varying_axes
+from .._core.vma import cast_varying
 
 
 def axis_names(axis_name: AxisName) -> tuple:
@@ -25,7 +25,3 @@ def to_varying(tree: PyTree, names: tuple) -> PyTree:
     """
     return jax.tree_util.tree_map(lambda x: cast_varying(x, names), tree)
 
-
-def is_varying(tree: PyTree, names: tuple) -> bool:
-    return any(bool(set(names) & set(varying_axes(x) or ()))
-               for x in jax.tree_util.tree_leaves(tree))

@@ -13,9 +13,11 @@ class TrainState(struct.PyTreeNode):
 
     Attributes:
         params: the model's trainable parameters, replicated on every device.
-        opt_state: the optax state. Replicated, or with ``Trainer(shard_optimizer=True)``
-            (ZeRO-1) a stack of one shard per rank: every leaf has a leading axis of size n,
-            sharded over the data axis.
+        opt_state: the optax state, with optax's own structure and shapes. Replicated, or
+            with ``Trainer(shard_optimizer=True)`` (ZeRO-1) split like the params it mirrors:
+            each leaf that mirrors a split param leaf is sharded along the same dimension
+            (each device holds 1/n of it), the rest (step counts) replicated. Either way it
+            is what an unsharded optax run would hold.
         model_state: non-trainable model variables (BatchNorm statistics), replicated; ``{}``
             for a stateless model.
         step: the number of optimizer steps taken (an int32 scalar). It is also the data

@@ -1,8 +1,12 @@
-"""dp.Trainer: DDP for JAX. Replicate the model, split the global batch, average once."""
+"""dp.Trainer: DDP for JAX. Replicate the model, split the global batch, average once.
+
+A thin facade: it checks its arguments, picks the gradient-sync strategy
+(:mod:`jaxcoll.dp.sync`), builds the jitted programs (:mod:`jaxcoll.dp.step`) and hands the
+host loop to :mod:`jaxcoll.dp.loop`.
+"""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,17 +21,13 @@ from jax.sharding import PartitionSpec as P
 from .. import primitives
 from .._core.checks import check_static_int
 from .._core.typing import AxisName, PyTree
-from ._loop import batch_source, finish_history, total_steps
-from ._vma import axis_names, is_varying, to_varying
+from . import loop
+from ._vma import axis_names
 from .adapters import Model
-from .grad_sync import (
-    FlatLayout,
-    algorithm_kwargs,
-    all_gather_params,
-    mean_gradients,
-    reduce_scatter_mean,
-)
+from .grad_sync import check_grad_sync
 from .state import TrainState
+from .step import build_eval, build_step
+from .sync import AllReduce, GradSync, Zero1
 
 LossFn = Callable[[PyTree, PyTree, jax.Array | None], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -42,12 +42,17 @@ class Trainer:
             updates, opt_state = optimizer.update(g, state.opt_state, state.params)
             return state.replace(params=optax.apply_updates(state.params, updates), ...)
 
-    It runs as one jitted, buffer-donating ``jax.shard_map`` program: params replicated
-    (``P()``), the batch split over ``axis_name`` (``P(axis_name)``). Each rank takes the
-    gradient of its local mean loss with respect to params made *varying* (``lax.pcast``),
-    so ``jax.grad`` inserts no reduction of its own; the local gradients are then averaged
-    exactly once by jaxcoll collectives, one per bucket of about ``bucket_mb`` MiB
-    (:func:`~jaxcoll.dp.grad_sync.mean_gradients`), and every rank applies the same update.
+    It runs as one jitted, buffer-donating program: a ``jax.shard_map`` (checking on,
+    ``check_vma=True``, for every ``grad_sync``) with params replicated (``P()``) and the
+    batch split over ``axis_name`` (``P(axis_name)``), then the optimizer update. Each rank
+    takes the gradient of its local mean loss with respect to params made *varying*
+    (``lax.pcast``), so ``jax.grad`` inserts no reduction of its own; the local gradients are
+    then averaged exactly once by the gradient-sync strategy: :class:`~jaxcoll.dp.sync.AllReduce`
+    (one collective per bucket of about ``bucket_mb`` MiB,
+    :func:`~jaxcoll.dp.grad_sync.mean_gradients`; every rank applies the same update) or,
+    with ``shard_optimizer=True``, :class:`~jaxcoll.dp.sync.Zero1`. The model state
+    (BatchNorm statistics) is averaged over the ranks every step, so it stays identical on
+    every device even for a plain (unsynchronised) BatchNorm.
 
     Args:
         loss_fn: ``loss_fn(params, batch, rng) -> (loss, aux)``: the per-example *mean* loss
@@ -57,21 +62,24 @@ class Trainer:
         optimizer: an ``optax.GradientTransformation``.
         mesh: the device mesh; default: every device on one axis named ``axis_name``.
         axis_name: the mesh axis (or tuple of axes) the batch is split over.
-        grad_sync: the all-reduce algorithm, passed through to jaxcoll's primitives:
-            ``"auto"``, ``"native"`` (one lax collective), or ``"ring"``, ``"tree"``,
-            ``"hierarchical"`` where the primitives offer them.
+        grad_sync: the collective algorithm, passed through to jaxcoll's primitives:
+            ``"auto"``, ``"native"`` (one lax collective), ``"ring"``, ``"tree"`` or
+            ``"hierarchical"`` (a tuple ``axis_name``).
         bucket_mb: bucket size in MiB (DDP's ``bucket_cap_mb``); None: one collective per
-            leaf (bucketing off).
+            leaf (bucketing off). With ``shard_optimizer=True`` it buckets the all-reduce of
+            the leaves that stay replicated; each split leaf is one reduce-scatter.
         grad_dtype: the dtype gradients travel in (``jnp.bfloat16``: DDP's bf16 compression
             hook); the update itself stays in the params' dtype. None: the params' dtype.
         accum_steps: split each rank's share of the batch into this many micro-batches whose
             gradients are summed locally and synchronised once (DDP's ``no_sync``): the same
             update with ``accum_steps`` times smaller activations.
         donate: donate the state's buffers to the step (the caller's old state is consumed).
-        shard_optimizer: ZeRO-1. Each rank keeps the optimizer state of 1/n of the params:
-            gradients are reduce-scattered, each rank updates its shard, the params are
-            all-gathered. Needs an element-wise optimizer (sgd, adam, adamw, ...): one that
-            looks across params (``clip_by_global_norm``) would see only a shard.
+        shard_optimizer: ZeRO-1 (:class:`~jaxcoll.dp.sync.Zero1`). Every param leaf with a
+            dimension divisible by n is split along it, its gradient is reduce-scattered,
+            and each device keeps and updates only its slice of that leaf's optimizer state;
+            the updated slices are all-gathered. The optimizer runs on the real params tree
+            (sharded by XLA), so any optax transformation gives the unsharded result,
+            ``clip_by_global_norm``, masks, ``multi_transform`` and lamb included.
 
     Example (8 devices)::
 
@@ -133,14 +141,15 @@ class Trainer:
         self.mesh = mesh
         self.axis_name = names[0] if len(names) == 1 else names
         self.n = int(np.prod([mesh.shape[a] for a in names]))
-        self.algorithm = algorithm_kwargs(api, grad_sync)
-        self.grad_sync = grad_sync
+        self.grad_sync = check_grad_sync(api, grad_sync)
         self.bucket_bytes = None if bucket_mb is None else float(bucket_mb) * 2**20
         self.grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
         self.accum_steps = accum_steps
         self.donate = bool(donate)
         self.shard_optimizer = bool(shard_optimizer)
-        self._layout: FlatLayout | None = None
+        kind = Zero1 if self.shard_optimizer else AllReduce
+        self.strategy: GradSync = kind(optimizer, mesh, self.axis_name, self.grad_sync,
+                                       self.bucket_bytes, self.grad_dtype)
         self._step_fn = None
         self._eval_fn = None
 
@@ -148,18 +157,7 @@ class Trainer:
     def _sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 
-    def _state_specs(self, state: TrainState) -> TrainState:
-        opt_spec = P(self.axis_name) if self.shard_optimizer else P()
-        return TrainState(
-            params=jax.tree_util.tree_map(lambda _: P(), state.params),
-            opt_state=jax.tree_util.tree_map(lambda _: opt_spec, state.opt_state),
-            model_state=jax.tree_util.tree_map(lambda _: P(), state.model_state),
-            step=P(),
-            rng=P(),
-        )
-
-    def shard_batch(self, batch: PyTree, api: str = "Trainer.step") -> PyTree:
-        """Place a global batch on the mesh, split along its leading axis; check its size."""
+    def _check_batch(self, batch: PyTree, api: str) -> None:
         leaves = jax.tree_util.tree_leaves(batch)
         if not leaves:
             raise ValueError(f"{api}: the batch holds no array.")
@@ -178,6 +176,10 @@ class Trainer:
                 f"gradient mean. Drop the short batch (dp.Batches(..., drop_last=True)) or use a "
                 f"batch size that is a multiple of {unit}."
             )
+
+    def shard_batch(self, batch: PyTree, api: str = "Trainer.step") -> PyTree:
+        """Place a global batch on the mesh, split along its leading axis; check its size."""
+        self._check_batch(batch, api)
         return jax.device_put(batch, self._sharding(P(self.axis_name)))
 
     # ---------------------------------------------------------------------------------- init
@@ -192,7 +194,9 @@ class Trainer:
         """Replicate params (and model state) from rank 0 and build the optimizer state.
 
         Like DDP's constructor, which broadcasts rank 0's parameters and buffers, so ranks
-        that started from different values train one model.
+        that started from different values train one model. The optimizer state is placed
+        by the strategy: replicated, or with ``shard_optimizer=True`` split like the params
+        (each device holds 1/n of every split leaf's state).
 
         Args:
             params: the initial params. With ``per_rank=True`` every leaf has a leading axis
@@ -221,11 +225,7 @@ class Trainer:
             copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t),
                            out_shardings=replicated)
             params, model_state = copy((params, model_state))
-        if self.shard_optimizer:
-            self._layout = FlatLayout.of("Trainer", params, self.n, self.bucket_bytes)
-            opt_state = self._init_sharded_opt(params)
-        else:
-            opt_state = jax.jit(self.optimizer.init, out_shardings=replicated)(params)
+        opt_state = self.strategy.init(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
         return TrainState(params, opt_state, model_state, step, jax.device_put(rng, replicated))
 
@@ -247,17 +247,6 @@ class Trainer:
         f = jax.shard_map(body, mesh=self.mesh, in_specs=P(self.axis_name), out_specs=P())
         return jax.jit(f)(tree)
 
-    def _init_sharded_opt(self, params: PyTree) -> PyTree:
-        layout = self._layout
-
-        def body(p):
-            shard = layout.shard(layout.flatten(p), lax.axis_index(self.axis_name))
-            opt = self.optimizer.init(shard)
-            return jax.tree_util.tree_map(lambda a: a[None], opt)
-
-        f = jax.shard_map(body, mesh=self.mesh, in_specs=P(), out_specs=P(self.axis_name))
-        return jax.jit(f)(params)
-
     # ---------------------------------------------------------------------------------- step
     def step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step on a GLOBAL batch (NumPy or jax arrays, a pytree).
@@ -273,94 +262,36 @@ class Trainer:
             raise TypeError(f"Trainer.step: state must be the TrainState that Trainer.init "
                             f"returned, got {type(state).__name__} instead.")
         batch = self.shard_batch(batch)
+        return self._step_program(state)(state, batch)
+
+    def _step_program(self, state: TrainState):
         if self._step_fn is None:
-            self._step_fn = self._build_step(state)
-        return self._step_fn(state, batch)
+            self._step_fn = build_step(self._loss, self.strategy, state,
+                                       accum_steps=self.accum_steps, donate=self.donate)
+        return self._step_fn
 
-    def _build_step(self, state: TrainState):
-        specs = self._state_specs(state)
-        out_specs = specs
-        if self.shard_optimizer:  # the body returns this rank's updated shard of the params
-            out_specs = specs.replace(params=P(self.axis_name))
-        # ring/tree/auto results are replicated in value but typed varying by shard_map, which
-        # then cannot check out_specs=P(): those run without the check (and without the
-        # gradient trap: jax.grad inserts no reduction there either). Equivalence is tested.
-        mapped = jax.shard_map(self._step_body, mesh=self.mesh,
-                               in_specs=(specs, P(self.axis_name)), out_specs=(out_specs, P()),
-                               check_vma=self.grad_sync == "native")
-        if not self.shard_optimizer:
-            return jax.jit(mapped, donate_argnums=(0,) if self.donate else ())
-        layout, axis = self._layout, self.axis_name
-        # check_vma=False: the all-gathered params are replicated, which shard_map cannot infer.
-        gather = jax.shard_map(
-            lambda s: all_gather_params(s, layout, axis, algorithm=self.algorithm),
-            mesh=self.mesh, in_specs=P(axis), out_specs=P(), check_vma=False)
+    def step_program(self, state: TrainState, batch: PyTree) -> tuple[Any, tuple[Any, Any]]:
+        """The jitted step program and abstract arguments to lower, compile or export it.
 
-        def zero1(state, batch):
-            new, metrics = mapped(state, batch)
-            return new.replace(params=gather(new.params)), metrics
+        Returns:
+            ``(step, (state_spec, batch_spec))``: :meth:`step`'s jitted function
+            ``step(state, batch) -> (state, metrics)`` and ``jax.ShapeDtypeStruct`` trees with
+            the shardings the step receives, e.g. for
+            ``jax.export.export(step, platforms=("cuda",))(*args)`` or
+            ``step.lower(*args).compile()``. Nothing is run or transferred.
+        """
+        self._check_batch(batch, "Trainer.step")
+        batch_sharding = self._sharding(P(self.axis_name))
 
-        return jax.jit(zero1, donate_argnums=(0,) if self.donate else ())
+        def of_state(x):
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding)
 
-    def _local_grads(self, params, model_state, batch, key):
-        """Mean gradient of this rank's share of the batch, over ``accum_steps`` micro-batches."""
-        names = axis_names(self.axis_name)
-        # The fix for the gradient trap: varying params, so jax.grad does not psum by itself.
-        params = to_varying(params, names)
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
-        k = self.accum_steps
-        if k == 1:
-            (loss, (aux, model_state)), grads = grad_fn(params, model_state, batch, key)
-            return grads, loss, aux, model_state
-        micro = jax.tree_util.tree_map(lambda a: a.reshape((k, a.shape[0] // k) + a.shape[1:]),
-                                       batch)
-        model_state = to_varying(model_state, names)  # one carry type through the scan
+        def of_batch(x):
+            dtype = jax.dtypes.canonicalize_dtype(np.result_type(x))
+            return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=batch_sharding)
 
-        def one(carry, xs):
-            g_sum, loss_sum, aux_sum, ms = carry
-            mb, i = xs
-            (loss, (aux, ms)), g = grad_fn(params, ms, mb, jax.random.fold_in(key, i))
-            ms = to_varying(ms, names)
-            add = jax.tree_util.tree_map(jnp.add, (g_sum, loss_sum, aux_sum), (g, loss, aux))
-            return (*add, ms), None
-
-        shapes = jax.eval_shape(grad_fn, params, model_state,
-                                jax.tree_util.tree_map(lambda a: a[0], micro), key)
-        (_, (aux0, _)), g0 = shapes
-        zeros = jax.tree_util.tree_map(
-            lambda s: to_varying(jnp.zeros(s.shape, s.dtype), names), (g0, aux0))
-        init = (zeros[0], to_varying(jnp.zeros((), jnp.float32), names), zeros[1], model_state)
-        (g_sum, loss_sum, aux_sum, model_state), _ = lax.scan(one, init, (micro, jnp.arange(k)))
-        scale = lambda t: jax.tree_util.tree_map(lambda a: a / k, t)  # noqa: E731
-        return scale(g_sum), loss_sum / k, scale(aux_sum), model_state
-
-    def _step_body(self, state: TrainState, batch: PyTree):
-        axis, names = self.axis_name, axis_names(self.axis_name)
-        rank = lax.axis_index(axis)
-        key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), rank)
-        grads, loss, aux, model_state = self._local_grads(state.params, state.model_state,
-                                                          batch, key)
-        metrics = _mean_metrics({"loss": loss, **aux}, axis, self.algorithm["all_reduce"])
-        if is_varying(model_state, names):
-            # Unsynchronised buffers (plain BatchNorm) differ per rank: average them.
-            model_state = primitives.all_reduce(to_varying(model_state, names), axis, "avg",
-                                                **self.algorithm["all_reduce"])
-        if self.shard_optimizer:
-            layout = self._layout
-            g_shard = reduce_scatter_mean(layout.flatten(grads), layout, axis,
-                                          grad_dtype=self.grad_dtype, algorithm=self.algorithm)
-            p_shard = layout.shard(layout.flatten(state.params), rank)
-            opt_state = jax.tree_util.tree_map(lambda a: a[0], state.opt_state)
-            updates, opt_state = self.optimizer.update(g_shard, opt_state, p_shard)
-            params = optax.apply_updates(p_shard, updates)
-            opt_state = jax.tree_util.tree_map(lambda a: a[None], opt_state)
-        else:
-            grads = mean_gradients(grads, axis, bucket_bytes=self.bucket_bytes,
-                                   grad_dtype=self.grad_dtype, algorithm=self.algorithm)
-            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-        new = TrainState(params, opt_state, model_state, state.step + 1, state.rng)
-        return new, metrics
+        args = (jax.tree_util.tree_map(of_state, state), jax.tree_util.tree_map(of_batch, batch))
+        return self._step_program(state), args
 
     # ------------------------------------------------------------------------------ evaluate
     def evaluate(self, state: TrainState, data: Any) -> dict[str, float]:
@@ -372,29 +303,11 @@ class Trainer:
         evenly over the devices.
         """
         if self._eval_fn is None:
-            specs = self._state_specs(state)
-
-            def body(state, batch):
-                loss, (aux, _) = self._loss(state.params, state.model_state, batch, None)
-                return _mean_metrics({"loss": loss, **aux}, self.axis_name,
-                                     self.algorithm["all_reduce"])
-
-            self._eval_fn = jax.jit(jax.shard_map(body, mesh=self.mesh,
-                                                  in_specs=(specs, P(self.axis_name)),
-                                                  out_specs=P()))
-        batches = data.epoch(0) if hasattr(data, "epoch") else data
-        totals: dict[str, float] = {}
-        count = 0
-        for batch in batches:
-            size = np.shape(jax.tree_util.tree_leaves(batch)[0])[0]
-            out = jax.device_get(self._eval_fn(state, self.shard_batch(batch,
-                                                                       "Trainer.evaluate")))
-            for name, value in out.items():
-                totals[name] = totals.get(name, 0.0) + float(value) * size
-            count += size
-        if not count:
-            raise ValueError("Trainer.evaluate: data yielded no batch.")
-        return {name: value / count for name, value in totals.items()}
+            self._eval_fn = build_eval(self._loss, self.strategy)
+        eval_fn = self._eval_fn
+        return loop.evaluate(
+            lambda b: eval_fn(state.params, state.model_state,
+                              self.shard_batch(b, "Trainer.evaluate")), data)
 
     # ----------------------------------------------------------------------------------- fit
     def fit(
@@ -424,49 +337,10 @@ class Trainer:
             the metrics and ``examples_per_s``; with ``eval_data``, the last entry also has
             ``eval_<metric>`` for each metric of :meth:`evaluate`.
         """
-        from tqdm.auto import tqdm
-
-        from .checkpoint import Checkpointer
-
-        total = total_steps(data, steps, epochs)
-        ckpt = None
-        if checkpoint_dir is not None:
-            ckpt = Checkpointer(checkpoint_dir, every=every)
-            state = ckpt.restore_latest(state)
-        start = int(jax.device_get(state.step))
-        source = batch_source(data, start)
-        history: list[dict[str, Any]] = []
-        bar = tqdm(total=total, initial=start, disable=not progress, unit="step",
-                   dynamic_ncols=True)
-        try:
-            for s in range(start, total):
-                batch = source(s)
-                size = np.shape(jax.tree_util.tree_leaves(batch)[0])[0]
-                t0 = time.perf_counter()
-                state, metrics = self.step(state, batch)
-                # Wait for the step: honest examples/s, and one program in flight at a time
-                # (many queued collective programs on few CPU cores can stall XLA's rendezvous).
-                metrics = jax.block_until_ready(metrics)
-                history.append({"step": s + 1, "examples": size, "t0": t0, **metrics})
-                if ckpt is not None and (s + 1) % every == 0:
-                    ckpt.save(state)
-                bar.update(1)
-                if progress and ((s + 1) % log_every == 0 or s + 1 == total):
-                    bar.set_postfix(loss=f"{float(metrics['loss']):.4f}")
-            if ckpt is not None:
-                ckpt.save(state)
-        finally:  # a crash keeps only the periodic checkpoints, as a killed process would
-            bar.close()
-            if ckpt is not None:
-                ckpt.close()
-        history = finish_history(history)
-        if eval_data is not None:
-            results = self.evaluate(state, eval_data)
-            if history:
-                history[-1].update({f"eval_{k}": v for k, v in results.items()})
-            else:
-                history.append({f"eval_{k}": v for k, v in results.items()})
-        return state, history
+        return loop.fit(self.step, state, data, steps=steps, epochs=epochs,
+                        evaluate_fn=self.evaluate, eval_data=eval_data,
+                        checkpoint_dir=checkpoint_dir, every=every, progress=progress,
+                        log_every=log_every)
 
 
 def _stateless(loss_fn: LossFn):
@@ -475,14 +349,3 @@ def _stateless(loss_fn: LossFn):
         return value, (dict(aux or {}), model_state)
 
     return loss
-
-
-def _mean_metrics(metrics: dict[str, jax.Array], axis: AxisName,
-                  kwargs: dict[str, str]) -> dict[str, jax.Array]:
-    """Average scalar metrics over ranks in one collective (each rank holds equal shares)."""
-    names = sorted(metrics)
-    if not names:
-        return {}
-    vec = jnp.stack([jnp.asarray(metrics[k], jnp.float32).reshape(()) for k in names])
-    vec = primitives.all_reduce(to_varying(vec, axis_names(axis)), axis, "avg", **kwargs)
-    return {k: vec[i] for i, k in enumerate(names)}

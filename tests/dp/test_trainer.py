@@ -30,7 +30,8 @@ def test_one_all_reduce_per_bucket_in_the_compiled_hlo(bucket_mb, grad_dtype):
     trainer, params, ms, data = _mlp_trainer(bucket_mb=bucket_mb, grad_dtype=grad_dtype,
                                              grad_sync="native")
     state = trainer.init(params, jax.random.key(1), model_state=ms)
-    hlo = trainer._build_step(state).lower(state, trainer.shard_batch(data[0])).compile()
+    step, args = trainer.step_program(state, data[0])
+    hlo = step.lower(*args).compile()
     ops = re.findall(r"^\s*%\S+ = (\(.*?\)|\S+) all-reduce\(", hlo.as_text(), re.M)
     # shapes only: XLA:CPU reduces bf16 in f32 (the bf16 wire dtype is checked in the jaxpr)
     groups = [sorted(re.findall(r"\w+(\[[\d,]*\])", op)) for op in ops]
@@ -43,7 +44,7 @@ def test_one_all_reduce_per_bucket_in_the_compiled_hlo(bucket_mb, grad_dtype):
                   for b in buckets)
     assert grad_groups == want  # each bucket is exactly one all-reduce op
     assert len(ops) in (len(buckets), len(buckets) + 1)
-    jaxpr = jax.make_jaxpr(trainer._build_step(state))(state, trainer.shard_batch(data[0]))
+    jaxpr = jax.make_jaxpr(step)(*args)
     wire = jnp.bfloat16 if grad_dtype is not None else jnp.float32
     psums = [dtype for name, dtype in _collectives(jaxpr.jaxpr) if name.startswith("psum")]
     assert sum(d == wire for d in psums) == len(leaves) + (grad_dtype is None)  # + metrics

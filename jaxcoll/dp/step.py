@@ -1,0 +1,156 @@
+"""The step builder: one jitted program per Trainer, from a loss, a strategy and a mesh.
+
+Pure functions: nothing here keeps state. :func:`build_step` returns the jitted step,
+:func:`build_eval` the jitted evaluation; both run their per-rank part in ``jax.shard_map``
+with checking on (``check_vma=True``), whatever the algorithm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .. import primitives
+from .._core.typing import AxisName, PyTree
+from ._vma import axis_names, to_varying
+from .state import TrainState
+from .sync.base import GradSync, specs_like
+
+# loss(params, model_state, batch, rng) -> (loss, (aux, new_model_state))
+StateLoss = Callable[..., tuple[jax.Array, tuple[dict[str, jax.Array], PyTree]]]
+
+
+def local_grads(loss: StateLoss, params: PyTree, model_state: PyTree, batch: PyTree,
+                key: jax.Array, axis_name: AxisName, accum_steps: int):
+    """This rank's mean gradient over ``accum_steps`` micro-batches of its share of the batch.
+
+    Returns ``(grads, loss, aux, model_state)``, all local (varying over the data axis).
+    """
+    names = axis_names(axis_name)
+    # The fix for the gradient trap: varying params, so jax.grad does not psum by itself.
+    params = to_varying(params, names)
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+    k = accum_steps
+    if k == 1:
+        (value, (aux, model_state)), grads = grad_fn(params, model_state, batch, key)
+        return grads, value, aux, model_state
+    micro = jax.tree_util.tree_map(lambda a: a.reshape((k, a.shape[0] // k) + a.shape[1:]),
+                                   batch)
+    model_state = to_varying(model_state, names)  # one carry type through the scan
+
+    def one(carry, xs):
+        g_sum, loss_sum, aux_sum, ms = carry
+        mb, i = xs
+        (value, (aux, ms)), g = grad_fn(params, ms, mb, jax.random.fold_in(key, i))
+        ms = to_varying(ms, names)
+        add = jax.tree_util.tree_map(jnp.add, (g_sum, loss_sum, aux_sum), (g, value, aux))
+        return (*add, ms), None
+
+    shapes = jax.eval_shape(grad_fn, params, model_state,
+                            jax.tree_util.tree_map(lambda a: a[0], micro), key)
+    (_, (aux0, _)), g0 = shapes
+    zeros = jax.tree_util.tree_map(
+        lambda s: to_varying(jnp.zeros(s.shape, s.dtype), names), (g0, aux0))
+    init = (zeros[0], to_varying(jnp.zeros((), jnp.float32), names), zeros[1], model_state)
+    (g_sum, loss_sum, aux_sum, model_state), _ = lax.scan(one, init, (micro, jnp.arange(k)))
+    scale = lambda t: jax.tree_util.tree_map(lambda a: a / k, t)  # noqa: E731
+    return scale(g_sum), loss_sum / k, scale(aux_sum), model_state
+
+
+def mean_metrics(metrics: dict[str, jax.Array], axis_name: AxisName,
+                 algorithm: str) -> dict[str, jax.Array]:
+    """Average scalar metrics over ranks in one collective (each rank holds equal shares)."""
+    names = sorted(metrics)
+    if not names:
+        return {}
+    vec = jnp.stack([jnp.asarray(metrics[k], jnp.float32).reshape(()) for k in names])
+    vec = primitives.all_reduce(to_varying(vec, axis_names(axis_name)), axis_name, "avg",
+                                algorithm=algorithm)
+    return {k: vec[i] for i, k in enumerate(names)}
+
+
+def sync_model_state(model_state: PyTree, axis_name: AxisName, algorithm: str) -> PyTree:
+    """The model state (BatchNorm statistics) made equal on every rank, every step.
+
+    Floating leaves are averaged over the data axis (flax's ImageNet example ``pmean``s its
+    ``batch_stats`` the same way): a plain BatchNorm's per-rank running statistics become
+    their mean, a SyncBatchNorm's (equal already) stay equal. Other leaves (integer counters)
+    take rank 0's value, as DDP broadcasts its buffers. Unconditional: never decided from a
+    value's type.
+    """
+    names = axis_names(axis_name)
+    leaves, treedef = jax.tree_util.tree_flatten(model_state)
+    floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    out = list(leaves)
+    if floats:
+        # Model state crosses devices here: one all-reduce (per dtype) for every float leaf.
+        mean = primitives.all_reduce(to_varying([leaves[i] for i in floats], names), axis_name,
+                                     "avg", algorithm=algorithm)
+        for i, x in zip(floats, mean, strict=True):
+            out[i] = x
+    for i, x in enumerate(leaves):
+        if i not in floats:
+            out[i] = primitives.broadcast(to_varying(x, names), axis_name, 0,
+                                          algorithm=algorithm)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def state_shardings(strategy: GradSync, state: TrainState) -> TrainState:
+    """Where every leaf of the TrainState lives: replicated, the optimizer state as the
+    strategy places it."""
+    replicated = NamedSharding(strategy.mesh, P())
+    rep = lambda t: jax.tree_util.tree_map(lambda _: replicated, t)  # noqa: E731
+    opt = strategy.named(strategy.opt_specs(state.opt_state, state.params))
+    return TrainState(params=rep(state.params), opt_state=opt,
+                      model_state=rep(state.model_state), step=replicated, rng=replicated)
+
+
+def build_step(loss: StateLoss, strategy: GradSync, state: TrainState, *, accum_steps: int,
+               donate: bool):
+    """The jitted step ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
+
+    Per rank (``shard_map``, params replicated, the batch split over the data axis): the
+    local gradients, the metrics and the model state averaged over ranks, the gradients
+    synchronised by ``strategy.reduce``. Then, in the global view of the same program:
+    ``strategy.update``. The state's buffers are donated when ``donate``.
+    """
+    axis, algorithm = strategy.axis_name, strategy.algorithm
+
+    def per_rank(params, model_state, batch, step, rng):
+        rank = lax.axis_index(axis)
+        key = jax.random.fold_in(jax.random.fold_in(rng, step), rank)
+        grads, value, aux, model_state = local_grads(loss, params, model_state, batch, key,
+                                                     axis, accum_steps)
+        metrics = mean_metrics({"loss": value, **aux}, axis, algorithm)
+        model_state = sync_model_state(model_state, axis, algorithm)
+        return strategy.reduce(grads), model_state, metrics
+
+    mapped = jax.shard_map(
+        per_rank, mesh=strategy.mesh, in_specs=(P(), P(), P(axis), P(), P()),
+        out_specs=(strategy.grad_specs(state.params), specs_like(state.model_state, P()), P()))
+
+    def step(state: TrainState, batch: PyTree):
+        grads, model_state, metrics = mapped(state.params, state.model_state, batch,
+                                             state.step, state.rng)
+        params, opt_state = strategy.update(grads, state.opt_state, state.params)
+        return TrainState(params, opt_state, model_state, state.step + 1, state.rng), metrics
+
+    out = (state_shardings(strategy, state), NamedSharding(strategy.mesh, P()))
+    return jax.jit(step, donate_argnums=(0,) if donate else (), out_shardings=out)
+
+
+def build_eval(loss: StateLoss, strategy: GradSync):
+    """The jitted evaluation ``(params, model_state, batch) -> metrics`` (global means)."""
+    axis = strategy.axis_name
+
+    def per_rank(params, model_state, batch):
+        value, (aux, _) = loss(params, model_state, batch, None)
+        return mean_metrics({"loss": value, **aux}, axis, strategy.algorithm)
+
+    return jax.jit(jax.shard_map(per_rank, mesh=strategy.mesh, in_specs=(P(), P(), P(axis)),
+                                 out_specs=P()))
