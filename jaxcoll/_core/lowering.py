@@ -42,6 +42,7 @@ def names_of(ax: Axis) -> tuple:
 
 
 # ------------------------------------------------------------------------------ all-gather
+@staged(1, 2, 3)
 def all_gather(x: jax.Array, ax: Axis, axis: int = 0, tiled: bool = False) -> jax.Array:
     """``lax.all_gather``, typed invariant (every rank holds the same result) when types are
     tracked. One HLO all-gather."""
@@ -236,6 +237,7 @@ def sendrecv(x: jax.Array, ax: Axis, pairs: tuple[tuple[int, int], ...]) -> jax.
     return jnp.where(is_rank(ax, [d for _, d in pairs]), got, x)
 
 
+@staged(1, 2)
 def shift(x: jax.Array, ax: Axis, offset: int) -> jax.Array:
     """One cyclic ``lax.ppermute``: rank r gets rank ``r - offset``'s value."""
     k = offset % ax.size

@@ -27,7 +27,8 @@ def _in_accumulator(op: ReduceOp, leaves: list[jax.Array], run) -> list[jax.Arra
     float32: see :func:`jaxcoll._core.ops.accumulator`); results come back in the leaf's."""
     wide = [leaf.astype(acc) if (acc := accumulator(op, leaf.dtype)) else leaf
             for leaf in leaves]
-    return [out.astype(leaf.dtype) for out, leaf in zip(run(wide), leaves, strict=True)]
+    return [out if out.dtype == leaf.dtype else out.astype(leaf.dtype)
+            for out, leaf in zip(run(wide), leaves, strict=True)]
 
 
 def all_reduce(

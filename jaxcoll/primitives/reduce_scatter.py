@@ -71,5 +71,6 @@ def reduce_scatter(
     out = registry.each(api, api, algorithm, wide, ax,
                         lambda mod, v, i: mod.reduce_scatter(v, ax, op, kinds[i], dims[i],
                                                              bool(tiled)))
-    out = [o.astype(leaf.dtype) for o, leaf in zip(out, leaves, strict=True)]
+    out = [o if o.dtype == leaf.dtype else o.astype(leaf.dtype)
+           for o, leaf in zip(out, leaves, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, out)
