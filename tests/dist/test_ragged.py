@@ -142,7 +142,7 @@ def test_all_to_all_single_errors_on_shapes():
         dist.all_to_all_single(dist.per_rank(lambda r: np.float32(r), g), group=g)
 
 
-@pytest.mark.parametrize("gname", ["world", "size1", "size3", "size4", "local"])
+@pytest.mark.parametrize("gname", ["world", "size1", "size3", "local"])
 def test_all_gather_and_gather_uneven_return_torchs_lists(gname):
     make, rows, devices = GROUPS[gname]
     g = make()
@@ -186,8 +186,10 @@ def test_uneven_gather_errors():
     assert [a.shape for a in work.wait()] == [(8, 1, 2)] * 8
 
 
-@pytest.mark.parametrize("gname", ["world", "size1", "size3", "sub2", "ordered4"])
+@pytest.mark.parametrize("gname", ["world", "size3", "sub2", "ordered4"])
 def test_scan_and_exscan_on_groups(gname):
+    """The dist plumbing (group rank order, partitions, pytrees); every op, dtype and group
+    size of the primitive is in tests/primitives/test_scan.py."""
     make, rows, devices = GROUPS[gname]
     g = make()
     n_rows = len(devices)
