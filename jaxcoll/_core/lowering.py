@@ -347,10 +347,10 @@ def _ragged_padded(x, in_off, send, out_off, recv, recv_off, *, ax, out_size):
 
 def _ragged_native(x, in_off, send, out_off, recv, recv_off, *, ax, out_size):
     """GPU: one ``lax.ragged_all_to_all`` (HLO ragged-all-to-all) into a zero buffer."""
-    del recv_off
+    if min(x.shape[0], out_size) == 0 or ax.size == 1:  # nothing to move between devices
+        return _ragged_padded(x, in_off, send, out_off, recv, recv_off, ax=ax,
+                              out_size=out_size)
     out = ensure_varying(jnp.zeros((out_size, *x.shape[1:]), x.dtype), ax)
-    if min(x.shape[0], out_size) == 0 or ax.size == 1:
-        return _ragged_padded(x, in_off, send, None, recv, out_off, ax=ax, out_size=out_size)
     return lax.ragged_all_to_all(x, out, in_off, send, out_off, recv, axis_name=ax.name)
 
 
