@@ -28,6 +28,7 @@ UNITS = {
     "jaxcoll.groups": 3,
     "jaxcoll.dist": 4,
     "jaxcoll.dp": 4,
+    "jaxcoll.parallel": 4,
     "jaxcoll.bench": 5,
     "jaxcoll": 6,
 }

@@ -43,8 +43,18 @@ from ._group import ordered_group as ordered_group
 from ._group import world as world
 from ._objects import all_gather_object as all_gather_object
 from ._objects import broadcast_object as broadcast_object
+from ._objects import broadcast_object_list as broadcast_object_list
+from ._objects import gather_object as gather_object
+from ._objects import recv_object_list as recv_object_list
+from ._objects import scatter_object_list as scatter_object_list
+from ._objects import send_object_list as send_object_list
 from ._per_rank import per_rank as per_rank
 from ._per_rank import to_ranks as to_ranks
+from ._ragged import all_gather_uneven as all_gather_uneven
+from ._ragged import all_to_all_single as all_to_all_single
+from ._ragged import gather_uneven as gather_uneven
+from ._scan import exscan as exscan
+from ._scan import scan as scan
 from ._work import Work as Work
 
 __all__ = [
@@ -54,12 +64,18 @@ __all__ = [
     "Work",
     "all_gather",
     "all_gather_object",
+    "all_gather_uneven",
     "all_reduce",
     "all_to_all",
+    "all_to_all_single",
     "barrier",
     "broadcast",
     "broadcast_object",
+    "broadcast_object_list",
+    "exscan",
     "gather",
+    "gather_object",
+    "gather_uneven",
     "get_world_size",
     "hierarchy",
     "init",
@@ -72,10 +88,14 @@ __all__ = [
     "ordered_group",
     "per_rank",
     "recv",
+    "recv_object_list",
     "reduce",
     "reduce_scatter",
+    "scan",
     "scatter",
+    "scatter_object_list",
     "send",
+    "send_object_list",
     "sendrecv",
     "to_ranks",
     "world",

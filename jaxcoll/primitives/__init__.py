@@ -14,20 +14,30 @@ from .gather import all_gather as all_gather
 from .gather import gather as gather
 from .p2p import sendrecv as sendrecv
 from .p2p import shift as shift
+from .ragged import all_gather_uneven as all_gather_uneven
+from .ragged import gather_uneven as gather_uneven
+from .ragged import ragged_all_to_all as ragged_all_to_all
 from .ranks import rank as rank
 from .ranks import world_size as world_size
 from .reduce_scatter import reduce_scatter as reduce_scatter
+from .scan import exscan as exscan
+from .scan import scan as scan
 from .scatter import scatter as scatter
 
 __all__ = [
     "all_gather",
+    "all_gather_uneven",
     "all_reduce",
     "all_to_all",
     "broadcast",
+    "exscan",
     "gather",
+    "gather_uneven",
+    "ragged_all_to_all",
     "rank",
     "reduce",
     "reduce_scatter",
+    "scan",
     "scatter",
     "sendrecv",
     "shift",

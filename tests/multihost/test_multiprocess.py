@@ -111,6 +111,14 @@ def test_process_level_helpers_across_processes(layouts):
         np.testing.assert_array_equal(res["proc/all_gather_object"][p], [0, 1])
         # to_ranks / local_ranks: only the rows of this process's devices
         np.testing.assert_array_equal(res["proc/local_ranks_world"][p], np.arange(4 * p, 4 * p + 4))
+        # torch's object collectives, process 1 the source / destination where it can be
+        np.testing.assert_array_equal(res["proc/broadcast_object_list"][p], [1, 50])
+        assert int(res["proc/scatter_object_list"][p]) == 10 + p
+    np.testing.assert_array_equal(res["proc/gather_object"][1], [0, 1])
+    assert 0 not in res["proc/gather_object"]  # only dst fills its list
+    # send/recv: 1 got process 0's two lists in order; 0 got the answer back
+    np.testing.assert_array_equal(res["proc/recv_object_list"][1], [0, 1, 2])
+    np.testing.assert_array_equal(res["proc/recv_object_list"][0], [1, 1])
     # the in-process group's rows exist only in process 1's file
     assert sorted(res["dist/inside/all_reduce"]) == [0, 1]
 

@@ -107,3 +107,77 @@ def sendrecv(xs, pairs):
 def shift(xs, offset):
     n = len(xs)
     return [xs[(r - offset) % n] for r in range(n)]
+
+
+# ---- uneven collectives and prefix reductions (issue 14)
+
+def ragged_all_to_all(xs, sizes, out_size):
+    """xs[j]: rank j's (m, *s) buffer; sizes[j][r]: rows rank j sends to rank r (front first,
+    negative as 0, clipped to m). Returns per rank (out, recv_sizes), out packed in sender
+    order, rows past out_size dropped."""
+    n, m = len(xs), xs[0].shape[0]
+    parts = []  # parts[j][r]: the rows rank j sends to rank r
+    for j in range(n):
+        start, row = 0, []
+        for r in range(n):
+            k = min(max(int(sizes[j][r]), 0), m - start)
+            row.append(xs[j][start:start + k])
+            start += k
+        parts.append(row)
+    outs = []
+    for r in range(n):
+        out = np.zeros((out_size, *xs[0].shape[1:]), xs[0].dtype)
+        pos, recv = 0, []
+        for j in range(n):
+            k = min(len(parts[j][r]), out_size - pos)
+            out[pos:pos + k] = parts[j][r][:k]
+            recv.append(k)
+            pos += k
+        outs.append((out, np.array(recv, np.int32)))
+    return outs
+
+
+def all_gather_uneven(xs, sizes):
+    cap = xs[0].shape[0]
+    sizes = np.clip(np.asarray(sizes), 0, cap).astype(np.int32)
+    padded = np.stack([np.where((np.arange(cap) < s).reshape((cap,) + (1,) * (x.ndim - 1)), x,
+                                np.zeros((), x.dtype)) for x, s in zip(xs, sizes)])
+    return [(padded, sizes)] * len(xs)
+
+
+def gather_uneven(xs, sizes, dst):
+    padded, s = all_gather_uneven(xs, sizes)[0]
+    return [(padded, s) if r == dst else (np.zeros_like(padded), np.zeros_like(s))
+            for r in range(len(xs))]
+
+
+def identity(op, dtype):
+    """What an empty reduction gives (exscan's rank 0), written out per op and dtype."""
+    dtype = np.dtype(dtype)
+    kind = kind_of(dtype)
+    if kind == "bool":
+        return np.bool_(op in ("product", "min", "band"))
+    if op == "min":
+        return np.inf if kind == "floating" else np.iinfo(dtype).max
+    if op == "max":
+        return -np.inf if kind == "floating" else np.iinfo(dtype).min
+    if op == "product":
+        return 1
+    if op == "band":
+        return ~np.zeros((), dtype)  # every bit set
+    return 0
+
+
+def scan(xs, op):
+    return [fold(op, [widen(x) for x in xs[:r + 1]]) for r in range(len(xs))]
+
+
+def exscan(xs, op):
+    out = []
+    for r in range(len(xs)):
+        if r == 0:
+            e = identity(op, xs[0].dtype)
+            out.append(np.full(xs[0].shape, e, widen(xs[0]).dtype))
+        else:
+            out.append(fold(op, [widen(x) for x in xs[:r]]))
+    return out

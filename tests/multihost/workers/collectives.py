@@ -153,6 +153,39 @@ def run_dist():
     results[f"proc/all_gather_object@{ME}"] = np.asarray(
         [o["p"] for o in dist.all_gather_object({"p": ME, "pad": [0] * ME})])
     results[f"proc/local_ranks_world@{ME}"] = np.asarray(dist.local_ranks())
+    run_objects()
+
+
+def run_objects():
+    """torch's object collectives across processes (a rank is a process here)."""
+    last = jax.process_count() - 1
+    objs = [None, None] if ME != last else [{"from": ME}, "x" * (50 * ME)]
+    dist.broadcast_object_list(objs, src=last)
+    results[f"proc/broadcast_object_list@{ME}"] = np.asarray([objs[0]["from"], len(objs[1])])
+    gathered = [None] * jax.process_count() if ME == last else None
+    dist.gather_object({"p": ME}, gathered, dst=last)
+    if ME == last:
+        results[f"proc/gather_object@{ME}"] = np.asarray([o["p"] for o in gathered])
+    out = [None]
+    dist.scatter_object_list(out, [10 + p for p in range(jax.process_count())] if ME == 0
+                             else None, src=0)
+    results[f"proc/scatter_object_list@{ME}"] = np.asarray(out[0])
+    if jax.process_count() == 2:  # send/recv need a peer: both directions, two in a row
+        peer = 1 - ME
+        if ME == 0:
+            dist.send_object_list([{"n": 1}, ME], dst=peer)
+            dist.send_object_list([{"n": 2}, ME], dst=peer)
+        got = [None, None]
+        first = dist.recv_object_list(got, src=peer) if ME == 1 else None
+        if ME == 1:
+            order = got[0]["n"]
+            dist.recv_object_list(got, src=peer)
+            results[f"proc/recv_object_list@{ME}"] = np.asarray([first, order, got[0]["n"]])
+            dist.send_object_list(["back"], dst=peer)
+        else:
+            back = [None]
+            results[f"proc/recv_object_list@{ME}"] = np.asarray(
+                [dist.recv_object_list(back, src=peer), back[0] == "back"])
 
 
 def main(out_dir):

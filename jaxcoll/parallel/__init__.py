@@ -1,0 +1,38 @@
+"""Model parallelism on jaxcoll's primitives: pipeline (GPipe), tensor (Megatron) and expert
+(MoE token dispatch) parallelism, as functions called inside ``jax.shard_map``.
+
+Why here: these are training recipes, not collectives, so they sit above
+:mod:`jaxcoll.primitives` (which they call: ``sendrecv`` for the pipeline's forward and
+backward shifts, ``all_reduce``/``reduce_scatter``/``all_gather`` for tensor parallelism,
+``ragged_all_to_all`` for MoE) and beside :mod:`jaxcoll.dp`, at the same layer and
+independent of it: no flax or optax is needed, and a ``data`` mesh axis composes with any of
+them (the pipeline takes ``data_axis=`` and averages gradients over it exactly once).
+
+* :mod:`.pipeline`: :func:`pipeline_value_and_grad`, :func:`pipeline_apply`,
+  :func:`bubble_fraction`;
+* :mod:`.tensor`: :func:`column_parallel`, :func:`row_parallel`, :func:`mlp`,
+  :func:`shard_mlp`;
+* :mod:`.moe`: :func:`dispatch`, :func:`combine`.
+"""
+
+from .moe import combine as combine
+from .moe import dispatch as dispatch
+from .pipeline import bubble_fraction as bubble_fraction
+from .pipeline import pipeline_apply as pipeline_apply
+from .pipeline import pipeline_value_and_grad as pipeline_value_and_grad
+from .tensor import column_parallel as column_parallel
+from .tensor import mlp as mlp
+from .tensor import row_parallel as row_parallel
+from .tensor import shard_mlp as shard_mlp
+
+__all__ = [
+    "bubble_fraction",
+    "column_parallel",
+    "combine",
+    "dispatch",
+    "mlp",
+    "pipeline_apply",
+    "pipeline_value_and_grad",
+    "row_parallel",
+    "shard_mlp",
+]

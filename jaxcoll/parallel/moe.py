@@ -1,0 +1,102 @@
+"""Expert parallelism: route tokens to the experts' ranks and back (MoE dispatch / combine).
+
+The form MoE layers use: each rank's tokens are sorted by destination, a ragged all_to_all
+(:func:`jaxcoll.primitives.ragged_all_to_all`, torch's ``all_to_all_single`` with split
+sizes) delivers them into a static-capacity buffer, and the reverse exchange returns the
+experts' outputs to where each token came from.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .. import primitives
+from .._core.typing import AxisName, PyTree
+
+
+class Routing(NamedTuple):
+    """What :func:`combine` needs to send outputs back: the sort and both size vectors."""
+
+    order: jax.Array  # (T,) token indices sorted by destination rank
+    send_sizes: jax.Array  # (n,) tokens this rank sent to each rank
+    recv_sizes: jax.Array  # (n,) tokens this rank kept from each rank
+
+
+def dispatch(x: PyTree, expert: jax.Array, axis_name: AxisName, *, experts_per_rank: int,
+             capacity: int | None = None) -> tuple[PyTree, jax.Array, jax.Array, Routing]:
+    """Send each token to the rank holding its expert; return what this rank's experts get.
+
+    Expert ``e`` lives on rank ``e // experts_per_rank`` as local expert
+    ``e % experts_per_rank``. Equivalent to::
+
+        def dispatch(x, expert, axis_name, experts_per_rank, capacity):
+            received = [tok for j in ranks for tok, e in tokens_of_rank(j)
+                        if e // experts_per_rank == rank(axis_name)]   # sender order, then
+            return pad(received, capacity), local_ids, valid, routing   # token order
+
+    Lowering: a stable ``argsort`` by destination, one
+    :func:`~jaxcoll.primitives.ragged_all_to_all` of the tokens and their local expert ids
+    (one transfer for the pytree).
+
+    Args:
+        x: this rank's tokens ``(T, ...)`` (or a pytree of leaves with T rows).
+        expert: ``(T,)`` int expert id of each token, ``0 <= e < n * experts_per_rank``.
+        axis_name: the expert-parallel mesh axis.
+        experts_per_rank: experts held by each rank (static).
+        capacity: rows this rank can receive; default ``n * T`` (no token is ever dropped).
+            Tokens past it are dropped and come back from :func:`combine` as zeros.
+
+    Returns:
+        ``(tokens, local_expert, valid, routing)``: the received tokens ``(capacity, ...)``,
+        their local expert ids, a bool mask of the real rows, and the :class:`Routing` for
+        :func:`combine`.
+    """
+    n = primitives.world_size(axis_name)
+    t = jax.tree_util.tree_leaves(x)[0].shape[0]
+    cap = n * t if capacity is None else capacity
+    dest = expert // experts_per_rank
+    order = jnp.argsort(dest, stable=True)
+    send = jnp.zeros((n,), jnp.int32).at[dest].add(1)
+    payload = {"x": jax.tree_util.tree_map(lambda a: a[order], x),
+               "e": (expert % experts_per_rank)[order].astype(jnp.int32)}
+    got, recv = primitives.ragged_all_to_all(payload, axis_name, send, out_size=cap)
+    valid = jnp.arange(cap) < jnp.sum(recv)
+    return got["x"], got["e"], valid, Routing(order, send, recv)
+
+
+def combine(y: PyTree, routing: Routing, axis_name: AxisName) -> PyTree:
+    """Return the experts' outputs ``y`` (rows as :func:`dispatch` delivered them) to the
+    tokens' ranks, in the original token order; dropped tokens get zeros.
+
+    Equivalent to the inverse of :func:`dispatch`: ``out[i] = y_on_expert_rank[row of token
+    i]``. Lowering: one :func:`~jaxcoll.primitives.ragged_all_to_all` with the received sizes
+    as send sizes (each expert rank returns exactly what it kept, to its sender), then one
+    scatter that undoes the sort. Differentiable in ``y``.
+
+    Args:
+        y: the outputs, leaves ``(capacity, ...)``.
+        routing: from :func:`dispatch`.
+        axis_name: the expert-parallel mesh axis.
+
+    Returns:
+        Leaves ``(T, ...)`` in this rank's token order.
+    """
+    t = routing.order.shape[0]
+    back, sizes = primitives.ragged_all_to_all(y, axis_name, routing.recv_sizes, out_size=t)
+    # Row p of `back` is the k-th row kept by rank j; it was row in_off[j] + k of the sorted
+    # tokens (a prefix of each rank's rows survives a capacity cut).
+    p = jnp.arange(t)
+    ends = jnp.cumsum(sizes)
+    j = jnp.sum(p[:, None] >= ends[None, :], axis=1)
+    k = p - (ends - sizes)[jnp.minimum(j, sizes.shape[0] - 1)]
+    in_off = jnp.cumsum(routing.send_sizes) - routing.send_sizes
+    target = jnp.where(p < ends[-1], in_off[jnp.minimum(j, sizes.shape[0] - 1)] + k, t)
+
+    def unsort(a: Any) -> Any:
+        ordered = jnp.zeros_like(a).at[target].add(a, mode="drop")
+        return jnp.zeros_like(a).at[routing.order].set(ordered)
+
+    return jax.tree_util.tree_map(unsort, back)

@@ -1,0 +1,123 @@
+"""jaxcoll.parallel beyond what the examples prove (05/06/07 run in tests/test_examples.py):
+the pipeline without a data axis and its forward, MoE with a capacity that drops tokens, and
+every error."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcoll import parallel
+from tests.helpers import mesh_1d
+
+S, W = 4, 6
+
+
+def stage_fn(p, h):
+    return jnp.sin(h * p["a"] + p["b"])
+
+
+def loss_fn(h, y):
+    return jnp.mean((h - y) ** 2)
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {"a": rng.normal(size=(S, W)).astype(np.float32),
+            "b": rng.normal(size=(S, W)).astype(np.float32)}
+
+
+def _reference(params, x):
+    for s in range(S):
+        x = stage_fn(jax.tree.map(lambda v, s=s: v[s], params), x)
+    return x
+
+
+def test_pipeline_without_data_axis_matches_one_device():
+    mesh = mesh_1d(S, "stage")
+    params = _params()
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(12, W)).astype(np.float32)
+    y = rng.normal(size=(12, W)).astype(np.float32)
+
+    def body(p, x, y):
+        mine = jax.tree.map(lambda v: v[0], p)
+        loss, g = parallel.pipeline_value_and_grad(stage_fn, loss_fn, mine, x, y,
+                                                   stage_axis="stage", num_microbatches=3)
+        out = parallel.pipeline_apply(stage_fn, mine, x, stage_axis="stage",
+                                      num_microbatches=4)
+        return loss, jax.tree.map(lambda v: v[None], g), out
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P(), P()),
+                              out_specs=(P(), P("stage"), P())))
+    loss, grads, out = f(jax.device_put(params, NamedSharding(mesh, P("stage"))), x, y)
+    want_loss, want_grads = jax.value_and_grad(lambda p: loss_fn(_reference(p, x), y))(params)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for k in params:
+        np.testing.assert_allclose(grads[k], want_grads[k], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, _reference(params, x), rtol=1e-6, atol=1e-6)
+
+
+def test_bubble_fraction():
+    assert parallel.bubble_fraction(4, 8) == 3 / 11
+    assert parallel.bubble_fraction(1, 5) == 0.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_microbatches": 5}, r"pipeline_value_and_grad: the batch has 12 examples, which do "
+                              r"not split into num_microbatches=5"),
+    ({"num_microbatches": 0}, r"num_microbatches=0 must be a positive int"),
+    ({"stage_fn": lambda p, h: h[:, :2]}, r"stage_fn maps a micro-batch of shape \(4, 6\) "
+                                          r"float32 to \(4, 2\) float32"),
+])
+def test_pipeline_errors(kwargs, match):
+    mesh = mesh_1d(S, "stage")
+    args = {"stage_fn": stage_fn, "num_microbatches": 3, **kwargs}
+
+    def body(p, x):
+        mine = jax.tree.map(lambda v: v[0], p)
+        return parallel.pipeline_value_and_grad(args["stage_fn"], loss_fn, mine, x, x,
+                                                stage_axis="stage",
+                                                num_microbatches=args["num_microbatches"])[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P()))
+    with pytest.raises(ValueError, match=match):
+        f.trace(_params(), jax.ShapeDtypeStruct((12, W), jnp.float32))
+
+
+def test_moe_capacity_drops_come_back_as_zeros():
+    n, t, d = 4, 8, 3
+    mesh = mesh_1d(n, "ep")
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(n, t, d)).astype(np.float32)
+    expert = rng.integers(0, n, (n, t)).astype(np.int32)
+    expert[:, :4] = 0  # every rank sends >= 4 tokens to rank 0, which takes only 6
+
+    def body(x, e):
+        got, local, valid, routing = parallel.dispatch(x[0], e[0], "ep", experts_per_rank=1,
+                                                       capacity=6)
+        y = jnp.where(valid[:, None], got * 10.0, 0.0)   # the "expert": times ten
+        return parallel.combine(y, routing, "ep")[None], routing.recv_sizes[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    out, recv = f(x, expert)
+    out, recv = np.asarray(out), np.asarray(recv)
+    assert recv[0].sum() == 6 and recv[0].tolist()[:2] == [4, 2]  # rank 0 kept 6 rows
+    for r in range(n):
+        kept = set()  # receiver q keeps a prefix of each sender's rows: recv[q][r] of r's
+        for q in range(n):
+            kept |= set(np.flatnonzero(expert[r] == q)[: recv[q][r]].tolist())
+        for i in range(t):
+            np.testing.assert_allclose(out[r, i], 10 * x[r, i] if i in kept else 0.0,
+                                       rtol=1e-6, err_msg=f"rank {r} token {i}")
+    assert (out == 0).all(axis=-1).sum() > 0
+
+
+def test_shard_mlp_error():
+    with pytest.raises(ValueError, match=r"shard_mlp: the hidden width 6 does not split over 4"):
+        parallel.shard_mlp({"w1": np.zeros((2, 6)), "b1": np.zeros(6), "w2": np.zeros((6, 2)),
+                            "b2": np.zeros(2)}, 4)
