@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .. import primitives
+from .. import _watch, primitives
 from .._core.checks import check_pairs
 from .._core.ops import ReduceOp, check_op_dtype, coerce_op
 from .._core.typing import PyTree
@@ -55,8 +56,39 @@ def _program(api: str, name: str, group: Group, options: tuple[tuple[str, Any], 
 
 def _run(api: str, name: str, x: PyTree, group: Group, async_op: bool, **options: Any):
     check_per_rank(api, x, group)
-    out = _program(api, name, group, tuple(sorted(options.items())))(x)
+    program = _program(api, name, group, tuple(sorted(options.items())))
+    if _watch.detail:  # JAXCOLL_DEBUG=detail: compare with the other processes at first use
+        _agree_first_use(api, name, program, x, group, options)
+    out = program(x)
+    if _watch.on:  # a collective timeout is set: the watchdog polls out (never waits here)
+        _watch.register(out, api, x)
     return Work(out) if async_op else out
+
+
+_AGREED: set[Any] = set()
+
+
+def _agree_first_use(api: str, name: str, program: Any, x: PyTree, group: Group,
+                     options: dict[str, Any]) -> None:
+    """The first call of ``program`` per input shapes: check every process of ``group`` runs
+    the same one (op, group, shapes, dtypes, options, lowered program)."""
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    key = (program, treedef, tuple((np.shape(v), str(getattr(v, "dtype", type(v))))
+                                   for v in leaves))
+    if key in _AGREED:
+        return
+    devices = jax.devices()
+    procs = tuple(sorted({devices[r].process_index for r in group.ranks}))
+    if len(procs) > 1:
+        fields = {"call": name, "args": _watch.fingerprint_args(x),
+                  "group": f"ranks {list(group.ranks)}"}
+        if treedef.num_leaves != 1 or treedef.num_nodes != 1:
+            fields["tree"] = str(treedef)
+        for k, v in sorted(options.items()):
+            fields[k] = v.name if isinstance(v, ReduceOp) else str(v)
+        fields["program"] = _watch.program_hash(program.lower(x).as_text())
+        _watch.agree(api, fields, procs)
+    _AGREED.add(key)
 
 
 @functools.lru_cache(maxsize=256)
