@@ -23,7 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .. import _watch, primitives
+from .. import primitives
+from .._watch import detect, process, watchdog
 from .._core.checks import check_pairs
 from .._core.ops import ReduceOp, check_op_dtype, coerce_op
 from .._core.typing import PyTree
@@ -57,11 +58,11 @@ def _program(api: str, name: str, group: Group, options: tuple[tuple[str, Any], 
 def _run(api: str, name: str, x: PyTree, group: Group, async_op: bool, **options: Any):
     check_per_rank(api, x, group)
     program = _program(api, name, group, tuple(sorted(options.items())))
-    if _watch.detail:  # JAXCOLL_DEBUG=detail: compare with the other processes at first use
+    if process.detail:  # JAXCOLL_DEBUG=detail: compare with the other processes at first use
         _agree_first_use(api, name, program, x, group, options)
     out = program(x)
-    if _watch.on:  # a collective timeout is set: the watchdog polls out (never waits here)
-        _watch.register(out, api, x)
+    if process.on:  # a collective timeout is set: the watchdog polls out (never waits here)
+        watchdog.register(out, api, x)
     return Work(out) if async_op else out
 
 
@@ -80,14 +81,14 @@ def _agree_first_use(api: str, name: str, program: Any, x: PyTree, group: Group,
     devices = jax.devices()
     procs = tuple(sorted({devices[r].process_index for r in group.ranks}))
     if len(procs) > 1:
-        fields = {"call": name, "args": _watch.fingerprint_args(x),
+        fields = {"call": name, "args": detect.describe_args(x),
                   "group": f"ranks {list(group.ranks)}"}
         if treedef.num_leaves != 1 or treedef.num_nodes != 1:
             fields["tree"] = str(treedef)
         for k, v in sorted(options.items()):
             fields[k] = v.name if isinstance(v, ReduceOp) else str(v)
-        fields["program"] = _watch.program_hash(program.lower(x).as_text())
-        _watch.agree(api, fields, procs)
+        fields["program"] = detect.program_hash(program.lower(x).as_text())
+        detect.agree(api, fields, procs)
     _AGREED.add(key)
 
 

@@ -117,7 +117,8 @@ elif MODE == "cost":
         """Seconds for the first call of k new all_reduce programs (new shapes), waited."""
         t0 = time.perf_counter()
         for w in range(k):
-            jax.block_until_ready(dist.all_reduce(rows(1000 + 10 * w + 7 * _watch.detail)))
+            width = 1000 + 10 * w + 7 * _watch.process.detail  # a new shape: a new program
+            jax.block_until_ready(dist.all_reduce(rows(width)))
         return (time.perf_counter() - t0) / k
 
     def cached(n: int) -> float:
