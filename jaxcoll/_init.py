@@ -247,6 +247,12 @@ def initialize(
     Collectives across processes run over NCCL on GPUs and over gloo (TCP) on CPU; on CPU this
     selects gloo unless ``jax_cpu_collectives_implementation`` was set otherwise.
 
+    After joining, :func:`jaxcoll.init` also starts jaxcoll's collective watchdog (``timeout``),
+    mismatch detection if asked (``debug``), records a normal exit in the job's key-value store
+    for the peers' watchdogs, and replaces JAX's SIGTERM handler, which only logs: SIGTERM then
+    ends the process at once with exit code 143, unless a loop claimed it with
+    :func:`jaxcoll.handle_preemption`.
+
     Note:
         A rank in jaxcoll is a device, not a process: with 2 processes x 4 devices there are
         8 ranks, process ``p`` holding ranks ``4p .. 4p+3`` (JAX's global device order).

@@ -13,9 +13,16 @@ Each process gets ``JAXCOLL_COORDINATOR_ADDRESS``, ``JAXCOLL_NUM_PROCESSES``,
 ``--devices-per-proc D`` each process simulates ``D`` CPU devices (``XLA_FLAGS``) and is
 given local accelerators ``D * local_rank .. D * local_rank + D - 1``.
 
+``--timeout S`` (``JAXCOLL_TIMEOUT``) is the collective timeout of jaxcoll's watchdog and
+``--debug detail`` (``JAXCOLL_DEBUG``) turns on mismatch detection (see :func:`jaxcoll.init`).
+
 Every output line is prefixed with ``[k]``, the process index. If a process exits non-zero or
-is killed, the launcher names it, sends SIGTERM to every other process group, SIGKILL after
-``--grace`` seconds, and exits non-zero (the failed process's exit code, or 128 + signal);
+is killed, the launcher names it (with the last ``Name: message`` line it wrote to stderr, such
+as the watchdog's ``jaxcoll: process 0 of 2 timed out ...`` or ``RuntimeError: ...``; a
+process that printed jaxcoll's exit line counts as failing from that line), sends SIGTERM to
+every other process group, SIGKILL after ``--grace`` seconds, and exits non-zero (the failed
+process's exit code, or 128 + signal); jaxcoll's SIGTERM handler ends each worker within a
+second, even one blocked in a collective;
 with ``--max-restarts K`` it restarts the whole group up to K times instead. SIGINT and
 SIGTERM sent to the launcher are forwarded to every process. Each process runs in its own
 session (process group) and is killed with the launcher if the launcher itself dies, so no

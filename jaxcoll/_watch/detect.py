@@ -163,7 +163,7 @@ def watch(fn: Callable[..., Any], name: str | None = None) -> Callable[..., Any]
 def _check_first_call(fn: Callable[..., Any], label: str, seen: set[Any], args: tuple,
                       kwargs: dict) -> None:
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    sig = (treedef, tuple((getattr(x, "shape", None), str(x.dtype)) if hasattr(x, "dtype")
+    sig = (treedef, tuple((getattr(x, "shape", None), x.dtype) if hasattr(x, "dtype")
                           else ("static", repr(x)) for x in leaves))
     if sig in seen:
         return

@@ -51,6 +51,11 @@ def watch_outputs(outputs: Any, what: str) -> Any:
     processes agree (that needs the program and its inputs before the call): use
     :func:`jaxcoll.watch` for that.
 
+    Note:
+        The watchdog keeps a reference to ``outputs`` until it has seen them finish (at most
+        0.25 s later). All outputs of one program finish together, so passing one small output
+        (the loss) is enough and keeps no large buffer alive; donated buffers are never kept.
+
     Example (``JAXCOLL_TIMEOUT=60``)::
 
         >>> state, loss = jaxcoll.watch_outputs(step(state, batch), "train step 12")
@@ -139,7 +144,8 @@ def _fire(item: tuple, leaf: Any, waited: float, t: float) -> None:
     stuck = process.kv(lambda c: c.key_value_dir_get(f"{process.PREFIX}stuck/")) or []
     others = []
     if gone:
-        others.append(f"process(es) {process.ranges(gone)} exited without joining it")
+        others.append(f"process(es) {process.ranges(gone)} exited while this one waits for "
+                      f"it (they never joined it, or joined with other shapes)")
     for key, value in sorted(stuck):
         p = int(key.rsplit("/", 1)[1])
         if p != me and p not in gone:

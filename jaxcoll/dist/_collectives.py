@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .. import primitives
@@ -73,9 +72,13 @@ def _agree_first_use(api: str, name: str, program: Any, x: PyTree, group: Group,
                      options: dict[str, Any]) -> None:
     """The first call of ``program`` per input shapes: check every process of ``group`` runs
     the same one (op, group, shapes, dtypes, options, lowered program)."""
-    leaves, treedef = jax.tree_util.tree_flatten(x)
-    key = (program, treedef, tuple((np.shape(v), str(getattr(v, "dtype", type(v))))
-                                   for v in leaves))
+    shape = getattr(x, "shape", None)
+    if shape is not None:  # one array, the common case: no flattening
+        key = (program, shape, x.dtype)
+    else:
+        leaves, treedef = jax.tree_util.tree_flatten(x)
+        key = (program, treedef, tuple((getattr(v, "shape", None), getattr(v, "dtype", type(v)))
+                                       for v in leaves))
     if key in _AGREED:
         return
     devices = jax.devices()
@@ -83,8 +86,8 @@ def _agree_first_use(api: str, name: str, program: Any, x: PyTree, group: Group,
     if len(procs) > 1:
         fields = {"call": name, "args": detect.describe_args(x),
                   "group": f"ranks {list(group.ranks)}"}
-        if treedef.num_leaves != 1 or treedef.num_nodes != 1:
-            fields["tree"] = str(treedef)
+        if shape is None:  # a pytree: its structure must match too
+            fields["tree"] = str(jax.tree_util.tree_structure(x))
         for k, v in sorted(options.items()):
             fields[k] = v.name if isinstance(v, ReduceOp) else str(v)
         fields["program"] = detect.program_hash(program.lower(x).as_text())

@@ -11,7 +11,8 @@ from ._group import world
 
 _MORE_ARGS = """\
         timeout: seconds a collective (every ``dist`` call, a :func:`jaxcoll.watch`-ed
-            function, the Trainer's step) may take before the watchdog ends this process
+            function, outputs given to :func:`jaxcoll.watch_outputs`) may take before the
+            watchdog ends this process
             with one line naming it (default 600 in a multi-process job, off in a single
             process, or ``JAXCOLL_TIMEOUT``, set by ``jaxcoll-run --timeout``; 0 = off).
             It counts from when the program became this process's oldest unfinished one.

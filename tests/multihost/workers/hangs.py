@@ -112,38 +112,59 @@ elif MODE == "bind":
     y = dist.all_reduce(x)
 elif MODE == "cost":
     from jaxcoll import _watch
+    from jaxcoll.dist import _collectives
 
-    def first_uses(k: int) -> float:
-        """Seconds for the first call of k new all_reduce programs (new shapes), waited."""
+    spent = {"check": [], "agree": []}
+
+    def timed(fn, into):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[into].append(time.perf_counter() - t0)
+        return wrapper
+
+    _collectives._agree_first_use = timed(_collectives._agree_first_use, "check")
+    _watch.detect.agree = timed(_watch.detect.agree, "agree")
+
+    def first_call(width: int) -> float:
+        """Seconds for the first call of a new all_reduce program (a new shape), waited."""
+        z = rows(width)
         t0 = time.perf_counter()
-        for w in range(k):
-            width = 1000 + 10 * w + 7 * _watch.process.detail  # a new shape: a new program
-            jax.block_until_ready(dist.all_reduce(rows(width)))
-        return (time.perf_counter() - t0) / k
-
-    def cached(n: int) -> float:
-        """Median microseconds of a cached dist.all_reduce dispatch (not waited)."""
-        z = rows(8)
         jax.block_until_ready(dist.all_reduce(z))
-        times = []
-        for _ in range(n):
+        return time.perf_counter() - t0
+
+    def cached(n: int) -> tuple[float, float]:
+        """Median microseconds of a cached dist.all_reduce dispatch (not waited), without and
+        with detection, interleaved."""
+        z = rows(8)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(2 * n):
+            _watch.process.detail = bool(i % 2)
             t0 = time.perf_counter()
             out = dist.all_reduce(z)
-            times.append(time.perf_counter() - t0)
+            times[bool(i % 2)].append(time.perf_counter() - t0)
             jax.block_until_ready(out)
-        return float(np.median(times)) * 1e6
+        return tuple(float(np.median(times[k])) * 1e6 for k in (False, True))
 
-    _watch.configure(0, "off")
-    off_first, off_cached = first_uses(5), cached(300)
+    first = {"off": [], "detail": []}
+    for w in range(20):  # interleaved: machine noise hits both alike
+        for debug in ("off", "detail"):
+            _watch.configure(0, debug)
+            first[debug].append(first_call(1000 + 2 * w + (debug == "detail")))
     _watch.configure(0, "detail")
-    on_first, on_cached = first_uses(5), cached(300)
-    _watch.configure(600, "off")
-    dog_cached = cached(300)
+    plain, checked = cached(400)
     if ME == 0:
-        print(f"first use of a program: {off_first * 1e3:.1f} ms without detection, "
-              f"{on_first * 1e3:.1f} ms with it (+{(on_first - off_first) * 1e3:.1f} ms)")
-        print(f"cached call: {off_cached:.1f} us plain, {on_cached:.1f} us with detection, "
-              f"{dog_cached:.1f} us with the watchdog on")
+        off, on = (float(np.median(first[k])) * 1e3 for k in ("off", "detail"))
+        check = float(np.median(spent["check"][:20])) * 1e3
+        agree = float(np.median(spent["agree"])) * 1e3
+        print(f"first call of a program (median of 20): {off:.1f} ms without detection, "
+              f"{on:.1f} ms with it; the check itself {check:.1f} ms, of which the key-value "
+              f"exchange {agree:.1f} ms and lowering + hashing {check - agree:.1f} ms")
+        print(f"cached call (median of 400): {plain:.1f} us without detection, {checked:.1f} us "
+              f"with it")
+    _watch.configure(0, "off")
     y = dist.all_reduce(x)
 else:
     raise SystemExit(f"hangs.py: unknown mode {MODE!r}")
