@@ -12,6 +12,11 @@ from . import primitives as primitives
 from ._core.ops import ReduceOp as ReduceOp
 from ._core.typing import AxisName as AxisName
 from ._core.typing import PyTree as PyTree
+from ._watch import handle_preemption as handle_preemption
+from ._watch import preemption_point as preemption_point
+from ._watch import preemption_requested as preemption_requested
+from ._watch import watch as watch
+from ._watch import watch_outputs as watch_outputs
 from .dist import init as init
 
 __version__ = "0.1.0"
@@ -23,6 +28,11 @@ __all__ = [
     "algorithms",
     "dist",
     "groups",
+    "handle_preemption",
     "init",
+    "preemption_point",
+    "preemption_requested",
     "primitives",
+    "watch",
+    "watch_outputs",
 ]

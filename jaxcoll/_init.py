@@ -18,6 +18,7 @@ None of them, or a job of one process: :func:`init` does nothing.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 import threading
@@ -104,7 +105,8 @@ def _from_env(env: Mapping[str, str]) -> _Spec | None:
     torch_vars = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
     if all(v in env for v in torch_vars):
         ids = None
-        if "LOCAL_RANK" in env and int(env.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env \
+                and _int_env(env, "LOCAL_WORLD_SIZE") > 1:
             ids = (_int_env(env, "LOCAL_RANK"),)
         return _Spec(f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", _int_env(env, "WORLD_SIZE"),
                      _int_env(env, "RANK"), ids, "torchrun environment variables")
@@ -160,6 +162,26 @@ def _check_spec(api: str, spec: _Spec) -> None:
             )
 
 
+def _loopback_bind(address: str | None) -> str | None:
+    """``address`` itself when its host is a loopback address, else None (JAX's default).
+
+    JAX's coordinator listens on every interface (``[::]:port``) unless told otherwise, and it
+    has no authentication. A job whose coordinator is named by a loopback address (torchrun's
+    ``MASTER_ADDR=127.0.0.1``, a hand-written ``JAX_COORDINATOR_ADDRESS=localhost:1234``) can
+    only be joined from this host, so listen there only.
+    """
+    if not address:
+        return None
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return address
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: where it resolves is the network's business
+        return None
+    return address if loopback else None
+
+
 def _fail_fast_hook(previous):
     """An excepthook that ends the process at once after reporting an uncaught exception.
 
@@ -173,6 +195,12 @@ def _fail_fast_hook(previous):
         try:
             sys.stdout.flush()
             sys.stderr.flush()
+            # An error every process raises together (a collective mismatch) carries a
+            # rendezvous, so that no process exits (and gets the others stopped) before all
+            # have printed theirs.
+            before_exit = getattr(value, "_jaxcoll_before_exit", None)
+            if before_exit is not None:
+                before_exit()
         finally:
             os._exit(1)
 
@@ -219,6 +247,12 @@ def initialize(
     Collectives across processes run over NCCL on GPUs and over gloo (TCP) on CPU; on CPU this
     selects gloo unless ``jax_cpu_collectives_implementation`` was set otherwise.
 
+    After joining, :func:`jaxcoll.init` also starts jaxcoll's collective watchdog (``timeout``),
+    mismatch detection if asked (``debug``), records a normal exit in the job's key-value store
+    for the peers' watchdogs, and replaces JAX's SIGTERM handler, which only logs: SIGTERM then
+    ends the process at once with exit code 143, unless a loop claimed it with
+    :func:`jaxcoll.handle_preemption`.
+
     Note:
         A rank in jaxcoll is a device, not a process: with 2 processes x 4 devices there are
         8 ranks, process ``p`` holding ranks ``4p .. 4p+3`` (JAX's global device order).
@@ -236,8 +270,10 @@ def initialize(
         shutdown_timeout: seconds a finished process waits for the others at exit (default 60,
             or ``JAXCOLL_SHUTDOWN_TIMEOUT``).
         coordinator_bind_address: where process 0's service listens (default: the
-            launcher's ``JAXCOLL_COORDINATOR_BIND_ADDRESS``, else JAX's all-interfaces
-            ``[::]:port``).
+            launcher's ``JAXCOLL_COORDINATOR_BIND_ADDRESS`` or ``JAX_COORDINATOR_BIND_ADDRESS``;
+            else the coordinator address itself when it is a loopback address, whichever
+            variables named it; else JAX's all-interfaces ``[::]:port``). The service has no
+            authentication: keep its port on a trusted network.
         cluster_detection_method: passed to JAX (``"slurm"``, ``"ompi"``, ``"mpi4py"``,
             ``"deactivate"``).
         fail_fast: if True (the default), an uncaught exception in a multi-process job ends
@@ -277,13 +313,26 @@ def initialize(
             spec = _Spec(spec.coordinator_address, spec.num_processes, spec.process_id,
                          given.local_device_ids, spec.source)
     _check_spec(api, spec)
+    named = (("coordinator_address", given.coordinator_address),
+             ("num_processes", given.num_processes), ("process_id", given.process_id))
+    missing = [name for name, v in named if v is None]
+    if spec is given and 0 < len(missing) < 3 and given.num_processes != 1 \
+            and cluster_detection_method is None and _cluster(os.environ) is None:
+        got = ", ".join(f"{name}={v!r}" for name, v in named if v is not None)
+        raise ValueError(
+            f"{api}: got {got} but no {' or '.join(missing)}. Pass all three "
+            f"(coordinator_address is process 0's 'host:port', the same in every process), "
+            f"or none and let jaxcoll-run / torchrun / SLURM variables supply them."
+        )
     init_t = _timeout(api, "initialization_timeout", initialization_timeout,
                       "JAXCOLL_INIT_TIMEOUT", INIT_TIMEOUT)
     beat_t = _timeout(api, "heartbeat_timeout", heartbeat_timeout,
                       "JAXCOLL_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT)
     stop_t = _timeout(api, "shutdown_timeout", shutdown_timeout,
                       "JAXCOLL_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT)
-    bind = coordinator_bind_address or os.environ.get("JAXCOLL_COORDINATOR_BIND_ADDRESS")
+    bind = (coordinator_bind_address or os.environ.get("JAXCOLL_COORDINATOR_BIND_ADDRESS")
+            or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+            or _loopback_bind(spec.coordinator_address))
 
     cluster = None
     if spec.num_processes is None and spec.coordinator_address is None:

@@ -13,9 +13,16 @@ Each process gets ``JAXCOLL_COORDINATOR_ADDRESS``, ``JAXCOLL_NUM_PROCESSES``,
 ``--devices-per-proc D`` each process simulates ``D`` CPU devices (``XLA_FLAGS``) and is
 given local accelerators ``D * local_rank .. D * local_rank + D - 1``.
 
+``--timeout S`` (``JAXCOLL_TIMEOUT``) is the collective timeout of jaxcoll's watchdog and
+``--debug detail`` (``JAXCOLL_DEBUG``) turns on mismatch detection (see :func:`jaxcoll.init`).
+
 Every output line is prefixed with ``[k]``, the process index. If a process exits non-zero or
-is killed, the launcher names it, sends SIGTERM to every other process group, SIGKILL after
-``--grace`` seconds, and exits non-zero (the failed process's exit code, or 128 + signal);
+is killed, the launcher names it (with the last ``Name: message`` line it wrote to stderr, such
+as the watchdog's ``jaxcoll: process 0 of 2 timed out ...`` or ``RuntimeError: ...``; a
+process that printed jaxcoll's exit line counts as failing from that line), sends SIGTERM to
+every other process group, SIGKILL after ``--grace`` seconds, and exits non-zero (the failed
+process's exit code, or 128 + signal); jaxcoll's SIGTERM handler ends each worker within a
+second, even one blocked in a collective;
 with ``--max-restarts K`` it restarts the whole group up to K times instead. SIGINT and
 SIGTERM sent to the launcher are forwarded to every process. Each process runs in its own
 session (process group) and is killed with the launcher if the launcher itself dies, so no
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -70,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds for every process to connect (JAXCOLL_INIT_TIMEOUT)")
     p.add_argument("--heartbeat-timeout", type=int, default=20,
                    help="seconds without heartbeat before a peer counts as dead")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds a collective may wait before the watchdog ends its process "
+                   "(JAXCOLL_TIMEOUT; default 600 in a multi-process job, 0 = off)")
+    p.add_argument("--debug", choices=("off", "detail"), default=None,
+                   help="'detail': check at each program's first use that every process runs "
+                   "the same collective (JAXCOLL_DEBUG)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
     p.add_argument("-m", dest="module", action="store_true",
                    help="run the program as a module (python -m), like python -m")
@@ -106,6 +120,8 @@ def _check(a: argparse.Namespace) -> None:
         _error(f"--max-restarts={a.max_restarts} must be 0 or more.")
     if a.grace < 0:
         _error(f"--grace={a.grace} must be 0 or more seconds.")
+    if a.timeout is not None and not a.timeout >= 0:
+        _error(f"--timeout={a.timeout} must be 0 (off) or a positive number of seconds.")
     if a.init_timeout < 1 or a.heartbeat_timeout < 1:
         _error("--init-timeout and --heartbeat-timeout must be at least 1 second.")
     if not a.module and not os.path.exists(a.program):
@@ -136,6 +152,10 @@ def _child_env(a: argparse.Namespace, coordinator: str, bind: str, local_rank: i
         JAXCOLL_HEARTBEAT_TIMEOUT=str(a.heartbeat_timeout),
         PYTHONUNBUFFERED="1",
     )
+    if a.timeout is not None:
+        env["JAXCOLL_TIMEOUT"] = f"{a.timeout:g}"
+    if a.debug is not None:
+        env["JAXCOLL_DEBUG"] = a.debug
     d = a.devices_per_proc
     if d is not None:
         flags = [f for f in env.get("XLA_FLAGS", "").split()
@@ -157,12 +177,25 @@ def _die_with_parent() -> None:
         pass
 
 
-def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
-    """Copy ``stream`` line by line to ``out``, each line prefixed."""
+# A line that says why a process stopped: ``RuntimeError: ...``, ``jaxcoll: ...``,
+# ``dist.all_reduce: ...``, ``init: ...`` (a name, a colon, a message), not a stack frame.
+_CAUSE = re.compile(r"^[A-Za-z_][\w.]*: \S")
+# jaxcoll's own last words (watchdog, SIGTERM): the process exits right after this line, so it
+# counts as failing from here (a peer may die of it sooner, e.g. from a closed connection).
+_ANNOUNCE = re.compile(r"^jaxcoll: process \d+ .*[Ee]xiting with code \d+")
+
+
+def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock,
+          proc: _Proc | None = None) -> None:
+    """Copy ``stream`` line by line to ``out``, each line prefixed; remember causes."""
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", errors="replace")
         if not line.endswith("\n"):
             line += "\n"
+        if proc is not None and _CAUSE.match(line):
+            proc.cause = line.strip()[:400]
+            if proc.announced_at is None and _ANNOUNCE.match(line):
+                proc.announced_at = time.monotonic()
         with lock:
             out.write(prefix + line)
             out.flush()
@@ -175,6 +208,11 @@ class _Proc:
     popen: subprocess.Popen
     threads: list[threading.Thread] = field(default_factory=list)
     exited_at: float | None = None  # monotonic time the reaper saw the exit
+    cause: str | None = None  # the last "Name: message" line it wrote to stderr
+    announced_at: float | None = None  # monotonic time of its jaxcoll exit line, if any
+
+    def failed_at(self) -> float:
+        return min(t for t in (self.exited_at, self.announced_at) if t is not None)
 
     def reap(self) -> None:
         """Wait for the process in a thread, so exits are ordered by when they happened."""
@@ -211,8 +249,9 @@ class _Group:
             proc = _Proc(index, popen)
             threading.Thread(target=proc.reap, daemon=True).start()
             prefix = "" if a.no_prefix else f"[{index}] "
-            for stream, out in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
-                t = threading.Thread(target=_pump, args=(stream, out, prefix, self.lock),
+            for stream, out, who in ((popen.stdout, sys.stdout, None),
+                                     (popen.stderr, sys.stderr, proc)):
+                t = threading.Thread(target=_pump, args=(stream, out, prefix, self.lock, who),
                                      daemon=True)
                 t.start()
                 proc.threads.append(t)
@@ -222,7 +261,14 @@ class _Group:
         """Processes that exited non-zero or were killed, earliest first."""
         failed = [p for p in self.procs
                   if p.exited_at is not None and p.popen.returncode not in (0, None)]
-        return sorted(failed, key=lambda p: p.exited_at)
+        return sorted(failed, key=lambda p: p.failed_at())
+
+    def settle(self, wait: float = 1.0) -> None:
+        """Let processes that announced their exit finish it, so the first cause is named."""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(
+                p.announced_at is not None and p.exited_at is None for p in self.procs):
+            time.sleep(_POLL_S)
 
     def all_done(self) -> bool:
         return all(p.exited_at is not None for p in self.procs)
@@ -248,6 +294,10 @@ class _Group:
         for p in self.procs:
             for t in p.threads:
                 t.join(timeout=2.0)
+
+
+def _because(proc: _Proc) -> str:
+    return f": {proc.cause.rstrip('.')}" if proc.cause else ""
 
 
 def _say(msg: str) -> None:
@@ -290,6 +340,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 group.join_output()
                 return 0
             time.sleep(_POLL_S)  # let exits that happened in the same instant be reaped
+            group.settle()
             proc = group.failures()[0]
             code = proc.popen.returncode
             others = [p.index for p in group.procs if p.exited_at is None]
@@ -298,13 +349,14 @@ def run(argv: Sequence[str] | None = None) -> int:
             group.stop(a.grace)
             group.join_output()
             for p in group.failures()[1:]:
-                _say(f"then process {p.index} {describe_exit(p.popen.returncode)}.")
+                _say(f"then process {p.index} {describe_exit(p.popen.returncode)}"
+                     f"{_because(p)}.")
             if restart < a.max_restarts:
                 restart += 1
                 _say(f"restarting all {a.nprocs} process(es) (restart {restart} of "
                      f"{a.max_restarts}).")
                 continue
-            _say(f"failed: process {proc.index} {describe_exit(code)}.")
+            _say(f"failed: process {proc.index} {describe_exit(code)}{_because(proc)}.")
             return code if code > 0 else 128 - code
     finally:
         for s, h in old.items():

@@ -22,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxcoll"
 UNITS = {
     "jaxcoll._core": 0,
     "jaxcoll._init": 0,
+    "jaxcoll._watch": 0,
     "jaxcoll.run": 0,
     "jaxcoll.algorithms": 1,
     "jaxcoll.primitives": 2,
@@ -32,7 +33,7 @@ UNITS = {
     "jaxcoll.bench": 5,
     "jaxcoll": 6,
 }
-APART = {"jaxcoll._init", "jaxcoll.run"}
+APART = {"jaxcoll._init", "jaxcoll._watch", "jaxcoll.run"}
 
 
 def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:

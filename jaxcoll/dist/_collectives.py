@@ -23,6 +23,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from .. import primitives
+from .._watch import detect, process, watchdog
 from .._core.checks import check_pairs
 from .._core.ops import ReduceOp, check_op_dtype, coerce_op
 from .._core.typing import PyTree
@@ -55,8 +56,43 @@ def _program(api: str, name: str, group: Group, options: tuple[tuple[str, Any], 
 
 def _run(api: str, name: str, x: PyTree, group: Group, async_op: bool, **options: Any):
     check_per_rank(api, x, group)
-    out = _program(api, name, group, tuple(sorted(options.items())))(x)
+    program = _program(api, name, group, tuple(sorted(options.items())))
+    if process.detail:  # JAXCOLL_DEBUG=detail: compare with the other processes at first use
+        _agree_first_use(api, name, program, x, group, options)
+    out = program(x)
+    if process.on:  # a collective timeout is set: the watchdog polls out (never waits here)
+        watchdog.register(out, api, x)
     return Work(out) if async_op else out
+
+
+_AGREED: set[Any] = set()
+
+
+def _agree_first_use(api: str, name: str, program: Any, x: PyTree, group: Group,
+                     options: dict[str, Any]) -> None:
+    """The first call of ``program`` per input shapes: check every process of ``group`` runs
+    the same one (op, group, shapes, dtypes, options, lowered program)."""
+    shape = getattr(x, "shape", None)
+    if shape is not None:  # one array, the common case: no flattening
+        key = (program, shape, x.dtype)
+    else:
+        leaves, treedef = jax.tree_util.tree_flatten(x)
+        key = (program, treedef, tuple((getattr(v, "shape", None), getattr(v, "dtype", type(v)))
+                                       for v in leaves))
+    if key in _AGREED:
+        return
+    devices = jax.devices()
+    procs = tuple(sorted({devices[r].process_index for r in group.ranks}))
+    if len(procs) > 1:
+        fields = {"call": name, "args": detect.describe_args(x),
+                  "group": f"ranks {list(group.ranks)}"}
+        if shape is None:  # a pytree: its structure must match too
+            fields["tree"] = str(jax.tree_util.tree_structure(x))
+        for k, v in sorted(options.items()):
+            fields[k] = v.name if isinstance(v, ReduceOp) else str(v)
+        fields["program"] = detect.program_hash(program.lower(x).as_text())
+        detect.agree(api, fields, procs)
+    _AGREED.add(key)
 
 
 @functools.lru_cache(maxsize=256)

@@ -33,6 +33,13 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     ``multihost_utils.broadcast_one_to_all`` calls (the byte count, then the bytes). Every
     process must call it.
 
+    .. warning::
+        Every other process runs ``pickle.loads`` on the bytes process ``src`` sends, and
+        unpickling runs code chosen by whoever wrote those bytes. As with
+        ``torch.distributed.broadcast_object_list``, use it only in a job whose processes and
+        network you trust (the coordinator has no authentication; see README "Running on
+        several hosts"); send arrays or plain data otherwise.
+
     Example (one process)::
 
         >>> dist.broadcast_object({"lr": 0.1})
@@ -57,6 +64,13 @@ def all_gather_object(obj: Any) -> list[Any]:
     ``torch.distributed.all_gather_object(object_list, obj)``, returning the list. With one
     process it returns ``[obj]`` at once. Otherwise: pickle, ``multihost_utils.process_allgather``
     of the byte counts, then of the bytes padded to the longest. Every process must call it.
+
+    .. warning::
+        Every process runs ``pickle.loads`` on the bytes each other process sends, and
+        unpickling runs code chosen by whoever wrote those bytes. As with
+        ``torch.distributed.all_gather_object``, use it only in a job whose processes and
+        network you trust (the coordinator has no authentication; see README "Running on
+        several hosts"); gather arrays or plain data otherwise.
 
     Example (one process)::
 

@@ -1,0 +1,76 @@
+"""No job hangs: a collective watchdog, mismatch detection, exit markers and SIGTERM handling.
+
+A process-level unit beside :mod:`jaxcoll._init` that imports nothing else of jaxcoll, so
+``dist``, ``dp`` and ``bench`` can all use it. :func:`jaxcoll.init` calls :func:`start` after
+joining the job; a single process uses the watchdog once ``JAXCOLL_TIMEOUT`` (or
+``init(timeout=...)``) sets a timeout.
+
+* :mod:`.watchdog`: every ``dist`` call, :func:`watch`-ed function and
+  :func:`watch_outputs` registration that is not computed within the timeout ends its process
+  with one line naming it (default 600 s in a multi-process job, :data:`DEFAULT_TIMEOUT`).
+* :mod:`.detect`: with ``JAXCOLL_DEBUG=detail``, processes compare each program's fingerprint
+  at its first use and raise on every process when they disagree.
+* exit markers: a process that exits normally records it before JAX's shutdown barrier, so a
+  peer still waiting in a collective with it gives up within seconds, naming it.
+* :mod:`.signals`: SIGTERM ends the process at once (exit code 143), or, inside
+  :func:`handle_preemption`, stops every process's loop after the same step.
+"""
+
+from __future__ import annotations
+
+import atexit
+
+from . import process
+from . import watchdog as _watchdog
+from .detect import agree as agree
+from .detect import watch as watch
+from .process import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from .signals import handle_preemption as handle_preemption
+from .signals import install as _install_sigterm
+from .signals import preemption_point as preemption_point
+from .signals import preemption_requested as preemption_requested
+from .watchdog import register as register
+from .watchdog import watch_outputs as watch_outputs
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "agree",
+    "configure",
+    "handle_preemption",
+    "preemption_point",
+    "preemption_requested",
+    "register",
+    "start",
+    "watch",
+    "watch_outputs",
+]
+
+_exit_hook = False
+
+
+def configure(timeout: float | str | None = "env", debug: str | None = "env",
+              api: str = "init") -> None:
+    """Set the collective timeout and detail mode (``"env"``: from the environment)."""
+    process.configure(timeout, debug, api=api)
+    _watchdog.ensure_thread()
+
+
+def start(timeout: float | str | None = "env", debug: str | None = "env") -> None:
+    """After ``jax.distributed.initialize``: configure, take over SIGTERM, mark the exit."""
+    global _exit_hook
+    configure(timeout, debug)
+    if process.client() is None:
+        return
+    _install_sigterm()
+    if not _exit_hook:
+        # Registered after JAX's own atexit hook, so it runs first: the marker is in the store
+        # before JAX's shutdown barrier, where an early leaver would otherwise wait 60 s.
+        atexit.register(_at_exit)
+        _exit_hook = True
+
+
+def _at_exit() -> None:
+    """A normal exit: let this process's watched work finish (the watchdog fires on what is
+    stuck), then record the exit for the peers' watchdogs."""
+    _watchdog.drain(process.timeout or 0.0)
+    process.mark_exit()

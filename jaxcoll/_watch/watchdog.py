@@ -1,0 +1,186 @@
+"""The collective watchdog: no dispatched program may stay unfinished for longer than the timeout.
+
+:func:`register` appends ``(time, outputs, what, inputs)`` to a deque: a microsecond, and the
+caller never waits. A daemon thread wakes every :data:`POLL_S` seconds, drops the entries
+whose outputs are ready (``jax.Array.is_ready()``) and looks at the oldest one left. When that
+one has been the oldest for the timeout, or for :data:`LEFT_GRACE_S` seconds after a process it
+needs recorded its exit, the thread prints ONE line naming this process, the program, its
+shapes and how long it waited, and ends the process (exit code 1): before XLA:CPU's own abort
+of a stuck rendezvous (a C++ check failure after 40 s) whenever the timeout is shorter, and
+instead of the silence of a gloo or NCCL collective that waits for ever.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+import jax
+
+from . import process
+
+try:  # the concrete array type, to skip flattening the common single-array output
+    from jax._src.array import ArrayImpl as _ArrayImpl
+except ImportError:  # pragma: no cover - a JAX that moved it: flatten every time
+    _ArrayImpl = None
+
+POLL_S = 0.25
+LEFT_GRACE_S = 1.5  # how long an entry may stay pending once a process it needs has exited
+
+_pending: collections.deque = collections.deque()
+_thread: threading.Thread | None = None
+
+
+def register(outputs: Any, what: Any, inputs: Any = None) -> None:
+    """Watch ``outputs`` (a pytree of ``jax.Array``) of the program ``what`` just dispatched.
+
+    Never blocks. ``inputs`` (optional) only serves the message: its shapes are printed.
+    """
+    if not process.configured:
+        process.configure()
+        ensure_thread()
+    if process.timeout is not None:
+        _pending.append((time.monotonic(), outputs, what, inputs))
+
+
+def watch_outputs(outputs: Any, what: str) -> Any:
+    """Put ``outputs`` of a dispatched program under the watchdog; return them unchanged.
+
+    The hook for a loop that runs its own jitted step (``dp.Trainer`` registers each step's
+    outputs): if they are not computed within the collective timeout, the process ends with
+    one line naming ``what``, their shapes and how long it waited. Costs about a microsecond
+    and never waits; does nothing while the watchdog is off. It does not check that the
+    processes agree (that needs the program and its inputs before the call): use
+    :func:`jaxcoll.watch` for that.
+
+    Note:
+        The watchdog keeps a reference to ``outputs`` until it has seen them finish (at most
+        0.25 s later). All outputs of one program finish together, so passing one small output
+        (the loss) is enough and keeps no large buffer alive; donated buffers are never kept.
+
+    Example (``JAXCOLL_TIMEOUT=60``)::
+
+        >>> state, loss = jaxcoll.watch_outputs(step(state, batch), "train step 12")
+    """
+    register(outputs, what)
+    return outputs
+
+
+def ensure_thread() -> None:
+    """Start the watchdog thread if a timeout is set and it is not running."""
+    global _thread
+    if process.timeout is None:
+        return
+    with process.lock:
+        if _thread is None or not _thread.is_alive():
+            _thread = threading.Thread(target=_run, name="jaxcoll-watchdog", daemon=True)
+            _thread.start()
+
+
+def drain(wait_s: float) -> None:
+    """Wait (at most ``wait_s``) until every registered program has finished; at exit."""
+    deadline = time.monotonic() + wait_s
+    while _pending and time.monotonic() < deadline:
+        time.sleep(0.05)  # the thread drops what is done and fires on what is stuck
+
+
+def _first_leaf(tree: Any) -> Any:
+    if type(tree) is _ArrayImpl:  # the common case, without flattening a pytree
+        return tree
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array):
+            return leaf
+    return None
+
+
+def _done(leaf: Any) -> bool:
+    if leaf is None:
+        return True
+    try:
+        if leaf.is_deleted():  # is_ready() of a deleted array can crash the process
+            return True
+        return bool(leaf.is_ready())
+    except Exception:  # noqa: BLE001 - donated or otherwise gone: not ours to wait for
+        return True
+
+
+def _run() -> None:
+    head, leaf, since = None, None, 0.0
+    left_seen_at: float | None = None
+    next_probe = 0.0
+    while True:
+        time.sleep(POLL_S)
+        t = process.timeout
+        if t is None:
+            continue
+        while _pending:
+            item = _pending[0]
+            if item is not head:  # a new oldest entry: its wait starts now (or at dispatch)
+                head, leaf, left_seen_at = item, _first_leaf(item[1]), None
+                since = max(item[0], time.monotonic() - POLL_S)
+            if not _done(leaf):
+                break
+            _pending.popleft()
+            head = leaf = None
+        if head is None:
+            continue
+        now = time.monotonic()
+        waited = now - since
+        if waited >= min(1.0, t) and now >= next_probe and process.client() is not None:
+            next_probe = now + 1.0
+            if left_seen_at is None and set(process.exited()) & set(_processes(leaf)):
+                left_seen_at = now
+        if waited >= t or (left_seen_at is not None and now - left_seen_at >= LEFT_GRACE_S):
+            _fire(head, leaf, waited, t)
+
+
+def _fire(item: tuple, leaf: Any, waited: float, t: float) -> None:
+    _, outputs, what, inputs = item
+    me, n = process.me()
+    desc = f"{what}({_shapes(inputs if inputs is not None else outputs)})"
+    procs = _processes(leaf)
+    where = f" over processes {process.ranges(procs)}" if n > 1 and procs else ""
+    process.kv(lambda c: c.key_value_set(f"{process.PREFIX}stuck/{me}", desc,
+                                         allow_overwrite=True))
+    gone = [p for p in process.exited() if p != me and p in procs]
+    stuck = process.kv(lambda c: c.key_value_dir_get(f"{process.PREFIX}stuck/")) or []
+    others = []
+    if gone:
+        others.append(f"process(es) {process.ranges(gone)} exited while this one waits for "
+                      f"it (they never joined it, or joined with other shapes)")
+    for key, value in sorted(stuck):
+        p = int(key.rsplit("/", 1)[1])
+        if p != me and p not in gone:
+            others.append(f"process {p} timed out in {value}")
+    if not others and n > 1:
+        others.append("the other processes have not joined it (they are in another "
+                      "collective, or outside any)")
+    verb = (f"timed out after {waited:.1f}s (timeout {t:g}s)" if waited >= t
+            else f"gave up after {waited:.1f}s")
+    process.die(f"jaxcoll: process {me} of {n} {verb} waiting for {desc}{where}: "
+                f"{'; '.join(others) or 'it never finished'}; exiting with code 1.", 1)
+
+
+def _shapes(tree: Any) -> str:
+    leaves = jax.tree_util.tree_leaves(tree)
+    parts = []
+    for leaf in leaves[:4]:
+        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        if shape is None or dtype is None:
+            parts.append(type(leaf).__name__)
+        else:
+            parts.append(f"{dtype}[{','.join(map(str, shape))}]")
+    if len(leaves) > 4:
+        parts.append(f"... {len(leaves)} arrays")
+    return ", ".join(parts)
+
+
+def _processes(leaf: Any) -> tuple[int, ...]:
+    if leaf is None:
+        return ()
+    try:
+        return tuple(sorted({d.process_index for d in leaf.sharding.device_set}))
+    except Exception:  # noqa: BLE001 - deleted arrays have no sharding to read
+        return ()

@@ -1,0 +1,238 @@
+"""No job hangs: every way two processes can disagree ends the job fast, with one clear line.
+
+Each job is 2 processes x 2 devices on 127.0.0.1 (tests/multihost/workers/hangs.py) under
+``jaxcoll-run --timeout 10``: the watchdog's cases end in about 15 s (start-up, the 10 s
+timeout, teardown), mismatch detection's (``--debug detail``) in under 10 s, SIGTERM within a
+second. Each test checks the exit code, the line that names the process and the cause (and
+that the launcher's summary quotes it, not a C++ stack dump), the time, and that no process
+is left. README "Running on several hosts" lists the measured times.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import jaxcoll
+
+from ._launch import ROOT, TOKEN_VAR, WORKERS, finish, launch, start, survivors
+from .test_faults import _wait_for
+
+TIMEOUT_S = 10
+WATCHDOG_BOUND_S = 30  # the issue's goal with a 10 s timeout
+DETECT_BOUND_S = 15  # measured 4-8 s (goal < 10 s); slack for a loaded 2-core machine
+JOB = ["--nprocs", "2", "--devices-per-proc", "2", "--grace", "3", "--timeout", str(TIMEOUT_S)]
+DETAIL = [*JOB, "--debug", "detail"]
+
+
+def _summary(job) -> str:
+    """The launcher's last line: ``jaxcoll-run: failed: process K ...: <cause>``."""
+    lines = [ln for ln in job.stderr.splitlines() if ln.startswith("jaxcoll-run: failed:")]
+    assert lines, job.stderr[-3000:]
+    return lines[-1]
+
+
+def _first_named(job) -> int:
+    m = re.search(r"jaxcoll-run: process (\d) \(pid \d+\) \S.* first", job.stderr)
+    assert m, job.stderr[-3000:]
+    return int(m.group(1))
+
+
+def _check_watchdog(job, what: str) -> int:
+    """A watchdog end: exit 1, the summary quotes the jaxcoll line; returns the process."""
+    assert job.returncode == 1, job.stderr[-3000:]
+    assert job.seconds < WATCHDOG_BOUND_S, job.seconds
+    summary = _summary(job)
+    first = _first_named(job)
+    assert f"failed: process {first} exited with code 1: jaxcoll: process {first} of 2 " \
+           f"timed out after" in summary, summary
+    assert f"(timeout {TIMEOUT_S}s) waiting for {what}" in summary, summary
+    waited = float(re.search(r"timed out after ([\d.]+)s", summary).group(1))
+    assert TIMEOUT_S <= waited < TIMEOUT_S + 2, summary
+    assert survivors(job.token) == []
+    return first
+
+
+def _check_mismatch(job, apis: tuple[str, str], message: str) -> None:
+    """Detection: every process raises, naming its own call and every process's fields."""
+    assert job.returncode == 1, job.stderr[-3000:]
+    assert job.seconds < DETECT_BOUND_S, job.seconds
+    for k in (0, 1):
+        line = f"[{k}] RuntimeError: {apis[k]}: processes disagree on the collective #1: {message}"
+        assert line in job.stderr, job.stderr[-3000:]
+    first = _first_named(job)
+    assert f"exited with code 1: RuntimeError: {apis[first]}: processes disagree on the " \
+           f"collective #1: {message}" in _summary(job)
+    assert "result" not in job.stdout  # nobody went on with a wrong answer
+    assert survivors(job.token) == []
+
+
+@pytest.mark.timeout(60)
+def test_different_collectives_end_at_the_timeout(tmp_path):
+    # Process 0 all-reduces, process 1 all-gathers: gloo waits for ever; the watchdog ends it.
+    job = launch(JOB, "hangs.py", [str(tmp_path), "op"], timeout=60)
+    op = ("dist.all_reduce", "dist.all_gather")[_first_named(job)]  # both time out; either
+    _check_watchdog(job, f"{op}(float32[4,3]) over processes 0-1")
+
+
+@pytest.mark.timeout(60)
+def test_different_collectives_are_named_by_detection(tmp_path):
+    job = launch(DETAIL, "hangs.py", [str(tmp_path), "op"], timeout=60)
+    _check_mismatch(job, ("dist.all_reduce", "dist.all_gather"),
+                    "process 0: all_reduce float32[4,3] op=SUM; process 1: all_gather "
+                    "float32[4,3] axis=0 tiled=False")
+
+
+@pytest.mark.timeout(60)
+def test_different_broadcast_sources_are_named_by_detection(tmp_path):
+    job = launch(DETAIL, "hangs.py", [str(tmp_path), "src"], timeout=60)
+    _check_mismatch(job, ("dist.broadcast",) * 2,
+                    "process 0: broadcast float32[4,3] src=0; process 1: broadcast "
+                    "float32[4,3] src=3")
+
+
+@pytest.mark.timeout(60)
+def test_float32_against_int32_raises_instead_of_a_wrong_answer(tmp_path):
+    job = launch(DETAIL, "hangs.py", [str(tmp_path), "dtype"], timeout=60)
+    _check_mismatch(job, ("dist.all_reduce",) * 2,
+                    "process 0: all_reduce float32[4,3]; process 1: all_reduce int32[4,3]")
+
+
+@pytest.mark.timeout(60)
+def test_different_shapes_raise_instead_of_an_xla_abort(tmp_path):
+    job = launch(DETAIL, "hangs.py", [str(tmp_path), "shape"], timeout=60)
+    _check_mismatch(job, ("dist.all_reduce",) * 2,
+                    "process 0: all_reduce float32[4,3]; process 1: all_reduce float32[4,5]")
+    assert "Check failure" not in job.stderr and "SIGABRT" not in job.stderr
+
+
+@pytest.mark.timeout(60)
+def test_peer_spinning_outside_any_collective_ends_at_the_timeout(tmp_path):
+    # Process 0 runs its own jaxcoll.watch-ed shard_map; process 1 spins in Python (alive,
+    # heartbeating): the watchdog names process 0's program, the launcher stops process 1.
+    job = launch(JOB, "hangs.py", [str(tmp_path), "spin"], timeout=60)
+    assert _check_watchdog(job, "user step(float32[4,3])") == 0
+    assert "the other processes have not joined it" in _summary(job)
+    assert "then process 1 exited with code 143: jaxcoll: process 1 received SIGTERM" \
+        in job.stderr
+
+
+@pytest.mark.timeout(60)
+def test_peer_that_exits_early_is_named(tmp_path):
+    # Process 1 exits 0 while process 0 waits in an all-reduce with it: its exit marker lets
+    # process 0 give up within seconds, not at JAX's 60 s shutdown barrier with SIGABRT.
+    job = launch(JOB, "hangs.py", [str(tmp_path), "exit"], timeout=60)
+    assert job.returncode == 1, job.stderr[-3000:]
+    assert job.seconds < WATCHDOG_BOUND_S
+    summary = _summary(job)
+    expected = (r"failed: process 0 exited with code 1: jaxcoll: process 0 of 2 gave up after "
+                r"[\d.]+s waiting for dist.all_reduce\(float32\[4,3\]\) over processes 0-1: "
+                r"process\(es\) 1 exited while this one waits for it")
+    assert re.search(expected, summary), summary
+    assert "SIGABRT" not in job.stderr
+    assert survivors(job.token) == []
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_stops_workers_blocked_in_a_collective_at_once(tmp_path):
+    # Process 0 waits inside an all-reduce (its main thread in C++), process 1 sleeps. JAX's
+    # preemption notifier would swallow SIGTERM; jaxcoll's handler ends both within a second,
+    # well inside the launcher's 10 s grace (no SIGKILL).
+    t0 = time.monotonic()
+    popen, token = start([*JOB[:4], "--grace", "10", "--timeout", "0"], "hangs.py",
+                         [str(tmp_path), "block"])
+    for k in (0, 1):
+        _wait_for(str(tmp_path / f"loop{k}"), 60)
+    time.sleep(1.0)  # process 0 is now inside the all-reduce
+    sent = time.monotonic()
+    popen.send_signal(signal.SIGTERM)
+    job = finish(popen, token, t0, timeout=30)
+    assert job.returncode == 128 + signal.SIGTERM
+    assert time.monotonic() - sent < 3
+    for k in (0, 1):
+        assert f"[{k}] jaxcoll: process {k} received SIGTERM; exiting with code 143." \
+            in job.stderr, job.stderr[-3000:]
+    assert survivors(token) == []
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_one_process_stops_every_loop_after_the_same_step(tmp_path):
+    # Both loops run inside jaxcoll.handle_preemption (with detection on: equal programs pass).
+    t0 = time.monotonic()
+    popen, token = start(DETAIL, "hangs.py", [str(tmp_path), "preempt"])
+    for k in (0, 1):
+        _wait_for(str(tmp_path / f"loop{k}"), 60)
+    sent = time.monotonic()
+    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGTERM)
+    job = finish(popen, token, t0, timeout=30)
+    assert job.returncode == 128 + signal.SIGTERM, job.stderr[-3000:]
+    assert time.monotonic() - sent < 5
+    assert "[1] jaxcoll: process 1 received SIGTERM; the training loop will stop" in job.stderr
+    steps = {int(k): int(s) for k, s in
+             re.findall(r"\[(\d)\] process \d stops after step (\d+)", job.stdout)}
+    assert sorted(steps) == [0, 1] and steps[0] == steps[1], job.stdout[-2000:]
+    assert survivors(token) == []
+
+
+@pytest.mark.timeout(60)
+def test_torchrun_variables_on_loopback_bind_the_coordinator_to_loopback(tmp_path):
+    # Started with MASTER_ADDR=127.0.0.1 (no jaxcoll-run): the coordinator must not listen on
+    # every interface, as JAX's default [::]:port does.
+    from jaxcoll.run import free_port
+
+    port = free_port()
+    token = f"bind-{port}"
+    procs = []
+    for rank in (0, 1):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXCOLL_", "JAX_"))}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                   RANK=str(rank), JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=2", **{TOKEN_VAR: token})
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(WORKERS, "hangs.py"), str(tmp_path), "bind"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=50) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert "result [10. 10. 10.]" in out
+    listeners = (tmp_path / "listen").read_text().split()
+    assert listeners, "nothing listened on the coordinator port"
+    loopback = {"0100007F", "00000000000000000000000001000000",  # 127.0.0.1, ::1
+                "0000000000000000FFFF00000100007F"}  # ::ffff:127.0.0.1
+    assert set(listeners) <= loopback, listeners
+    assert survivors(token) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "match"),
+    [
+        ({}, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "WORLD_SIZE": "2", "RANK": "0",
+              "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "abc"},
+         r"init: environment variable LOCAL_WORLD_SIZE='abc' is not an integer"),
+        ({"num_processes": 2, "process_id": 0}, {},
+         r"init: got num_processes=2, process_id=0 but no coordinator_address\. Pass all three"),
+        ({"timeout": -1}, {}, r"init: timeout=-1 must be 0 \(off\) or a positive number"),
+        ({}, {"JAXCOLL_TIMEOUT": "ten"}, r"init: JAXCOLL_TIMEOUT='ten' is not a number"),
+        ({}, {"JAXCOLL_DEBUG": "verbose"}, r"init: JAXCOLL_DEBUG='verbose' is not 'detail'"),
+    ],
+)
+def test_init_messages_name_the_variable_and_its_value(monkeypatch, kwargs, env, match):
+    for var in ("JAXCOLL_COORDINATOR_ADDRESS", "JAXCOLL_NUM_PROCESSES", "JAXCOLL_PROCESS_ID",
+                "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+                "JAXCOLL_TIMEOUT", "JAXCOLL_DEBUG", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    try:
+        with pytest.raises(ValueError, match=match):
+            jaxcoll.init(**kwargs)
+    finally:
+        monkeypatch.delenv("JAXCOLL_TIMEOUT", raising=False)
+        monkeypatch.delenv("JAXCOLL_DEBUG", raising=False)
+        jaxcoll._watch.configure()  # back to off for the other tests of this process
