@@ -21,11 +21,19 @@ from jax.sharding import PartitionSpec as P
 from .. import primitives
 from .._core.checks import check_static_int
 from .._core.typing import PyTree
+from .._watch import process, watchdog
 from ..groups import Group
 from ._collectives import all_to_all
 from ._group import group_root, resolve_group
 from ._per_rank import check_per_rank, per_rank
 from ._work import Work
+
+
+def _watched(api: str, out: Any, x: PyTree) -> Any:
+    """Hand ``out`` to the collective watchdog when a timeout is set (as every dist call)."""
+    if process.on:
+        watchdog.register(out, api, x)
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -204,7 +212,7 @@ def all_to_all_single(
         return all_to_all(x, group, async_op, tiled=True)
     ins, outs = _split_tables(api, input_split_sizes, output_split_sizes, group, width)
     out_width = max(sum(row) for row in outs)
-    out = _a2a_program(group, out_width)(x, _sizes(group, ins))
+    out = _watched(api, _a2a_program(group, out_width)(x, _sizes(group, ins)), x)
     return Work(out) if async_op else out
 
 
@@ -292,7 +300,7 @@ def all_gather_uneven(
     api = "dist.all_gather_uneven"
     group = resolve_group(api, group)
     by_rank = _gather_sizes(api, sizes, group, _width(api, x, group))
-    out = _gather_program(group, by_rank, None)(x)
+    out = _watched(api, _gather_program(group, by_rank, None)(x), x)
     return Work(out) if async_op else out
 
 
@@ -320,5 +328,5 @@ def gather_uneven(
     group = resolve_group(api, group)
     dst = group_root(api, group, dst, group_dst, "dst")
     by_rank = _gather_sizes(api, sizes, group, _width(api, x, group))
-    out = _gather_program(group, by_rank, dst)(x)
+    out = _watched(api, _gather_program(group, by_rank, dst)(x), x)
     return Work(out) if async_op else out
