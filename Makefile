@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean test-slurm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Not part of `make test`: needs root. Installs munge and SLURM (apt) if missing, runs a
+# two-node SLURM cluster on 127.0.0.1 and submits examples/slurm_job.sbatch to it.
+test-slurm: $(STAMP)
+	bash tests/slurm/run.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxcoll tests examples benchmarks

@@ -1,4 +1,8 @@
-"""Every test folder is collected by a plain `pytest` run (pytest skips some names by default)."""
+"""Every test folder is collected by a plain `pytest` run (pytest skips some names by default).
+
+Except ``tests/slurm``, on purpose: its jobs need root and a SLURM cluster, which
+``make test-slurm`` sets up; ``make test`` must run without either.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
+NOT_COLLECTED = {"slurm"}  # make test-slurm
 
 
 def test_every_test_folder_is_collected():
@@ -15,6 +20,12 @@ def test_every_test_folder_is_collected():
                           capture_output=True, text=True, timeout=300, cwd=TESTS.parent)
     collected = {line.split("::")[0].split("/")[1] for line in proc.stdout.splitlines()
                  if line.startswith("tests/") and "::" in line and line.count("/") >= 2}
-    folders = {p.parent.name for p in TESTS.glob("*/test_*.py")}
+    folders = {p.parent.name for p in TESTS.glob("*/test_*.py")} - NOT_COLLECTED
     assert folders, "no test folders found"
     assert folders <= collected, f"never collected: {sorted(folders - collected)}"
+    assert not collected & NOT_COLLECTED, f"collected: {sorted(collected & NOT_COLLECTED)}"
+
+
+def test_slurm_jobs_are_left_to_make_test_slurm(pytestconfig):
+    assert (TESTS / "slurm" / "run.sh").is_file()
+    assert NOT_COLLECTED <= set(pytestconfig.getini("norecursedirs"))
