@@ -391,7 +391,10 @@ def _connect(api, spec, cluster, init_t, beat_t, stop_t, bind) -> None:
             spec.num_processes,
             spec.process_id,
             local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
-            cluster_detection_method=cluster if cluster in ("slurm", "ompi", "mpi4py") else None,
+            # Values given (arguments, jaxcoll/JAX/torchrun variables): no cluster detection, or
+            # JAX's SLURM detector would also pin each process to GPU $SLURM_LOCALID only.
+            cluster_detection_method=cluster if cluster in ("slurm", "ompi", "mpi4py") else (
+                None if cluster else "deactivate"),
             initialization_timeout=init_t,
             heartbeat_timeout_seconds=beat_t,
             shutdown_timeout_seconds=stop_t,
