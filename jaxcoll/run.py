@@ -263,6 +263,17 @@ class _Group:
                   if p.exited_at is not None and p.popen.returncode not in (0, None)]
         return sorted(failed, key=lambda p: p.failed_at())
 
+    def first_cause(self, window: float = 0.5) -> _Proc:
+        """The failure to name first: the earliest, unless a process killed by a signal (that
+        announced nothing) failed within ``window`` seconds of it. A killed peer's partners
+        can notice the broken connection and exit within milliseconds, sometimes before the
+        launcher's thread has recorded the kill; the kill is the cause."""
+        failed = self.failures()
+        first = failed[0].failed_at()
+        killed = [p for p in failed if p.failed_at() - first < window
+                  and p.popen.returncode < 0 and p.announced_at is None]
+        return killed[0] if killed else failed[0]
+
     def settle(self, wait: float = 1.0) -> None:
         """Let processes that announced their exit finish it, so the first cause is named."""
         deadline = time.monotonic() + wait
@@ -341,14 +352,16 @@ def run(argv: Sequence[str] | None = None) -> int:
                 return 0
             time.sleep(_POLL_S)  # let exits that happened in the same instant be reaped
             group.settle()
-            proc = group.failures()[0]
+            proc = group.first_cause()
             code = proc.popen.returncode
             others = [p.index for p in group.procs if p.exited_at is None]
             _say(f"process {proc.index} (pid {proc.popen.pid}) {describe_exit(code)} first; "
                  f"stopping process(es) {others} (SIGTERM, SIGKILL after {a.grace:g}s).")
             group.stop(a.grace)
             group.join_output()
-            for p in group.failures()[1:]:
+            for p in group.failures():
+                if p is proc:
+                    continue
                 _say(f"then process {p.index} {describe_exit(p.popen.returncode)}"
                      f"{_because(p)}.")
             if restart < a.max_restarts:
