@@ -1,6 +1,6 @@
 """flax's MNIST nnx CNN (BatchNorm + Dropout), written for jaxcoll.dp, on scikit-learn's digits.
 
-    python examples/nnx_cnn_digits.py                 # ~30 s on 2 CPU cores, 8 devices
+    python examples/nnx_cnn_digits.py                 # ~20 s on 2 CPU cores (40 s busy), 8 devices
     python examples/nnx_cnn_digits.py --epochs 2      # a quick smoke run
 
 The CNN of flax's nnx MNIST tutorial, kept as a user writes it: layers built with

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -37,6 +37,13 @@ def total_steps(data: Any, steps: int | None, epochs: int | None) -> int:
     except TypeError:
         raise TypeError("Trainer.fit: epochs= needs data with a length (e.g. dp.Batches); "
                         "pass steps= for an iterator.") from None
+
+
+def check_data(api: str, argname: str, data: Any) -> None:
+    """``data`` must be batches, not one batch: a dict would iterate over its keys."""
+    if isinstance(data, Mapping):
+        raise TypeError(f"{api}: {argname} is a dict (one batch?); pass an iterable of global "
+                        f"batches, e.g. [{argname}], or a dp.Batches.")
 
 
 def batch_source(data: Any, start: int) -> Callable[[int], PyTree]:
@@ -76,6 +83,7 @@ def evaluate(metrics_of: Callable[[PyTree], dict[str, jax.Array]], data: Any,
     ``data``: an iterable of global batches, or a :class:`~jaxcoll.dp.Batches` (every
     example once, in order: :meth:`~jaxcoll.dp.Batches.in_order`).
     """
+    check_data("Trainer.evaluate", "data", data)
     batches = data.in_order() if isinstance(data, Batches) else data
     parts: list[tuple[dict[str, jax.Array], int]] = []
     for batch in batches:
@@ -134,6 +142,9 @@ def fit(
     from tqdm.auto import tqdm
 
     api = "Trainer.fit"
+    check_data(api, "data", data)
+    if eval_data is not None:
+        check_data(api, "eval_data", eval_data)
     total = total_steps(data, steps, epochs)
     if eval_every is not None:
         eval_every = check_static_int(api, "eval_every", eval_every)

@@ -117,7 +117,7 @@ class Trainer:
     def __init__(
         self,
         loss_fn: LossFn | Model,
-        optimizer: optax.GradientTransformation,
+        optimizer: optax.GradientTransformation | optax.MultiSteps,
         *,
         mesh: Mesh | None = None,
         axis_name: AxisName = "data",

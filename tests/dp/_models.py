@@ -23,12 +23,13 @@ class CNN(nn.Module):
     """Conv + BatchNorm; axis_name="data" makes it SyncBatchNorm, None a plain one."""
 
     axis_name: str | None = "data"
+    features: int = 4  # 8: every leaf but the last bias splits over 8 devices (ZeRO-1)
 
     @nn.compact
     def __call__(self, x, train: bool = False):
         # No conv bias: BatchNorm cancels it, so its exact gradient is 0 and Adam would turn
         # round-off (different summation order on 8 devices) into full-size steps.
-        x = nn.Conv(4, (3, 3), use_bias=False)(x)
+        x = nn.Conv(self.features, (3, 3), use_bias=False)(x)
         x = nn.BatchNorm(axis_name=self.axis_name, momentum=0.9)(x, use_running_average=not train)
         x = nn.relu(x).mean(axis=(1, 2))
         return nn.Dense(4)(x)

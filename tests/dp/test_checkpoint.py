@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 from jaxcoll import dp
@@ -25,7 +26,7 @@ def _setup():
     rng = np.random.default_rng(0)
     data = dp.Batches({"x": rng.normal(size=(64, 3)).astype(np.float32),
                        "y": rng.normal(size=64).astype(np.float32)}, 16, seed=1)
-    trainer = dp.Trainer(_loss, optax.adam(0.1), mesh=mesh_1d(8, "data"), extra=dp.ema(0.5))
+    trainer = dp.Trainer(_loss, optax.adam(0.1), mesh=mesh_1d(8, "data"))
     fresh = lambda: trainer.init({"w": jnp.zeros(3)}, jax.random.key(0))  # noqa: E731
     return trainer, fresh, data
 
@@ -64,8 +65,8 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
     ckpt = dp.Checkpointer(pristine)
     assert ckpt.manager.all_steps() == [5, 10]
     template = fresh()
-    step5 = ckpt.manager.restore(5, args=dp.checkpoint.ocp.args.StandardRestore(
-        jax.tree_util.tree_map(dp.checkpoint.ocp.utils.to_shape_dtype_struct, template)))
+    step5 = ckpt.manager.restore(5, args=ocp.args.StandardRestore(
+        jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, template)))
     ckpt.close()
 
     for i, (target, mode) in enumerate(DAMAGE):

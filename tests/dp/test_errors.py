@@ -158,6 +158,11 @@ def test_empty_batches_and_bad_fit_arguments_fail_before_training(tmp_path):
         trainer.fit(state, Untouchable(), steps=5, eval_every=0)
     with pytest.raises(TypeError, match=r"callbacks must hold dp.Callback objects"):
         trainer.fit(state, Untouchable(), steps=5, callbacks=[3])
+    with pytest.raises(TypeError, match=r"Trainer.fit: eval_data is a dict \(one batch\?\); "
+                                        r"pass an iterable of global batches, e.g. \[eval_data\]"):
+        trainer.fit(state, Untouchable(), steps=5, eval_data=BATCH)
+    with pytest.raises(TypeError, match=r"Trainer.evaluate: data is a dict"):
+        trainer.evaluate(state, BATCH)
     assert int(state.step) == 0
 
 

@@ -1,5 +1,5 @@
 """Trainer.fit as a training loop: callbacks as things happen, evaluation every k steps,
-at most two steps in flight with the next batch prefetched; evaluate exact on any size."""
+at most two steps in flight with the next batch prefetched."""
 
 from __future__ import annotations
 
@@ -118,20 +118,3 @@ def test_fit_reports_steps_and_evaluations_as_they_happen(tmp_path, capsys):
                            prefetch=False)
     assert log == [("get", 0), ("dispatch", 1), ("done", 1), ("get", 1), ("dispatch", 2),
                    ("done", 2), ("get", 2), ("dispatch", 3), ("done", 3)]
-
-
-def test_evaluate_is_exact_on_any_number_of_examples():
-    trainer, params, ms, _, test = _setup()
-    state = trainer.init(params, jax.random.key(1), model_state=ms)
-    want = _want(state, test)
-    rows = lambda lo, hi: {k: v[lo:hi] for k, v in test.items()}  # noqa: E731
-    cases = {
-        "one batch of 203": [test],
-        "64, 64, 64, 11": [rows(0, 64), rows(64, 128), rows(128, 192), rows(192, 203)],
-        "3, 200 (a batch smaller than n)": [rows(0, 3), rows(3, 203)],
-        "dp.Batches(shuffle, drop_last)": dp.Batches(test, 64, shuffle=True, drop_last=True),
-    }
-    for name, data in cases.items():
-        got = trainer.evaluate(state, data)
-        np.testing.assert_allclose((got["loss"], got["accuracy"]), want, rtol=1e-5,
-                                   err_msg=name)

@@ -107,7 +107,7 @@ def test_dropout_is_on_per_rank_reproducible_and_off_in_evaluate(name):
     make, call = CALLS[name]
     x = {"x": np.ones((8, 64), np.float32)}
 
-    model = dp.Nnx(make(), _kept_loss, call=call)
+    model = dp.Nnx(make(), _kept_loss, **({"call": call} if call else {}))
     params, ms = model.init()
     trainer = dp.Trainer(model, optax.sgd(1.0), mesh=mesh_1d(8, "data"))
 
