@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/dp_step.py                 # ~3-5 minutes on 2 CPU cores
     .venv/bin/python benchmarks/dp_step.py --steps 10 --no-torch   # quicker, JAX rows only
+    .venv/bin/python benchmarks/dp_step.py --steps 40 --no-torch   # chunks of 8 for (e), (f)
 
 MLP 784-1024-1024-10, global batch 512, Adam, float32. Medians of per-step wall times
 (each step waited for) after warm-up, all rows in one run. The JAX rows are interleaved: every
@@ -16,6 +17,12 @@ alike instead of whichever row happened to run at the time:
     (wrong on purpose: they attribute the step time to sync, update and forward/backward);
 (c) dp.Trainer.step on 8 devices: default (25 MiB buckets), bucketing off, bf16 gradients,
     ZeRO-1;
+(e) dp.Trainer.fit on host batches (a dp.Batches over 4096 in-memory examples: each step
+    gathers its 512 rows and places them on the devices), one step at a time
+    (``prefetch=False``: dispatch, wait, then build the next batch), and (f) with prefetch
+    (the default: batch s+1 is built and placed while step s runs, at most two steps in
+    flight). Their step time is a chunk's wall time over its steps (fit does not expose a
+    per-step time), so they include the batch building that (a)-(c) leave out;
 (d) torch DDP, gloo on CPU, world sizes 2 and 8, the same global batch (512 / W per rank).
 """
 
@@ -161,6 +168,32 @@ def row_trainer(batch, **kw):
     return timed(step, state, placed)
 
 
+def row_fit(prefetch: bool):
+    """fit over host batches; ``run(k)`` times one fit call of k steps (k equal entries)."""
+    rng = np.random.default_rng(1)
+    arrays = {"x": rng.normal(size=(8 * BATCH, SIZES[0])).astype(np.float32),
+              "y": rng.integers(0, SIZES[-1], 8 * BATCH).astype(np.int32)}
+    data = dp.Batches(arrays, BATCH)
+    trainer = dp.Trainer(loss_fn, optax.adam(LR))
+    held = [trainer.init(init_params(), jax.random.key(0))]
+
+    def fit(k: int) -> float:
+        t = time.perf_counter()
+        target = int(jax.device_get(held[0].step)) + k
+        held[0], _ = trainer.fit(held[0], data, steps=target, progress=False,
+                                 prefetch=prefetch)
+        jax.block_until_ready(held[0])
+        return time.perf_counter() - t
+
+    first = fit(1)
+    fit(args.warmup)
+
+    def run(k: int) -> list[float]:
+        return [fit(k) / k] * k
+
+    return first, run
+
+
 def torch_ddp(world: int, batch, q) -> None:
     """Spawned ranks: DDP over gloo, medians from rank 0 put on ``q``."""
     import torch.multiprocessing as mp
@@ -233,6 +266,8 @@ def main() -> int:
                      ("bf16 gradients", {"grad_dtype": jnp.bfloat16}),
                      ("ZeRO-1", {"shard_optimizer": True})]:
         pending.append((f"(c) {n} dev, dp.Trainer, {name}", *row_trainer(batch, **kw)))
+    pending.append((f"(e) {n} dev, Trainer.fit, host batches, serial", *row_fit(False)))
+    pending.append((f"(f) {n} dev, Trainer.fit, host batches, prefetch", *row_fit(True)))
     medians = interleaved([run for _, _, run in pending])
     rows: list[tuple[str, float, float | None]] = [
         (name, ms, first) for (name, first, _), ms in zip(pending, medians, strict=True)]
@@ -256,7 +291,9 @@ def main() -> int:
     for name, ms, first in rows:
         fs = f"{first:.2f}" if first is not None else "-"
         print(f"| {name:48s} | {ms:7.1f} | {ms / a:5.2f}x | {ms / b:5.2f}x | {fs:>13s} |")
-    print(f"\n(c)/(b) = {c / b:.2f} (goal <= 1.05); (c)/(a) = {c / a:.2f}")
+    e, f = rows[8][1], rows[9][1]
+    print(f"\n(c)/(b) = {c / b:.2f} (goal <= 1.05); (c)/(a) = {c / a:.2f}; "
+          f"(f)/(e) = {f / e:.2f} (fit: prefetch vs one step at a time)")
     if n in torch_rows:
         print(f"(c)/(torch DDP W={n}) = {c / torch_rows[n]:.2f} (goal <= 0.4)")
     return 0

@@ -7,8 +7,12 @@ from .adapters import Linen as Linen
 from .adapters import Model as Model
 from .adapters import Nnx as Nnx
 from .batchnorm import SyncBatchNorm as SyncBatchNorm
+from .callbacks import Callback as Callback
+from .callbacks import JsonlWriter as JsonlWriter
 from .checkpoint import Checkpointer as Checkpointer
 from .data import Batches as Batches
+from .extra import Extra as Extra
+from .extra import ema as ema
 from .grad_sync import mean_gradients as mean_gradients
 from .grad_sync import plan_buckets as plan_buckets
 from .state import TrainState as TrainState
@@ -16,13 +20,17 @@ from .trainer import Trainer as Trainer
 
 __all__ = [
     "Batches",
+    "Callback",
     "Checkpointer",
+    "Extra",
+    "JsonlWriter",
     "Linen",
     "Model",
     "Nnx",
     "SyncBatchNorm",
     "Trainer",
     "TrainState",
+    "ema",
     "mean_gradients",
     "plan_buckets",
 ]

@@ -8,17 +8,34 @@ from typing import Any
 import jax
 
 from .._core.typing import PyTree
+from .checks import accepts, loss_output
 
-# loss(outputs, batch) -> (per-example mean loss, dict of per-example-mean scalar metrics)
-OutputLoss = Callable[[Any, PyTree], tuple[jax.Array, dict[str, jax.Array]]]
+# loss(outputs, batch) -> (per-example mean loss, dict of per-example-mean scalar metrics);
+# it may also take the keyword arguments ``params`` and ``step`` (see Linen).
+OutputLoss = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+LOSS_KEYWORDS = ("params", "step")
+
+
+def name_of(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def loss_keywords(loss: Callable, params: PyTree, step: jax.Array) -> dict[str, Any]:
+    """The keyword arguments among ``params`` and ``step`` that ``loss`` accepts."""
+    values = {"params": params, "step": step}
+    return {k: values[k] for k in LOSS_KEYWORDS if accepts(loss, k)}
 
 
 class Model:
     """The protocol the Trainer needs from a model with non-trainable state.
 
-    ``loss_fn(params, model_state, batch, rng) -> (loss, (aux, new_model_state))``, with
-    ``rng=None`` meaning evaluation (no dropout, running statistics), and
-    ``init(rng, batch) -> (params, model_state)``.
+    * ``loss_fn(params, model_state, batch, rng) -> (loss, (metrics, new_model_state))``,
+      with ``rng=None`` meaning evaluation (no dropout, running statistics); if it takes a
+      keyword argument ``step``, it gets the number of steps taken before this one (an int32
+      scalar; ``state.step`` in evaluation);
+    * ``init(rng, batch) -> (params, model_state)``;
+    * optionally ``to_module(params, model_state)``: the trained model in its framework's
+      form (:meth:`Trainer.to_module <jaxcoll.dp.Trainer.to_module>`).
     """
 
     def loss_fn(self, params, model_state, batch, rng):  # pragma: no cover - protocol
@@ -26,6 +43,10 @@ class Model:
 
     def init(self, rng: jax.Array, batch: PyTree) -> tuple[PyTree, PyTree]:  # pragma: no cover
         raise NotImplementedError
+
+    def to_module(self, params: PyTree, model_state: PyTree) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}.to_module: this adapter has no "
+                                  f"module form; use the state's params and model_state.")
 
 
 class Linen(Model):
@@ -37,17 +58,26 @@ class Linen(Model):
 
     Args:
         module: the linen module.
-        loss: ``loss(outputs, batch) -> (loss, aux)``, per-example means.
+        loss: ``loss(outputs, batch) -> (loss, metrics)``, per-example means. If it takes the
+            keyword arguments ``params`` (the params tree being differentiated: weight decay
+            in the loss, as flax's ImageNet example writes it) or ``step`` (the steps taken
+            before this one, e.g. to log a learning-rate schedule), it gets them.
         input_key: the batch entry passed to the module.
 
     Example::
 
-        >>> trainer = Trainer(Linen(MyCNN(), cross_entropy), optax.adam(1e-3))
+        >>> def loss(logits, batch, *, params):
+        ...     l2 = sum(jnp.sum(w ** 2) for w in jax.tree.leaves(params) if w.ndim > 1)
+        ...     return cross_entropy(logits, batch) + 0.5e-4 * l2, {}
+        >>> trainer = Trainer(Linen(MyCNN(), loss), optax.sgd(0.1, momentum=0.9))
         >>> params, model_state = trainer.model.init(jax.random.key(0), first_batch)
         >>> state = trainer.init(params, jax.random.key(1), model_state=model_state)
     """
 
     def __init__(self, module: Any, loss: OutputLoss, *, input_key: str = "x") -> None:
+        if not callable(loss):
+            raise TypeError(f"dp.Linen: loss must be a callable loss(outputs, batch), got "
+                            f"{type(loss).__name__} instead.")
         self.module = module
         self.loss = loss
         self.input_key = input_key
@@ -59,7 +89,7 @@ class Linen(Model):
         params = variables.pop("params")
         return params, variables
 
-    def loss_fn(self, params, model_state, batch, rng):
+    def loss_fn(self, params, model_state, batch, rng, *, step=None):
         train = rng is not None
         variables = {"params": params, **model_state}
         kwargs: dict[str, Any] = {"rngs": {"dropout": rng}} if train else {}
@@ -70,29 +100,65 @@ class Linen(Model):
         else:
             outputs = self.module.apply(variables, batch[self.input_key], train=train, **kwargs)
             new_state = model_state
-        value, aux = self.loss(outputs, batch)
-        return value, (dict(aux or {}), new_state)
+        out = self.loss(outputs, batch, **loss_keywords(self.loss, params, step))
+        value, metrics = loss_output(f"the loss {name_of(self.loss)} given to dp.Linen", out)
+        return value, (metrics, new_state)
+
+    def to_module(self, params: PyTree, model_state: PyTree) -> Any:
+        """The module bound to the trained variables: call it as ``bound(x, train=False)``."""
+        return self.module.bind({"params": params, **model_state})
+
+
+NnxCall = Callable[..., Any]
 
 
 class Nnx(Model):
-    """A ``flax.nnx.Module`` called as ``module(batch[input_key])`` plus a loss.
+    """A ``flax.nnx.Module`` called as ``module(batch[input_key])`` (or by ``call``) plus a loss.
 
-    The module is split once into its graph, its ``nnx.Param`` state (the params) and the
-    rest (``nnx.BatchStat``: the model state). Training calls ``module.train()``, evaluation
-    ``module.eval()``. Dropout streams are reseeded each step from the Trainer's per-rank key
-    (``nnx.reseed``), so masks differ per rank and are reproducible.
+    The module is split once into its graph, its ``nnx.Param`` state (the params), its
+    ``nnx.BatchStat`` state (the model state) and the rest (``nnx.Rngs`` streams, constants).
+    Each call rebuilds a module from them inside the traced step, so modules holding
+    ``nnx.Rngs`` (``nnx.Dropout(rate, rngs=rngs)``) work: training calls ``module.train()``
+    and reseeds every rng stream of the module from the Trainer's per-rank, per-step key
+    (masks differ per rank and are reproducible); evaluation calls ``module.eval()``. The
+    module passed in is never modified; :meth:`to_module` returns a trained copy.
+
+    Args:
+        module: the nnx module, built already.
+        loss: ``loss(outputs, batch) -> (loss, metrics)``, per-example means; may take the
+            keyword arguments ``params`` and ``step`` (see :class:`Linen`).
+        input_key: the batch entry passed to the module when ``call`` is None.
+        call: ``call(model, batch, *, train, rngs) -> outputs``, for modules called with more
+            than one argument: ``train`` is a Python bool, ``rngs`` an ``nnx.Rngs`` seeded
+            from the per-rank step key in training, None in evaluation. E.g. flax's MNIST
+            CNN: ``call=lambda m, b, *, train, rngs: m(b["image"], rngs=rngs)``; a module
+            taking a flag: ``lambda m, b, *, train, rngs: m(b["x"], train=train)``.
 
     Example::
 
-        >>> adapter = Nnx(MyNnxMLP(rngs=nnx.Rngs(0)), cross_entropy)
-        >>> params, model_state = adapter.init(None, None)
+        >>> adapter = Nnx(MyNnxCNN(rngs=nnx.Rngs(0)), cross_entropy)
+        >>> params, model_state = adapter.init()
+        >>> ... train ...
+        >>> model = trainer.to_module(state)        # an nnx module with the trained weights
     """
 
-    def __init__(self, module: Any, loss: OutputLoss, *, input_key: str = "x") -> None:
+    def __init__(self, module: Any, loss: OutputLoss, *, input_key: str = "x",
+                 call: NnxCall | None = None) -> None:
         from flax import nnx
 
+        if not isinstance(module, nnx.Module):
+            raise TypeError(f"dp.Nnx: module must be a flax.nnx.Module, got "
+                            f"{type(module).__name__} instead (a linen module goes to "
+                            f"dp.Linen).")
+        if not callable(loss):
+            raise TypeError(f"dp.Nnx: loss must be a callable loss(outputs, batch), got "
+                            f"{type(loss).__name__} instead.")
+        if call is not None and not callable(call):
+            raise TypeError(f"dp.Nnx: call must be a callable call(model, batch, *, train, "
+                            f"rngs), got {type(call).__name__} instead.")
         self.loss = loss
         self.input_key = input_key
+        self.call = call
         self._graph, self._params, self._stats, self._rest = nnx.split(
             module, nnx.Param, nnx.BatchStat, ...)
 
@@ -102,20 +168,47 @@ class Nnx(Model):
 
         return nnx.to_pure_dict(self._params), nnx.to_pure_dict(self._stats)
 
-    def loss_fn(self, params, model_state, batch, rng):
+    def merge(self, params: PyTree, model_state: PyTree) -> Any:
+        """A new module: the graph with ``params`` and ``model_state`` (pure dicts)."""
         from flax import nnx
 
-        p, s = nnx.State(self._params), nnx.State(self._stats)
+        # New Variable objects, created at the caller's trace level: nnx refuses to update a
+        # Variable (BatchNorm statistics, rng counters) made outside the current trace.
+        fresh = lambda s: jax.tree_util.tree_map(lambda v: v, s)  # noqa: E731
+        p, s, rest = fresh(self._params), fresh(self._stats), fresh(self._rest)
         nnx.replace_by_pure_dict(p, params)
         nnx.replace_by_pure_dict(s, model_state)
-        model = nnx.merge(self._graph, p, s, self._rest)
-        if rng is None:
-            model.eval()
-        else:
+        return nnx.merge(self._graph, p, s, rest)
+
+    def loss_fn(self, params, model_state, batch, rng, *, step=None):
+        from flax import nnx
+
+        model = self.merge(params, model_state)
+        train = rng is not None
+        rngs = None
+        if train:
             model.train()
-            nnx.reseed(model, dropout=rng)
-        outputs = model(batch[self.input_key])
-        value, aux = self.loss(outputs, batch)
-        new_stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)) if rng is not None \
-            else model_state
-        return value, (dict(aux or {}), new_stats)
+            key = rng if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) \
+                else jax.random.wrap_key_data(rng)
+            tags = sorted({stream.key.tag for _, stream in nnx.iter_graph(model)
+                           if isinstance(stream, nnx.RngStream)})
+            if tags:  # every stream of the module draws from this rank's step key
+                nnx.reseed(model, policy="match_shape",
+                           **{t: jax.random.fold_in(key, i + 1) for i, t in enumerate(tags)})
+            rngs = nnx.Rngs(jax.random.fold_in(key, 0))
+        else:
+            model.eval()
+        if self.call is None:
+            outputs = model(batch[self.input_key])
+        else:
+            outputs = self.call(model, batch, train=train, rngs=rngs)
+        out = self.loss(outputs, batch, **loss_keywords(self.loss, params, step))
+        value, metrics = loss_output(f"the loss {name_of(self.loss)} given to dp.Nnx", out)
+        new_stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)) if train else model_state
+        return value, (metrics, new_stats)
+
+    def to_module(self, params: PyTree, model_state: PyTree) -> Any:
+        """A new nnx module with ``params`` and the BatchNorm statistics ``model_state``
+        (the module passed in keeps its own). ``nnx.update(module, nnx.state(trained))``
+        writes them into the original instead."""
+        return self.merge(params, model_state)

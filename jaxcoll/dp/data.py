@@ -82,3 +82,33 @@ class Batches:
         """Iterate over the batches of one epoch."""
         start = epoch * len(self)
         return (self[start + i] for i in range(len(self)))
+
+    def in_order(self) -> Any:
+        """Every example exactly once, in order, in batches of ``batch_size`` (the last one
+        short): what :meth:`Trainer.evaluate` iterates over, whatever ``shuffle`` and
+        ``drop_last`` say."""
+        for lo in range(0, self.num_examples, self.batch_size):
+            rows = slice(lo, lo + self.batch_size)
+            yield jax.tree_util.tree_map(lambda a, rows=rows: a[rows], self.arrays)
+
+
+def leading_size(api: str, batch: PyTree) -> int:
+    """The number of examples in a global batch: the leading size every array shares.
+
+    Raises:
+        ValueError: the batch holds no array, an array is a scalar, the arrays disagree, or
+            the batch is empty.
+    """
+    leaves = jax.tree_util.tree_leaves(batch)
+    if not leaves:
+        raise ValueError(f"{api}: the batch holds no array; pass a pytree of arrays with one "
+                         f"row per example.")
+    sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+    if None in sizes or len(sizes) != 1:
+        raise ValueError(f"{api}: every array in the batch needs the same leading (example) "
+                         f"axis, got leading sizes {sizes}.")
+    size = sizes.pop()
+    if size == 0:
+        raise ValueError(f"{api}: the batch has 0 examples (every array's leading axis is "
+                         f"empty); a mean over no examples is NaN. Skip empty batches.")
+    return int(size)

@@ -1,21 +1,25 @@
-"""The host loop: :func:`fit` (steps, checkpoints, progress, history) and :func:`evaluate`.
+"""The host loop: :func:`fit` (steps, prefetch, evaluation, checkpoints, callbacks) and
+:func:`evaluate` (exact means over any number of examples).
 
 Host-side Python around the jitted programs of :mod:`jaxcoll.dp.step`; ``Trainer.fit`` and
-``Trainer.evaluate`` call these with their own step and evaluation.
+``Trainer.evaluate`` call these with their own step, placement and evaluation.
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from .._core.checks import check_static_int
 from .._core.typing import PyTree
-from .checkpoint import Checkpointer
+from .callbacks import as_callbacks
+from .checkpoint import Checkpointer, check_directory
+from .data import Batches, leading_size
 from .state import TrainState
 
 StepFn = Callable[[TrainState, PyTree], tuple[TrainState, dict[str, jax.Array]]]
@@ -35,6 +39,13 @@ def total_steps(data: Any, steps: int | None, epochs: int | None) -> int:
                         "pass steps= for an iterator.") from None
 
 
+def check_data(api: str, argname: str, data: Any) -> None:
+    """``data`` must be batches, not one batch: a dict would iterate over its keys."""
+    if isinstance(data, Mapping):
+        raise TypeError(f"{api}: {argname} is a dict (one batch?); pass an iterable of global "
+                        f"batches, e.g. [{argname}], or a dp.Batches.")
+
+
 def batch_source(data: Any, start: int) -> Callable[[int], PyTree]:
     if hasattr(data, "__getitem__") and hasattr(data, "epoch"):
         return data.__getitem__
@@ -52,93 +63,171 @@ def batch_source(data: Any, start: int) -> Callable[[int], PyTree]:
     return source
 
 
-def finish_history(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Turn device metrics into floats (one transfer) and add examples/s per step."""
-    host = jax.device_get(history)
-    end = time.perf_counter()
-    out = []
-    for i, h in enumerate(host):
-        t1 = host[i + 1]["t0"] if i + 1 < len(host) else end
-        rec = {k: (float(v) if k not in ("step", "examples") else int(v))
-               for k, v in h.items() if k != "t0"}
-        rec["examples_per_s"] = h["examples"] / max(t1 - h["t0"], 1e-9)
-        out.append(rec)
-    return out
+# ------------------------------------------------------------------------------- evaluate
+def _rows(batch: PyTree, lo: int, hi: int) -> PyTree:
+    return jax.tree_util.tree_map(lambda a: a[lo:hi], batch)
 
 
-def evaluate(metrics_of: Callable[[PyTree], dict[str, jax.Array]], data: Any) -> dict[str, float]:
-    """Average ``metrics_of(batch)`` over every example of ``data``, batches weighted by size.
+def evaluate(metrics_of: Callable[[PyTree], dict[str, jax.Array]], data: Any,
+             n: int) -> dict[str, float]:
+    """The mean of every metric over every example of ``data``, exactly.
 
-    ``data``: an iterable of global batches, or a :class:`~jaxcoll.dp.Batches` (its first
-    epoch).
+    ``metrics_of(batch)`` gives the global batch means of a batch whose size is a multiple of
+    ``n`` (the device count). A batch of ``m`` examples is evaluated as its first
+    ``m - m % n`` examples, then, if ``r = m % n`` are left, as those ``r`` examples given
+    whole to every device (a batch of ``r * n``: each device's mean, and so the mean over
+    devices, is the mean over the ``r``). Each part is weighted by its number of examples, so
+    the result is the per-example mean over the whole data, for any metric that is a
+    per-example mean.
+
+    ``data``: an iterable of global batches, or a :class:`~jaxcoll.dp.Batches` (every
+    example once, in order: :meth:`~jaxcoll.dp.Batches.in_order`).
     """
-    batches = data.epoch(0) if hasattr(data, "epoch") else data
-    totals: dict[str, float] = {}
-    count = 0
+    check_data("Trainer.evaluate", "data", data)
+    batches = data.in_order() if isinstance(data, Batches) else data
+    parts: list[tuple[dict[str, jax.Array], int]] = []
     for batch in batches:
-        size = np.shape(jax.tree_util.tree_leaves(batch)[0])[0]
-        out = jax.device_get(metrics_of(batch))
-        for name, value in out.items():
-            totals[name] = totals.get(name, 0.0) + float(value) * size
-        count += size
-    if not count:
-        raise ValueError("Trainer.evaluate: data yielded no batch.")
-    return {name: value / count for name, value in totals.items()}
+        size = leading_size("Trainer.evaluate", batch)
+        full = size - size % n
+        if full:
+            parts.append((metrics_of(batch if full == size else _rows(batch, 0, full)), full))
+        if size > full:
+            rest = jax.tree_util.tree_map(lambda a: np.concatenate([np.asarray(a)] * n),
+                                          _rows(batch, full, size))
+            parts.append((metrics_of(rest), size - full))
+    if not parts:
+        raise ValueError("Trainer.evaluate: data yielded no batch; pass an iterable of "
+                         "global batches (or a dp.Batches).")
+    host = jax.device_get([m for m, _ in parts])  # one transfer for all batches
+    count = sum(w for _, w in parts)
+    return {name: sum(float(m[name]) * w for m, (_, w) in zip(host, parts)) / count
+            for name in host[0]}
+
+
+# ------------------------------------------------------------------------------------ fit
+class Pending(NamedTuple):
+    """A dispatched step whose outputs may not be ready yet."""
+
+    step: int  # state.step after it
+    examples: int
+    metrics: dict[str, jax.Array]  # device arrays
 
 
 def fit(
     step: StepFn,
+    place: Callable[[PyTree], PyTree],
     state: TrainState,
     data: Any,
     *,
     steps: int | None,
     epochs: int | None,
-    evaluate_fn: Callable[[TrainState, Any], dict[str, float]] | None = None,
+    evaluate_fn: Callable[[TrainState, Any], dict[str, float]],
     eval_data: Any = None,
+    eval_every: int | None = None,
+    callbacks: Any = None,
     checkpoint_dir: str | None = None,
     every: int = 100,
-    progress: bool = True,
+    progress: bool | None = None,
     log_every: int = 10,
+    prefetch: bool = True,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
-    """Run ``step`` until ``state.step`` reaches the total; see :meth:`Trainer.fit`."""
+    """Run ``step`` until ``state.step`` reaches the total; see :meth:`Trainer.fit`.
+
+    ``place(host_batch)`` checks a global batch and starts its transfer to the devices;
+    ``step(state, placed_batch)`` dispatches one step. With ``prefetch``, step s is
+    dispatched, then batch s+1 is built and placed (its host work and transfer overlap step
+    s), then the loop waits for step s-1: at most two steps are in flight (XLA:CPU's
+    in-process rendezvous can stall with many queued collective programs on few cores).
+    """
     from tqdm.auto import tqdm
 
+    api = "Trainer.fit"
+    check_data(api, "data", data)
+    if eval_data is not None:
+        check_data(api, "eval_data", eval_data)
     total = total_steps(data, steps, epochs)
+    if eval_every is not None:
+        eval_every = check_static_int(api, "eval_every", eval_every)
+        if eval_every < 1:
+            raise ValueError(f"{api}: eval_every={eval_every} must be a positive number of "
+                             f"steps (len(train_batches) for once per epoch), or None.")
+    every = check_static_int(api, "every", every)
+    cbs = as_callbacks(api, callbacks)
+    if progress is None:  # a bar only where someone watches it; not in logs or CI
+        progress = sys.stderr.isatty()
     ckpt = None
     if checkpoint_dir is not None:
+        check_directory(api, "checkpoint_dir", checkpoint_dir)
         ckpt = Checkpointer(checkpoint_dir, every=every)
-        state = ckpt.restore_latest(state)
-    start = int(jax.device_get(state.step))
-    source = batch_source(data, start)
     history: list[dict[str, Any]] = []
-    bar = tqdm(total=total, initial=start, disable=not progress, unit="step",
-               dynamic_ncols=True)
+    bar = None
     try:
-        for s in range(start, total):
+        if ckpt is not None:
+            state = ckpt.restore_latest(state)
+        start = int(jax.device_get(state.step))
+        source = batch_source(data, start)
+        bar = tqdm(total=total, initial=start, disable=not progress, unit="step",
+                   dynamic_ncols=True)
+        clock = [time.perf_counter()]
+
+        def complete(p: Pending) -> None:
+            # The step's outputs are available here (waiting for them if needed).
+            metrics = {k: float(v) for k, v in jax.device_get(p.metrics).items()}
+            now = time.perf_counter()
+            rate = p.examples / max(now - clock[0], 1e-9)
+            clock[0] = now
+            history.append({"step": p.step, **metrics, "examples_per_s": rate})
+            for cb in cbs:
+                cb.on_step(p.step, {**metrics, "examples_per_s": rate})
+            bar.update(1)
+            if progress and (p.step % log_every == 0 or p.step == total):
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+
+        evaluated = [-1]
+
+        def run_eval(at: int) -> None:
+            results = evaluate_fn(state, eval_data)
+            evaluated[0] = at
+            if history and history[-1]["step"] == at:
+                history[-1].update({f"eval_{k}": v for k, v in results.items()})
+            else:
+                history.append({"step": at, **{f"eval_{k}": v for k, v in results.items()}})
+            for cb in cbs:
+                cb.on_eval(at, results)
+
+        def fetch(s: int) -> tuple[PyTree, int]:
             batch = source(s)
-            size = np.shape(jax.tree_util.tree_leaves(batch)[0])[0]
-            t0 = time.perf_counter()
-            state, metrics = step(state, batch)
-            # Wait for the step: honest examples/s, and one program in flight at a time
-            # (many queued collective programs on few CPU cores can stall XLA's rendezvous).
-            metrics = jax.block_until_ready(metrics)
-            history.append({"step": s + 1, "examples": size, "t0": t0, **metrics})
+            return place(batch), leading_size("Trainer.step", batch)
+
+        upcoming = fetch(start) if start < total else None
+        pending: Pending | None = None
+        for s in range(start, total):
+            batch, size = upcoming if upcoming is not None else fetch(s)
+            state, metrics = step(state, batch)  # each step is dispatched here
+            upcoming = fetch(s + 1) if prefetch and s + 1 < total else None
+            if pending is not None:
+                complete(pending)  # waits for the step before: at most 2 in flight
+            pending = Pending(s + 1, size, metrics)
+            if not prefetch:  # one step at a time: wait for it before building the next batch
+                complete(pending)
+                pending = None
             if ckpt is not None and (s + 1) % every == 0:
                 ckpt.save(state)
-            bar.update(1)
-            if progress and ((s + 1) % log_every == 0 or s + 1 == total):
-                bar.set_postfix(loss=f"{float(metrics['loss']):.4f}")
+            if eval_data is not None and eval_every and (s + 1) % eval_every == 0:
+                if pending is not None:
+                    complete(pending)
+                    pending = None
+                run_eval(s + 1)
+        if pending is not None:
+            complete(pending)
         if ckpt is not None:
             ckpt.save(state)
+        if eval_data is not None and evaluated[0] != max(start, total):
+            run_eval(max(start, total))
     finally:  # a crash keeps only the periodic checkpoints, as a killed process would
-        bar.close()
+        if bar is not None:
+            bar.close()
         if ckpt is not None:
             ckpt.close()
-    history = finish_history(history)
-    if eval_data is not None and evaluate_fn is not None:
-        results = evaluate_fn(state, eval_data)
-        if history:
-            history[-1].update({f"eval_{k}": v for k, v in results.items()})
-        else:
-            history.append({f"eval_{k}": v for k, v in results.items()})
     return state, history
+

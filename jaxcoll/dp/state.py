@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import field
 from typing import Any
 
 import jax
@@ -25,6 +26,10 @@ class TrainState(struct.PyTreeNode):
         rng: the run's base key (raw ``uint32[2]`` key data). Step s on rank r draws from
             ``fold_in(fold_in(rng, s), r)`` (folded again by the micro-batch index when
             ``accum_steps > 1``), so dropout is reproducible and differs per rank.
+        extra: state the step carries besides the optimizer's, updated once per step by the
+            Trainer's ``extra=`` (:class:`~jaxcoll.dp.Extra`; e.g. :func:`~jaxcoll.dp.ema`
+            keeps an exponential moving average of the params here), replicated; ``{}``
+            without one.
     """
 
     params: Any
@@ -32,3 +37,4 @@ class TrainState(struct.PyTreeNode):
     model_state: Any
     step: jax.Array
     rng: jax.Array
+    extra: Any = field(default_factory=dict)

@@ -18,15 +18,17 @@ from jax.sharding import PartitionSpec as P
 from .. import primitives
 from .._core.typing import AxisName, PyTree
 from ._vma import axis_names, to_varying
+from .extra import Extra
 from .state import TrainState
 from .sync.base import GradSync, specs_like
 
-# loss(params, model_state, batch, rng) -> (loss, (aux, new_model_state))
+# loss(params, model_state, batch, rng, step) -> (loss, (aux, new_model_state)), its output
+# already checked (the Trainer wraps the user's loss_fn or dp.Model into this form).
 StateLoss = Callable[..., tuple[jax.Array, tuple[dict[str, jax.Array], PyTree]]]
 
 
 def local_grads(loss: StateLoss, params: PyTree, model_state: PyTree, batch: PyTree,
-                key: jax.Array, axis_name: AxisName, accum_steps: int):
+                key: jax.Array, step: jax.Array, axis_name: AxisName, accum_steps: int):
     """This rank's mean gradient over ``accum_steps`` micro-batches of its share of the batch.
 
     Returns ``(grads, loss, aux, model_state)``, all local (varying over the data axis).
@@ -34,7 +36,7 @@ def local_grads(loss: StateLoss, params: PyTree, model_state: PyTree, batch: PyT
     names = axis_names(axis_name)
     # The fix for the gradient trap: varying params, so jax.grad does not psum by itself.
     params = to_varying(params, names)
-    grad_fn = jax.value_and_grad(loss, has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, ms, b, r: loss(p, ms, b, r, step), has_aux=True)
     k = accum_steps
     if k == 1:
         (value, (aux, model_state)), grads = grad_fn(params, model_state, batch, key)
@@ -107,17 +109,32 @@ def state_shardings(strategy: GradSync, state: TrainState) -> TrainState:
     rep = lambda t: jax.tree_util.tree_map(lambda _: replicated, t)  # noqa: E731
     opt = strategy.named(strategy.opt_specs(state.opt_state, state.params))
     return TrainState(params=rep(state.params), opt_state=opt,
-                      model_state=rep(state.model_state), step=replicated, rng=replicated)
+                      model_state=rep(state.model_state), step=replicated, rng=replicated,
+                      extra=rep(state.extra))
+
+
+def all_finite(*trees: PyTree) -> jax.Array:
+    """True when every element of every floating leaf is finite (a scalar bool)."""
+    leaves = [x for t in trees for x in jax.tree_util.tree_leaves(t)
+              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    ok = jnp.asarray(True)
+    for x in leaves:
+        ok = ok & jnp.all(jnp.isfinite(x))
+    return ok
 
 
 def build_step(loss: StateLoss, strategy: GradSync, state: TrainState, *, accum_steps: int,
-               donate: bool):
+               donate: bool, extra: Extra | None = None, skip_nonfinite: bool = False):
     """The jitted step ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
 
     Per rank (``shard_map``, params replicated, the batch split over the data axis): the
     local gradients, the metrics and the model state averaged over ranks, the gradients
     synchronised by ``strategy.reduce``. Then, in the global view of the same program:
-    ``strategy.update``. The state's buffers are donated when ``donate``.
+    ``strategy.update``, then ``extra.update`` (:class:`~jaxcoll.dp.Extra`). With
+    ``skip_nonfinite``, a step whose loss or synchronised gradients hold an inf or NaN keeps
+    the old params, optimizer state, model state and extra (the step count still advances:
+    it is the data position) and reports ``skipped=1.0``. The state's buffers are donated
+    when ``donate``.
     """
     axis, algorithm = strategy.axis_name, strategy.algorithm
 
@@ -125,7 +142,7 @@ def build_step(loss: StateLoss, strategy: GradSync, state: TrainState, *, accum_
         rank = lax.axis_index(axis)
         key = jax.random.fold_in(jax.random.fold_in(rng, step), rank)
         grads, value, aux, model_state = local_grads(loss, params, model_state, batch, key,
-                                                     axis, accum_steps)
+                                                     step, axis, accum_steps)
         metrics = mean_metrics({"loss": value, **aux}, axis, algorithm)
         model_state = sync_model_state(model_state, axis, algorithm)
         return strategy.reduce(grads), model_state, metrics
@@ -138,19 +155,35 @@ def build_step(loss: StateLoss, strategy: GradSync, state: TrainState, *, accum_
         grads, model_state, metrics = mapped(state.params, state.model_state, batch,
                                              state.step, state.rng)
         params, opt_state = strategy.update(grads, state.opt_state, state.params)
-        return TrainState(params, opt_state, model_state, state.step + 1, state.rng), metrics
+        new = TrainState(params, opt_state, model_state, state.step + 1, state.rng, state.extra)
+        if extra is not None:
+            new = new.replace(extra=extra.update(state.extra, new, metrics))
+        if skip_nonfinite:
+            ok = all_finite(grads, metrics["loss"])
+            keep = lambda a, b: jax.tree_util.tree_map(  # noqa: E731
+                lambda x, y: jnp.where(ok, x, y), a, b)
+            new = new.replace(params=keep(new.params, state.params),
+                              opt_state=keep(new.opt_state, state.opt_state),
+                              model_state=keep(new.model_state, state.model_state),
+                              extra=keep(new.extra, state.extra))
+            metrics = {**metrics, "skipped": 1.0 - ok.astype(jnp.float32)}
+        return new, metrics
 
     out = (state_shardings(strategy, state), NamedSharding(strategy.mesh, P()))
     return jax.jit(step, donate_argnums=(0,) if donate else (), out_shardings=out)
 
 
 def build_eval(loss: StateLoss, strategy: GradSync):
-    """The jitted evaluation ``(params, model_state, batch) -> metrics`` (global means)."""
+    """The jitted evaluation ``(params, model_state, step, batch) -> metrics`` (global means).
+
+    Every rank runs the loss with ``rng=None`` on its share of the batch; the metrics are
+    averaged over ranks (each holds as many examples, so that is the batch mean).
+    """
     axis = strategy.axis_name
 
-    def per_rank(params, model_state, batch):
-        value, (aux, _) = loss(params, model_state, batch, None)
+    def per_rank(params, model_state, step, batch):
+        value, (aux, _) = loss(params, model_state, batch, None, step)
         return mean_metrics({"loss": value, **aux}, axis, strategy.algorithm)
 
-    return jax.jit(jax.shard_map(per_rank, mesh=strategy.mesh, in_specs=(P(), P(), P(axis)),
-                                 out_specs=P()))
+    return jax.jit(jax.shard_map(per_rank, mesh=strategy.mesh,
+                                 in_specs=(P(), P(), P(), P(axis)), out_specs=P()))

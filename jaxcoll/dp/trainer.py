@@ -23,13 +23,17 @@ from .._core.checks import check_static_int
 from .._core.typing import AxisName, PyTree
 from . import loop
 from ._vma import axis_names
-from .adapters import Model
+from .adapters import Model, name_of
+from .checks import LossOutputError, accepts, check_live, loss_output, model_output, unbound_axis
+from .data import leading_size
+from .extra import Extra
 from .grad_sync import check_grad_sync
 from .state import TrainState
 from .step import build_eval, build_step
 from .sync import AllReduce, GradSync, Zero1
 
-LossFn = Callable[[PyTree, PyTree, jax.Array | None], tuple[jax.Array, dict[str, jax.Array]]]
+# loss_fn(params, batch, rng) -> (loss, metrics); it may take a keyword argument ``step``.
+LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 
 class Trainer:
@@ -55,11 +59,17 @@ class Trainer:
     every device even for a plain (unsynchronised) BatchNorm.
 
     Args:
-        loss_fn: ``loss_fn(params, batch, rng) -> (loss, aux)``: the per-example *mean* loss
-            on a batch and a dict of scalar metrics (per-example means too, e.g. accuracy).
-            ``rng`` is None in :meth:`evaluate`. Or a :class:`~jaxcoll.dp.Model` adapter
+        loss_fn: ``loss_fn(params, batch, rng) -> (loss, metrics)``: the per-example *mean*
+            loss on a batch (a scalar) and a dict of scalar metrics (per-example means too,
+            e.g. accuracy). ``rng`` is None in :meth:`evaluate`. If it takes a keyword
+            argument ``step``, it gets the number of steps taken before this one (an int32
+            scalar: schedules, warm-ups). Or a :class:`~jaxcoll.dp.Model` adapter
             (:class:`~jaxcoll.dp.Linen`, :class:`~jaxcoll.dp.Nnx`) for flax models with state.
-        optimizer: an ``optax.GradientTransformation``.
+            Checked when the step is traced: anything else raises, naming the fix.
+        optimizer: an ``optax.GradientTransformation`` (schedules, ``chain``,
+            ``apply_if_finite``, ...), or an ``optax.MultiSteps``, whose accumulation over
+            successive *steps* (one update every k calls) is kept; ``accum_steps=k`` is the
+            cheaper way when the k micro-batches come in one global batch.
         mesh: the device mesh; default: every device on one axis named ``axis_name``.
         axis_name: the mesh axis (or tuple of axes) the batch is split over.
         grad_sync: the collective algorithm, passed through to jaxcoll's primitives:
@@ -71,8 +81,14 @@ class Trainer:
         grad_dtype: the dtype gradients travel in (``jnp.bfloat16``: DDP's bf16 compression
             hook); the update itself stays in the params' dtype. None: the params' dtype.
         accum_steps: split each rank's share of the batch into this many micro-batches whose
-            gradients are summed locally and synchronised once (DDP's ``no_sync``): the same
-            update with ``accum_steps`` times smaller activations.
+            gradients are averaged locally and synchronised once (DDP's ``no_sync``), with
+            ``accum_steps`` times smaller activations. Without batch-dependent layers this is
+            the same update as the whole batch at once. With BatchNorm it is not: each
+            micro-batch is normalised with its own statistics (over ``batch / accum_steps``
+            examples, across devices with SyncBatchNorm; over ``batch / (n * accum_steps)``
+            per device with a plain BatchNorm), and the running statistics are updated
+            ``accum_steps`` times per step, micro-batch after micro-batch: what torch gives
+            for k forward/backward passes under ``no_sync``.
         donate: donate the state's buffers to the step (the caller's old state is consumed).
         shard_optimizer: ZeRO-1 (:class:`~jaxcoll.dp.sync.Zero1`). Every param leaf with a
             dimension divisible by n is split along it, its gradient is reduce-scattered,
@@ -80,6 +96,13 @@ class Trainer:
             the updated slices are all-gathered. The optimizer runs on the real params tree
             (sharded by XLA), so any optax transformation gives the unsharded result,
             ``clip_by_global_norm``, masks, ``multi_transform`` and lamb included.
+        extra: state carried and updated once per step besides the optimizer's
+            (:class:`~jaxcoll.dp.Extra`), in ``state.extra``; e.g. ``dp.ema(0.999)``, an
+            exponential moving average of the params.
+        skip_nonfinite: a step whose loss or synchronised gradients hold an inf or NaN
+            changes nothing (params, optimizer state, model state, extra) but the step count,
+            and reports ``skipped=1.0`` in its metrics (0.0 otherwise). ``optax.apply_if_finite``
+            works too; it guards only the params and the optimizer state.
 
     Example (8 devices)::
 
@@ -94,7 +117,7 @@ class Trainer:
     def __init__(
         self,
         loss_fn: LossFn | Model,
-        optimizer: optax.GradientTransformation,
+        optimizer: optax.GradientTransformation | optax.MultiSteps,
         *,
         mesh: Mesh | None = None,
         axis_name: AxisName = "data",
@@ -104,20 +127,23 @@ class Trainer:
         accum_steps: int = 1,
         donate: bool = True,
         shard_optimizer: bool = False,
+        extra: Extra | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         api = "Trainer"
         if isinstance(loss_fn, Model):
             self.model: Model | None = loss_fn
-            self._loss = loss_fn.loss_fn
+            self._loss = _of_model(loss_fn)
         elif callable(loss_fn):
             self.model = None
             self._loss = _stateless(loss_fn)
         else:
             raise TypeError(f"{api}: loss_fn must be a callable loss_fn(params, batch, rng) or a "
                             f"dp.Model adapter, got {type(loss_fn).__name__} instead.")
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(f"{api}: optimizer must be an optax.GradientTransformation "
-                            f"(e.g. optax.adam(1e-3)), got {type(optimizer).__name__} instead.")
+        optimizer = _check_optimizer(api, optimizer)
+        if extra is not None and not isinstance(extra, Extra):
+            raise TypeError(f"{api}: extra must be a dp.Extra(init, update) (e.g. dp.ema(0.999)), "
+                            f"got {type(extra).__name__} instead.")
         if mesh is None:
             if isinstance(axis_name, (tuple, list)):
                 raise ValueError(f"{api}: axis_name={axis_name!r} names several axes; pass the "
@@ -147,6 +173,8 @@ class Trainer:
         self.accum_steps = accum_steps
         self.donate = bool(donate)
         self.shard_optimizer = bool(shard_optimizer)
+        self.extra = extra
+        self.skip_nonfinite = bool(skip_nonfinite)
         kind = Zero1 if self.shard_optimizer else AllReduce
         self.strategy: GradSync = kind(optimizer, mesh, self.axis_name, self.grad_sync,
                                        self.bucket_bytes, self.grad_dtype)
@@ -158,14 +186,7 @@ class Trainer:
         return NamedSharding(self.mesh, spec)
 
     def _check_batch(self, batch: PyTree, api: str) -> None:
-        leaves = jax.tree_util.tree_leaves(batch)
-        if not leaves:
-            raise ValueError(f"{api}: the batch holds no array.")
-        sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
-        if None in sizes or len(sizes) != 1:
-            raise ValueError(f"{api}: every array in the batch needs the same leading (example) "
-                             f"axis, got leading sizes {sizes}.")
-        size = sizes.pop()
+        size = leading_size(api, batch)
         unit = self.n * (self.accum_steps if api == "Trainer.step" else 1)
         if size % unit:
             what = f"{self.n} devices" + (f" x accum_steps={self.accum_steps}"
@@ -208,7 +229,8 @@ class Trainer:
             per_rank: see ``params``.
 
         Returns:
-            A :class:`TrainState` at step 0, placed on the mesh.
+            A :class:`TrainState` at step 0, placed on the mesh; ``state.extra`` is
+            ``extra.init(params)`` when the Trainer has an ``extra``.
         """
         model_state = {} if model_state is None else model_state
         if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
@@ -226,8 +248,11 @@ class Trainer:
                            out_shardings=replicated)
             params, model_state = copy((params, model_state))
         opt_state = self.strategy.init(params)
+        extra = {} if self.extra is None else jax.jit(self.extra.init,
+                                                      out_shardings=replicated)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-        return TrainState(params, opt_state, model_state, step, jax.device_put(rng, replicated))
+        return TrainState(params, opt_state, model_state, step, jax.device_put(rng, replicated),
+                          extra)
 
     def _broadcast_from_rank0(self, tree: PyTree) -> PyTree:
         for leaf in jax.tree_util.tree_leaves(tree):
@@ -255,20 +280,40 @@ class Trainer:
         micro-batches); its size must be a multiple of ``n * accum_steps``, else ValueError.
 
         Returns:
-            The new state (the old one's buffers are donated when ``donate=True``) and the
-            metrics (``loss`` and the loss_fn's aux), averaged over the global batch.
+            The new state (the old one's buffers are donated when ``donate=True``: using the
+            old state again raises ValueError) and the metrics (``loss`` and the loss_fn's
+            metrics), averaged over the global batch, as device arrays (the step is
+            asynchronous until you read them).
         """
-        if not isinstance(state, TrainState):
-            raise TypeError(f"Trainer.step: state must be the TrainState that Trainer.init "
-                            f"returned, got {type(state).__name__} instead.")
+        api = "Trainer.step"
+        _check_state(api, state)
         batch = self.shard_batch(batch)
-        return self._step_program(state)(state, batch)
+        return self._run(api, self._step_program(state), state, batch)
 
     def _step_program(self, state: TrainState):
         if self._step_fn is None:
             self._step_fn = build_step(self._loss, self.strategy, state,
-                                       accum_steps=self.accum_steps, donate=self.donate)
+                                       accum_steps=self.accum_steps, donate=self.donate,
+                                       extra=self.extra, skip_nonfinite=self.skip_nonfinite)
         return self._step_fn
+
+    def _run(self, api: str, program: Any, *args: Any) -> Any:
+        """``program(*args)``, with the user's mistakes found while tracing it explained."""
+        try:
+            return program(*args)
+        except LossOutputError as e:
+            raise e.kind(f"{api}: {e.message}") from None
+        except (NameError, AssertionError) as e:
+            axis = unbound_axis(e, tuple(self.mesh.axis_names))
+            if axis is None:
+                raise
+            raise ValueError(
+                f"{api}: the model reduces over axis_name={axis!r} (a BatchNorm or "
+                f"SyncBatchNorm built with axis_name={axis!r}?), but this Trainer splits the "
+                f"batch over axis_name={self.axis_name!r}, the only axis its step binds. Build "
+                f"the layer with axis_name={self.axis_name!r} (dp.SyncBatchNorm() does for "
+                f"'data'), or the Trainer with axis_name={axis!r} and a mesh with that axis."
+            ) from e
 
     def step_program(self, state: TrainState, batch: PyTree) -> tuple[Any, tuple[Any, Any]]:
         """The jitted step program and abstract arguments to lower, compile or export it.
@@ -280,6 +325,7 @@ class Trainer:
             ``jax.export.export(step, platforms=("cuda",))(*args)`` or
             ``step.lower(*args).compile()``. Nothing is run or transferred.
         """
+        _check_state("Trainer.step_program", state)
         self._check_batch(batch, "Trainer.step")
         batch_sharding = self._sharding(P(self.axis_name))
 
@@ -295,19 +341,26 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ evaluate
     def evaluate(self, state: TrainState, data: Any) -> dict[str, float]:
-        """Average ``loss`` and the aux metrics over every example in ``data``.
+        """The exact mean of ``loss`` and every metric over every example in ``data``.
 
-        ``data`` is an iterable of global batches (or a :class:`~jaxcoll.dp.Batches`, whose
-        first epoch is used). The loss_fn runs with ``rng=None`` (no dropout; adapters use
-        BatchNorm's running statistics). Batches are weighted by their size; each must split
-        evenly over the devices.
+        ``data`` is an iterable of global batches of any sizes, or a
+        :class:`~jaxcoll.dp.Batches` (every example once, in order, whatever its
+        ``shuffle`` and ``drop_last``). The loss_fn runs with ``rng=None`` (no dropout;
+        adapters use BatchNorm's running statistics). A batch that does not split over the
+        n devices is evaluated as its largest part that does, then its last ``m % n``
+        examples given whole to every device; each part weighted by its size. So the result
+        is the per-example mean over all of ``data`` for every metric that is a per-example
+        mean on its batch, as the loss_fn's metrics must be. Evaluate other params (an EMA)
+        with ``evaluate(state.replace(params=...), data)``.
         """
+        api = "Trainer.evaluate"
+        _check_state(api, state)
         if self._eval_fn is None:
             self._eval_fn = build_eval(self._loss, self.strategy)
         eval_fn = self._eval_fn
         return loop.evaluate(
-            lambda b: eval_fn(state.params, state.model_state,
-                              self.shard_batch(b, "Trainer.evaluate")), data)
+            lambda b: self._run(api, eval_fn, state.params, state.model_state, state.step,
+                                self.shard_batch(b, api)), data, self.n)
 
     # ----------------------------------------------------------------------------------- fit
     def fit(
@@ -318,34 +371,109 @@ class Trainer:
         steps: int | None = None,
         epochs: int | None = None,
         eval_data: Any = None,
+        eval_every: int | None = None,
+        callbacks: Any = None,
         checkpoint_dir: str | None = None,
         every: int = 100,
-        progress: bool = True,
+        progress: bool | None = None,
         log_every: int = 10,
+        prefetch: bool = True,
     ) -> tuple[TrainState, list[dict[str, float]]]:
         """Train until ``state.step`` reaches ``steps`` (or ``epochs`` epochs of ``data``).
 
         ``data`` is a :class:`~jaxcoll.dp.Batches` (batch s is ``data[s]``, so a resumed run
         sees exactly the batches it would have) or any iterable of global batches (a resumed
-        run skips the first ``state.step`` of them). With ``checkpoint_dir``, the latest
-        checkpoint there is restored first, and the state is saved every ``every`` steps and
-        at the end (orbax-checkpoint): a run stopped at any point and started again with the
-        same arguments ends bit-identical to one that was never stopped.
+        run skips the first ``state.step`` of them). With ``checkpoint_dir`` (checked at the
+        start: a directory, created if missing), the newest checkpoint there that reads back
+        is restored first (a damaged one is skipped with a warning), and the state is saved
+        every ``every`` steps and at the end (orbax-checkpoint): a run stopped at any point
+        and started again with the same arguments ends bit-identical to one that was never
+        stopped.
+
+        Args:
+            eval_data: evaluated (:meth:`evaluate`) every ``eval_every`` steps and at the end.
+            eval_every: steps between evaluations (``len(data)``: once per epoch); None: at
+                the end only.
+            callbacks: :class:`~jaxcoll.dp.Callback` objects, metric writers with
+                ``write_scalars(step, scalars)`` (``dp.JsonlWriter``, clu's) or functions
+                ``fn(step, metrics)``: each gets every step's metrics and every evaluation's
+                results as they happen (see :mod:`jaxcoll.dp.callbacks`).
+            progress: a tqdm bar; None (default): only when stderr is a terminal.
+            log_every: steps between updates of the bar's loss.
+            prefetch: build and place batch s+1 while step s runs (at most two steps in
+                flight); False: one step at a time, each waited for before the next batch.
 
         Returns:
             The final state and a history: one dict per step taken in this call with the step,
-            the metrics and ``examples_per_s``; with ``eval_data``, the last entry also has
+            the metrics and ``examples_per_s``; at each evaluation, that step's dict also has
             ``eval_<metric>`` for each metric of :meth:`evaluate`.
         """
-        return loop.fit(self.step, state, data, steps=steps, epochs=epochs,
-                        evaluate_fn=self.evaluate, eval_data=eval_data,
-                        checkpoint_dir=checkpoint_dir, every=every, progress=progress,
-                        log_every=log_every)
+        _check_state("Trainer.fit", state)
+        return loop.fit(self.step, self.shard_batch, state, data, steps=steps, epochs=epochs,
+                        evaluate_fn=self.evaluate, eval_data=eval_data, eval_every=eval_every,
+                        callbacks=callbacks, checkpoint_dir=checkpoint_dir, every=every,
+                        progress=progress, log_every=log_every, prefetch=prefetch)
+
+    # ----------------------------------------------------------------------------- to_module
+    def to_module(self, state: TrainState) -> Any:
+        """The trained model in its framework's form, on the default device, independent of
+        ``state`` (a later step may donate the state's buffers).
+
+        :class:`~jaxcoll.dp.Nnx`: a new nnx module with the trained params and BatchNorm
+        statistics (call ``.eval()`` on it for inference); :class:`~jaxcoll.dp.Linen`: the
+        module bound to the trained variables (``bound(x, train=False)``).
+        """
+        api = "Trainer.to_module"
+        _check_state(api, state)
+        if self.model is None:
+            raise TypeError(f"{api}: this Trainer trains a plain loss_fn, which has no module; "
+                            f"its trained params are state.params.")
+        params, model_state = jax.device_put(jax.device_get((state.params, state.model_state)))
+        return self.model.to_module(params, model_state)
+
+
+def _check_state(api: str, state: Any) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"{api}: state must be the TrainState that Trainer.init returned, got "
+                        f"{type(state).__name__} instead.")
+    check_live(api, state)
+
+
+def _check_optimizer(api: str, optimizer: Any) -> optax.GradientTransformation:
+    if isinstance(optimizer, optax.MultiSteps):
+        return optimizer.gradient_transformation()
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    hint = ""
+    if callable(optimizer) and getattr(optimizer, "__module__", "").startswith("optax"):
+        hint = f" (optax.{optimizer.__name__} is a function: call it, e.g. " \
+               f"optax.{optimizer.__name__}(1e-3))"
+    raise TypeError(f"{api}: optimizer must be an optax.GradientTransformation (e.g. "
+                    f"optax.adam(1e-3)) or an optax.MultiSteps, got "
+                    f"{type(optimizer).__name__} instead{hint}.")
 
 
 def _stateless(loss_fn: LossFn):
-    def loss(params, model_state, batch, rng):
-        value, aux = loss_fn(params, batch, rng)
-        return value, (dict(aux or {}), model_state)
+    """``loss_fn(params, batch, rng[, step=])`` as the step's loss, its output checked."""
+    who = f"loss_fn {name_of(loss_fn)}"
+    takes_step = accepts(loss_fn, "step")
+
+    def loss(params, model_state, batch, rng, step):
+        out = loss_fn(params, batch, rng, step=step) if takes_step else loss_fn(params, batch,
+                                                                                 rng)
+        value, metrics = loss_output(who, out)
+        return value, (metrics, model_state)
+
+    return loss
+
+
+def _of_model(model: Model):
+    """A :class:`~jaxcoll.dp.Model`'s loss_fn as the step's loss, its output checked."""
+    who = f"{type(model).__name__}.loss_fn"
+    takes_step = accepts(model.loss_fn, "step")
+
+    def loss(params, model_state, batch, rng, step):
+        kwargs = {"step": step} if takes_step else {}
+        return model_output(who, model.loss_fn(params, model_state, batch, rng, **kwargs))
 
     return loss

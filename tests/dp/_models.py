@@ -23,12 +23,13 @@ class CNN(nn.Module):
     """Conv + BatchNorm; axis_name="data" makes it SyncBatchNorm, None a plain one."""
 
     axis_name: str | None = "data"
+    features: int = 4  # 8: every leaf but the last bias splits over 8 devices (ZeRO-1)
 
     @nn.compact
     def __call__(self, x, train: bool = False):
         # No conv bias: BatchNorm cancels it, so its exact gradient is 0 and Adam would turn
         # round-off (different summation order on 8 devices) into full-size steps.
-        x = nn.Conv(4, (3, 3), use_bias=False)(x)
+        x = nn.Conv(self.features, (3, 3), use_bias=False)(x)
         x = nn.BatchNorm(axis_name=self.axis_name, momentum=0.9)(x, use_running_average=not train)
         x = nn.relu(x).mean(axis=(1, 2))
         return nn.Dense(4)(x)
@@ -37,6 +38,41 @@ class CNN(nn.Module):
 def cross_entropy(logits, batch):
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
     return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
+
+
+class Twin(nn.Module):
+    """Two independent copies of a model side by side: "adam" and "sgd".
+
+    Trained with :func:`twin_optimizer`, one program checks two optimizers at once: Adam
+    (a real optimizer state, sharded by ZeRO-1) and plain SGD, whose params are linear in the
+    gradient: Adam divides a constant gradient scale away, SGD does not, so a gradient off
+    by any factor (n, n/(n-1)) fails the SGD copy's comparison with the oracle.
+    """
+
+    make: type
+    args: tuple = ()
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return {k: self.make(*self.args, name=k)(x, train) for k in TWIN}
+
+
+TWIN = ("adam", "sgd")
+
+
+def twin_loss(outputs, batch):
+    """The sum of both copies' losses: each copy's gradient is its own loss's."""
+    losses = {k: cross_entropy(outputs[k], batch)[0] for k in TWIN}
+    return losses["adam"] + losses["sgd"], {f"{k}_loss": v for k, v in losses.items()}
+
+
+def twin_optimizer(adam_lr: float = 1e-2, sgd_lr: float = 0.05):
+    """Adam on the "adam" copy, plain SGD on the "sgd" copy (pytrees whose top keys are
+    the copies, linen params or nnx pure dicts alike)."""
+    labels = lambda params: {k: jax.tree_util.tree_map(lambda _, k=k: k, v)  # noqa: E731
+                             for k, v in params.items()}
+    return optax.multi_transform({"adam": optax.adam(adam_lr), "sgd": optax.sgd(sgd_lr)},
+                                 labels)
 
 
 def batches(kind: str, k: int, size: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -84,6 +120,17 @@ def oracle(model: dp.Model, optimizer, params, model_state, data, *, accum: int 
     for batch in data:
         params, model_state, opt_state = step(params, model_state, opt_state, batch)
     return params, model_state
+
+
+def twin_diffs(got, want) -> dict[str, float]:
+    """:func:`max_rel_diff` of each copy ("adam", "sgd") of a twin's params or model state,
+    found under the copy's name at any depth of the tree ({"batch_stats": {"sgd": ...}})."""
+    def part(tree, k):
+        while k not in tree:
+            (tree,) = tree.values()
+        return tree[k]
+
+    return {k: max_rel_diff(part(got, k), part(want, k)) for k in TWIN}
 
 
 def max_rel_diff(a, b) -> float:

@@ -29,6 +29,28 @@ def test_train_digits_short_run(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_resnet_digits_flax_imagenet_recipe():
+    """ResNet + SyncBatchNorm + warmup-cosine SGD + L2 in the loss + EMA, 20 epochs."""
+    stdout = _run("examples/resnet_digits.py")
+    assert "8 devices, 1347 train / 450 test images" in stdout
+    evals = re.findall(r"^step +(\d+) .*\|\s+test loss [\d.]+ acc +([\d.]+)%", stdout, re.M)
+    assert [int(s) for s, _ in evals] == list(range(10, 201, 10))  # every epoch
+    lrs = [float(v) for v in re.findall(r" lr ([\d.]+) ", stdout)]
+    assert max(lrs) > 0.15 and lrs[0] < 0.1 and lrs[-1] < 0.01  # warm-up, then cosine decay
+    assert float(re.search(r"^test accuracy: ([\d.]+)%", stdout, re.M).group(1)) > 95.0
+    assert float(re.search(r"test accuracy \(EMA params\): ([\d.]+)%", stdout).group(1)) > 95.0
+
+
+def test_nnx_cnn_digits_dropout_and_round_trip():
+    """flax's nnx MNIST CNN (BatchNorm, Dropout with nnx.Rngs, called with rngs), 20 epochs."""
+    stdout = _run("examples/nnx_cnn_digits.py")
+    assert "8 devices, 1347 train / 450 test images" in stdout
+    assert len(re.findall(r"^epoch +\d+ \(step +\d+\): test loss", stdout, re.M)) == 20
+    got = float(re.search(r"^test accuracy: ([\d.]+)%", stdout, re.M).group(1))
+    direct = float(re.search(r"to_module\(state\), run directly: ([\d.]+)%", stdout).group(1))
+    assert got > 95.0 and direct == got  # the returned nnx module is the trained model
+
+
 def test_average_gradients_verdicts():
     stdout = _run("examples/04_average_gradients.py")
     verdicts = dict(re.findall(r"^(.+?)\s+[\d.]+\s+[\d.e+-]+\s+\w+\s+(RIGHT|WRONG)$", stdout,

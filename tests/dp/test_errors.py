@@ -1,0 +1,183 @@
+"""User mistakes get a clear error that names the op, the argument, the value and the fix:
+never a segfault, a raw Python error from inside the step, or a silently wrong model."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxcoll import dp
+from tests.helpers import mesh_1d
+
+BATCH = {"x": np.ones((16, 3), np.float32), "y": np.zeros(16, np.int32)}
+W = {"w": np.zeros((3, 4), np.float32)}
+
+
+def _logits(w, batch):
+    return batch["x"] @ w["w"]
+
+
+def _ce(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _trainer(loss_fn, **kw):
+    trainer = dp.Trainer(loss_fn, optax.sgd(0.1), mesh=mesh_1d(8, "data"), **kw)
+    return trainer, trainer.init(W, jax.random.key(0))
+
+
+def test_a_donated_state_used_again_raises_instead_of_crashing(tmp_path):
+    trainer, old = _trainer(lambda w, b, rng: (_ce(_logits(w, b), b), {}))
+    new, _ = trainer.step(old, BATCH)
+    assert any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(old))
+    for api, call in [
+        ("Trainer.step", lambda: trainer.step(old, BATCH)),
+        ("Trainer.evaluate", lambda: trainer.evaluate(old, [BATCH])),
+        ("Trainer.fit", lambda: trainer.fit(old, [BATCH], steps=2)),
+    ]:
+        with pytest.raises(ValueError, match=rf"{api}: the state passed was donated to an "
+                                             rf"earlier Trainer.step.*donate=False"):
+            call()
+    new, _ = trainer.step(new, BATCH)  # the returned state is the one to use
+    keep, state = _trainer(lambda w, b, rng: (_ce(_logits(w, b), b), {}), donate=False)
+    after, _ = keep.step(state, BATCH)
+    keep.step(state, BATCH)  # donate=False: old states stay alive
+
+
+BAD_RETURNS = {
+    "bare scalar": (lambda w, b, rng: _ce(_logits(w, b), b),
+                    TypeError, r"a bare loss \(a 0-d array.*return \(loss, metrics\)"),
+    "None": (lambda w, b, rng: None, TypeError, r"None instead of \(loss, metrics\)"),
+    "str metric": (lambda w, b, rng: (_ce(_logits(w, b), b), {"note": "hi"}),
+                   TypeError, r"metric 'note' as a str; metrics must be numeric scalars"),
+    "per-example metric": (lambda w, b, rng: (_ce(_logits(w, b), b), {"logits": _logits(w, b)}),
+                           ValueError, r"metric 'logits' of shape \(2, 4\); metrics must be "
+                                       r"scalars.*jnp.mean"),
+    "per-example loss": (lambda w, b, rng: (optax.softmax_cross_entropy_with_integer_labels(
+        _logits(w, b), b["y"]), {}), ValueError, r"a loss of shape \(2,\); the loss must be a "
+                                                 r"scalar"),
+    "int loss": (lambda w, b, rng: (jnp.sum(b["y"]), {}), TypeError, r"a loss of dtype int32"),
+    "metric named loss": (lambda w, b, rng: (_ce(_logits(w, b), b), {"loss": 1.0}),
+                          ValueError, r"a metric named 'loss'"),
+    "metrics not a dict": (lambda w, b, rng: (_ce(_logits(w, b), b), [1.0]),
+                           TypeError, r"metrics that are a list; metrics must be a dict"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_RETURNS))
+def test_a_loss_fn_that_returns_the_wrong_thing_is_named(case):
+    loss_fn, kind, message = BAD_RETURNS[case]
+    trainer, state = _trainer(loss_fn)
+    with pytest.raises(kind, match=r"Trainer.step: loss_fn <lambda> returned " + message):
+        trainer.step(state, BATCH)
+    with pytest.raises(kind, match=r"Trainer.evaluate: loss_fn <lambda> returned " + message):
+        trainer.evaluate(state, [BATCH])
+
+
+def test_an_adapter_loss_that_returns_the_wrong_thing_is_named():
+    class Dense(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            return nn.Dense(4)(x)
+
+    def bare(logits, batch):
+        return _ce(logits, batch)
+
+    model = dp.Linen(Dense(), bare)
+    params, ms = model.init(jax.random.key(0), BATCH)
+    trainer = dp.Trainer(model, optax.sgd(0.1), mesh=mesh_1d(8, "data"))
+    state = trainer.init(params, jax.random.key(0))
+    with pytest.raises(TypeError, match=r"Trainer.step: the loss "
+                                        r"test_an_adapter_loss.*bare given to dp.Linen "
+                                        r"returned a bare loss"):
+        trainer.step(state, BATCH)
+
+
+class LinenBN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.Dense(4)(x)
+        return nn.BatchNorm(axis_name="batch")(x, use_running_average=not train)
+
+
+class NnxBN(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(3, 4, rngs=rngs)
+        self.bn = nnx.BatchNorm(4, axis_name="batch", rngs=rngs)
+
+    def __call__(self, x):
+        return self.bn(self.dense(x))
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_a_batchnorm_over_another_axis_name_is_named(kind):
+    loss = lambda logits, batch: (_ce(logits, batch), {})  # noqa: E731
+    if kind == "linen":
+        model = dp.Linen(LinenBN(), loss)
+        params, ms = model.init(jax.random.key(0), BATCH)
+    else:
+        model = dp.Nnx(NnxBN(nnx.Rngs(0)), loss)
+        params, ms = model.init()
+    trainer = dp.Trainer(model, optax.sgd(0.1), mesh=mesh_1d(8, "data"))
+    state = trainer.init(params, jax.random.key(0), model_state=ms)
+    with pytest.raises(ValueError, match=r"Trainer.step: the model reduces over "
+                                         r"axis_name='batch' \(a BatchNorm.*splits the batch "
+                                         r"over axis_name='data'.*Build the layer with "
+                                         r"axis_name='data'"):
+        trainer.step(state, BATCH)
+
+
+def test_empty_batches_and_bad_fit_arguments_fail_before_training(tmp_path):
+    trainer, state = _trainer(lambda w, b, rng: (_ce(_logits(w, b), b), {}))
+    empty = {k: v[:0] for k, v in BATCH.items()}
+    with pytest.raises(ValueError, match=r"Trainer.step: the batch has 0 examples"):
+        trainer.step(state, empty)
+    with pytest.raises(ValueError, match=r"Trainer.evaluate: the batch has 0 examples"):
+        trainer.evaluate(state, [empty])
+
+    class Untouchable:
+        """Data that must not be read: the error comes before any step."""
+
+        def __iter__(self):
+            raise AssertionError("fit read the data before checking its arguments")
+
+    a_file = tmp_path / "ckpt"
+    a_file.write_text("not a directory")
+    with pytest.raises(ValueError, match=r"Trainer.fit: checkpoint_dir='.*ckpt' is a file, "
+                                         r"not a directory"):
+        trainer.fit(state, Untouchable(), steps=5, checkpoint_dir=a_file)
+    with pytest.raises(ValueError, match=r"Trainer.fit: checkpoint_dir='.*' cannot be "
+                                         r"created"):
+        trainer.fit(state, Untouchable(), steps=5, checkpoint_dir=a_file / "sub")
+    with pytest.raises(ValueError, match=r"eval_every=0 must be a positive number"):
+        trainer.fit(state, Untouchable(), steps=5, eval_every=0)
+    with pytest.raises(TypeError, match=r"callbacks must hold dp.Callback objects"):
+        trainer.fit(state, Untouchable(), steps=5, callbacks=[3])
+    with pytest.raises(TypeError, match=r"Trainer.fit: eval_data is a dict \(one batch\?\); "
+                                        r"pass an iterable of global batches, e.g. \[eval_data\]"):
+        trainer.fit(state, Untouchable(), steps=5, eval_data=BATCH)
+    with pytest.raises(TypeError, match=r"Trainer.evaluate: data is a dict"):
+        trainer.evaluate(state, BATCH)
+    assert int(state.step) == 0
+
+
+def test_constructor_errors_name_the_fix():
+    loss = lambda w, b, rng: (_ce(_logits(w, b), b), {})  # noqa: E731
+    with pytest.raises(TypeError, match=r"optax.adam is a function: call it, e.g. "
+                                        r"optax.adam\(1e-3\)"):
+        dp.Trainer(loss, optax.adam)
+    with pytest.raises(TypeError, match=r"extra must be a dp.Extra"):
+        dp.Trainer(loss, optax.sgd(0.1), extra=lambda p: p)
+    with pytest.raises(ValueError, match=r"dp.ema: decay=1.5"):
+        dp.ema(1.5)
+    with pytest.raises(TypeError, match=r"dp.Nnx: module must be a flax.nnx.Module"):
+        dp.Nnx(LinenBN(), loss)
+    with pytest.raises(TypeError, match=r"Trainer.to_module: this Trainer trains a plain "
+                                        r"loss_fn"):
+        trainer, state = _trainer(loss)
+        trainer.to_module(state)
