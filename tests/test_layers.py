@@ -2,10 +2,11 @@
 
 Layers, lowest first (README "Architecture"): ``jaxcoll._core`` (ground) < ``algorithms`` <
 ``primitives`` < ``groups`` < ``dist``, ``dp`` < ``bench`` < the top-level re-exports.
-``_init`` (joining a multi-process job), ``_watch`` (watchdog, mismatch detection, SIGTERM) and
-``run`` (the launcher) stand apart and import nothing of jaxcoll outside themselves. A module may import modules of a lower layer and of its own package;
-every import counts, at module level or inside a function (a function-local import that
-dodges a circle is still a circle, so none are allowed).
+``_init`` (joining a multi-process job), ``_watch`` (watchdog, mismatch detection, SIGTERM)
+and ``run`` (the launcher) stand apart and import nothing of jaxcoll outside themselves. A
+module may import modules of a lower layer and of its own package; every import counts, at
+module level or inside a function (a function-local import that dodges a circle is still a
+circle, so none are allowed).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ Host-side Python around the jitted programs of :mod:`jaxcoll.dp.step`; ``Trainer
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -17,6 +19,7 @@ import numpy as np
 
 from .._core.checks import check_static_int
 from .._core.typing import PyTree
+from .._watch import handle_preemption, preemption_point
 from .callbacks import as_callbacks
 from .checkpoint import Checkpointer, check_directory
 from .data import Batches, leading_size
@@ -201,23 +204,29 @@ def fit(
 
         upcoming = fetch(start) if start < total else None
         pending: Pending | None = None
-        for s in range(start, total):
-            batch, size = upcoming if upcoming is not None else fetch(s)
-            state, metrics = step(state, batch)  # each step is dispatched here
-            upcoming = fetch(s + 1) if prefetch and s + 1 < total else None
-            if pending is not None:
-                complete(pending)  # waits for the step before: at most 2 in flight
-            pending = Pending(s + 1, size, metrics)
-            if not prefetch:  # one step at a time: wait for it before building the next batch
-                complete(pending)
-                pending = None
-            if ckpt is not None and (s + 1) % every == 0:
-                ckpt.save(state)
-            if eval_data is not None and eval_every and (s + 1) % eval_every == 0:
+        # With checkpoints, SIGTERM (a preemption) stops every process after the same step,
+        # which is saved; without, it ends the process at once (jaxcoll's default).
+        preemptible = handle_preemption() if ckpt is not None else contextlib.nullcontext()
+        with preemptible:
+            for s in range(start, total):
+                batch, size = upcoming if upcoming is not None else fetch(s)
+                state, metrics = step(state, batch)  # each step is dispatched here
+                if ckpt is not None and preemption_point(s + 1):
+                    _preempted(api, ckpt, state, s + 1)
+                upcoming = fetch(s + 1) if prefetch and s + 1 < total else None
                 if pending is not None:
+                    complete(pending)  # waits for the step before: at most 2 in flight
+                pending = Pending(s + 1, size, metrics)
+                if not prefetch:  # one step at a time: wait for it before building the next batch
                     complete(pending)
                     pending = None
-                run_eval(s + 1)
+                if ckpt is not None and (s + 1) % every == 0:
+                    ckpt.save(state)
+                if eval_data is not None and eval_every and (s + 1) % eval_every == 0:
+                    if pending is not None:
+                        complete(pending)
+                        pending = None
+                    run_eval(s + 1)
         if pending is not None:
             complete(pending)
         if ckpt is not None:
@@ -230,4 +239,14 @@ def fit(
         if ckpt is not None:
             ckpt.close()
     return state, history
+
+
+def _preempted(api: str, ckpt: Checkpointer, state: TrainState, step: int) -> None:
+    """Save ``state`` (after ``step``) and end the process as a preempted one: exit 143."""
+    ckpt.save(state)
+    ckpt.manager.wait_until_finished()
+    print(f"{api}: SIGTERM: saved a checkpoint at step {step} in {ckpt.directory}; exiting "
+          f"with code {128 + signal.SIGTERM}. Start the same run again to resume there.",
+          file=sys.stderr, flush=True)
+    raise SystemExit(128 + signal.SIGTERM)
 

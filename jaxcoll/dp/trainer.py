@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from .. import primitives
 from .._core.checks import check_static_int
 from .._core.typing import AxisName, PyTree
+from .._watch import process, watchdog
 from . import loop
 from ._vma import axis_names
 from .adapters import Model, name_of
@@ -298,9 +299,13 @@ class Trainer:
         return self._step_fn
 
     def _run(self, api: str, program: Any, *args: Any) -> Any:
-        """``program(*args)``, with the user's mistakes found while tracing it explained."""
+        """``program(*args)``, with the user's mistakes found while tracing it explained;
+        handed to the collective watchdog when a timeout is set (:mod:`jaxcoll._watch`)."""
         try:
-            return program(*args)
+            out = program(*args)
+            if process.on:  # one line and an exit if the step never finishes (a peer hangs)
+                watchdog.register(out[1] if isinstance(out, tuple) else out, api, args[-1])
+            return out
         except LossOutputError as e:
             raise e.kind(f"{api}: {e.message}") from None
         except (NameError, AssertionError) as e:

@@ -16,9 +16,10 @@ from ._launch import ROOT, launch, survivors
 KEYS = ("w", "b", "v")
 
 
-def _train(tmp_path, name, launcher_args, kill_at=0):
+def _train(tmp_path, name, launcher_args, kill_at=0, sig="KILL"):
     out, ckpt = tmp_path / name, tmp_path / f"{name}_ckpt"
-    job = launch(launcher_args, "train.py", [str(out), str(ckpt), str(kill_at)], timeout=200)
+    job = launch(launcher_args, "train.py", [str(out), str(ckpt), str(kill_at), sig],
+                 timeout=200)
     assert job.returncode == 0, job.stderr[-4000:]
     assert survivors(job.token) == []
     files = sorted(out.glob("p*.npz"))
@@ -35,7 +36,15 @@ def test_trainer_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path):
     job, resumed = _train(tmp_path, "2x4_killed",
                           ["--nprocs", "2", "--devices-per-proc", "4", "--max-restarts", "1"],
                           kill_at=6)
-    assert len(two) == len(resumed) == 2
+    job_t, preempted = _train(tmp_path, "2x4_term",
+                              ["--nprocs", "2", "--devices-per-proc", "4", "--max-restarts", "1"],
+                              kill_at=6, sig="TERM")
+    assert len(two) == len(resumed) == len(preempted) == 2
+    # SIGTERM: both processes stopped after the same step, saved it, exited 143, resumed.
+    assert "received SIGTERM; the training loop will stop at a step boundary" in job_t.stderr
+    assert "Trainer.fit: SIGTERM: saved a checkpoint at step" in job_t.stderr
+    assert "exited with code 143 first" in job_t.stderr
+    assert "restarting all 2 process(es) (restart 1 of 1)" in job_t.stderr
     # The run was really killed, and restarted once with its checkpoints.
     assert "process 1 (pid" in job.stderr and "was killed by SIGKILL first" in job.stderr
     assert "restarting all 2 process(es) (restart 1 of 1)" in job.stderr
@@ -46,7 +55,7 @@ def test_trainer_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path):
             # Same math, different reduction order (gloo across processes): float32 rounding.
             np.testing.assert_allclose(p[k], single[k], rtol=1e-5, atol=1e-6, err_msg=k)
             np.testing.assert_array_equal(p[k], two[0][k])  # both processes agree exactly
-        for p in resumed:
+        for p in resumed + preempted:
             np.testing.assert_array_equal(p[k], two[0][k], err_msg=k)  # bit-identical resume
 
 

@@ -1,10 +1,11 @@
 """dp.Trainer on the global world, each process feeding only its own part of every batch.
 
-Usage: ``train.py OUT CKPT_DIR KILL_AT`` under ``jaxcoll-run``. Trains a small MLP for STEPS
-steps with ``fit(checkpoint_dir=CKPT_DIR, every=EVERY)`` and writes the final params to
-``OUT/p{k}.npz``. ``KILL_AT`` > 0: on the first run (``JAXCOLL_RESTART_COUNT=0``) process 1
-SIGKILLs itself while producing batch KILL_AT; ``--max-restarts 1`` then resumes from the
-last checkpoint.
+Usage: ``train.py OUT CKPT_DIR KILL_AT [SIGNAL]`` under ``jaxcoll-run``. Trains a small MLP
+for STEPS steps with ``fit(checkpoint_dir=CKPT_DIR, every=EVERY)`` and writes the final params
+to ``OUT/p{k}.npz``. ``KILL_AT`` > 0: on the first run (``JAXCOLL_RESTART_COUNT=0``) process 1
+sends itself SIGNAL (``KILL``, the default, or ``TERM``: a preemption, which ``fit`` answers
+with a checkpoint at the next step boundary) while producing batch KILL_AT; ``--max-restarts
+1`` then resumes from the last checkpoint.
 """
 
 import os
@@ -25,6 +26,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxcoll import dp  # noqa: E402
 
 OUT, CKPT, KILL_AT = sys.argv[1], sys.argv[2], int(sys.argv[3])
+SIGNAL = getattr(signal, "SIG" + (sys.argv[4] if len(sys.argv) > 4 else "KILL"))
 STEPS, EVERY, BATCH = 12, 4, 32
 ME = jax.process_index()
 FIRST_RUN = os.environ.get("JAXCOLL_RESTART_COUNT", "0") == "0"
@@ -54,7 +56,7 @@ class LocalBatches:
     def __iter__(self):
         for s in range(STEPS):
             if KILL_AT and FIRST_RUN and ME == 1 and s == KILL_AT:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), SIGNAL)
             idx = (s * BATCH + local_rows) % len(X)
             yield {k: jax.make_array_from_process_local_data(sharding, v[idx])
                    for k, v in (("x", X), ("y", Y))}
