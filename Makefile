@@ -18,8 +18,12 @@ $(STAMP): pyproject.toml | $(PY)
 demo: $(STAMP)
 	$(PY) examples/run_all.py
 
+# Two workers (the CI machine's cores); --dist loadfile keeps each test file in one worker, so
+# the programs a file compiles once serve all its tests.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Not part of `make test`: needs root. Installs munge and SLURM (apt) if missing, runs a
 # two-node SLURM cluster on 127.0.0.1 and submits examples/slurm_job.sbatch to it.
