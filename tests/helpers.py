@@ -59,3 +59,22 @@ def run_per_rank(
         y = np.asarray(y)
         res.append(y if s else y.reshape((n, y.shape[0] // n) + y.shape[1:]))
     return jax.tree_util.tree_unflatten(scalar_out["tree"], res)
+
+
+def bind(binding: str, body: Callable, n: int = 4, axis: str = "i") -> Callable:
+    """``body`` (per-rank values -> per-rank values) over stacked inputs ``(n, ...)``, with the
+    axis bound by ``binding``: ``shard_map``, ``pmap`` or ``vmap``, each ``_jit`` or not."""
+    kind, jitted = binding.removesuffix("_jit"), binding.endswith("_jit")
+    if kind == "vmap":
+        f = jax.vmap(body, axis_name=axis)
+    elif kind == "pmap":
+        f = jax.pmap(body, axis_name=axis, devices=jax.devices()[:n])
+    else:
+        mesh = mesh_1d(n, axis)
+        mapped = jax.shard_map(
+            lambda *a: jax.tree.map(lambda y: y[None], body(*(v[0] for v in a))),
+            mesh=mesh, in_specs=P(axis), out_specs=P(axis))
+
+        def f(*args):
+            return mapped(*(jax.device_put(a, NamedSharding(mesh, P(axis))) for a in args))
+    return jax.jit(f) if jitted and kind != "pmap" else f

@@ -56,9 +56,16 @@ def pick(api: str, op: str, algorithm: str, ax: Axis, nbytes: int) -> ModuleType
     takes the native path whatever the algorithm: there is nothing to move."""
     if nbytes == 0:
         return native
-    if algorithm == "auto":
-        algorithm = choose(op, nbytes, group_size=ax.size, two_level=isinstance(ax.name, tuple))
-    return MODULES[algorithm]
+    return MODULES[resolve(op, algorithm, nbytes, group_size=ax.size,
+                           two_level=isinstance(ax.name, tuple))]
+
+
+def resolve(op: str, algorithm: str, nbytes: int, *, group_size: int, two_level: bool) -> str:
+    """The algorithm's name: ``algorithm`` itself, or ``auto``'s choice for ``nbytes`` bytes per
+    rank over ``group_size`` ranks (``two_level``: a tuple of mesh axes)."""
+    if algorithm != "auto":
+        return algorithm
+    return choose(op, nbytes, group_size=group_size, two_level=two_level)
 
 
 def run(api: str, op: str, algorithm: Any, leaves: list[jax.Array], ax: Axis,

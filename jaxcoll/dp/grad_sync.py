@@ -19,8 +19,7 @@ from jax import lax
 from .. import primitives
 from .._core.packing import pack, unpack
 from .._core.typing import AxisName, PyTree
-from ..algorithms import choose
-from ..algorithms.registry import check_algorithm
+from ..algorithms.registry import check_algorithm, resolve
 
 
 def check_grad_sync(api: str, grad_sync: Any) -> str:
@@ -126,17 +125,12 @@ def after(wire: list[jax.Array], previous: list[jax.Array]) -> list[jax.Array]:
     return [w + neg_zero.astype(w.dtype) for w in wire]
 
 
-def _resolve(name: str, nbytes: int, axis_name: AxisName, n: int) -> str:
-    if name != "auto":
-        return name
-    return choose("all_reduce", nbytes, group_size=n, two_level=isinstance(axis_name, tuple))
-
-
 def _sum_bucket(parts: list[jax.Array], axis_name: AxisName, n: int,
                 algorithm: str) -> list[jax.Array]:
     """Sum a bucket's leaves over ranks with one collective."""
     nbytes = sum(p.size * p.dtype.itemsize for p in parts)
-    algorithm = _resolve(algorithm, nbytes, axis_name, n)
+    algorithm = resolve("all_reduce", algorithm, nbytes, group_size=n,
+                        two_level=isinstance(axis_name, tuple))
     if algorithm == "native":
         # jaxcoll's native SUM is lax.psum; given the bucket's leaves together it binds once.
         return list(lax.psum(tuple(parts), axis_name))

@@ -13,11 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import jaxcoll.primitives as C
-from tests.helpers import mesh_1d
+from tests import helpers
 from tests.primitives import oracle
 
 N = 4
@@ -75,20 +73,8 @@ LINEAR = {k: c[2] for k, c in CASES.items() if c[2] is not None}
 
 
 def bind(binding: str, body):
-    """``body`` (per-rank value -> per-rank value) over stacked inputs ``(N, ...)``."""
-    kind, jitted = binding.removesuffix("_jit"), binding.endswith("_jit")
-    if kind == "vmap":
-        f = jax.vmap(body, axis_name=A)
-    elif kind == "pmap":
-        f = jax.pmap(body, axis_name=A, devices=jax.devices()[:N])
-    else:
-        mesh = mesh_1d(N, A)
-        mapped = jax.shard_map(lambda v: jax.tree.map(lambda y: y[None], body(v[0])), mesh=mesh,
-                               in_specs=P(A), out_specs=P(A))
-
-        def f(x):
-            return mapped(jax.device_put(x, NamedSharding(mesh, P(A))))
-    return jax.jit(f) if jitted and kind != "pmap" else f
+    """``body`` over stacked inputs ``(N, ...)`` under ``binding`` (see tests.helpers.bind)."""
+    return helpers.bind(binding, body, N, A)
 
 
 def _inputs():

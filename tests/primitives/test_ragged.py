@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcoll.primitives as C
 from jaxcoll import dist
-from tests.helpers import mesh_1d, run_per_rank
+from tests.helpers import bind, mesh_1d, run_per_rank
 from tests.primitives import oracle
 from tests.primitives.test_collectives import CONFIGS, DTYPES, _config, make_inputs
 
@@ -113,19 +113,7 @@ N = 4
 
 
 def _bind(binding: str, body):
-    kind, jitted = binding.removesuffix("_jit"), binding.endswith("_jit")
-    if kind == "vmap":
-        f = jax.vmap(body, axis_name="i")
-    elif kind == "pmap":
-        f = jax.pmap(body, axis_name="i", devices=jax.devices()[:N])
-    else:
-        mesh = mesh_1d(N, "i")
-        mapped = jax.shard_map(lambda *a: jax.tree.map(lambda y: y[None], body(*(v[0] for v in a))),
-                               mesh=mesh, in_specs=P("i"), out_specs=P("i"))
-
-        def f(*args):
-            return mapped(*(jax.device_put(a, NamedSharding(mesh, P("i"))) for a in args))
-    return jax.jit(f) if jitted and kind != "pmap" else f
+    return bind(binding, body, N, "i")
 
 
 SEND = np.array([[1, 2, 0, 3], [0, 0, 4, 1], [2, 2, 2, 2], [5, 0, 0, 1]], np.int32)

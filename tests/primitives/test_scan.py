@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcoll.primitives as C
-from tests.helpers import mesh_1d, run_per_rank
+from tests.helpers import bind, mesh_1d, run_per_rank
 from tests.primitives import oracle
 from tests.primitives.test_collectives import ALLOWED, DTYPES, RTOL, _config, make_inputs
 
@@ -110,19 +110,7 @@ N = 4
 
 
 def _bind(binding: str, body):
-    kind, jitted = binding.removesuffix("_jit"), binding.endswith("_jit")
-    if kind == "vmap":
-        f = jax.vmap(body, axis_name="i")
-    elif kind == "pmap":
-        f = jax.pmap(body, axis_name="i", devices=jax.devices()[:N])
-    else:
-        mesh = mesh_1d(N, "i")
-        mapped = jax.shard_map(lambda v: jax.tree.map(lambda y: y[None], body(v[0])), mesh=mesh,
-                               in_specs=P("i"), out_specs=P("i"))
-
-        def f(x):
-            return mapped(jax.device_put(x, NamedSharding(mesh, P("i"))))
-    return jax.jit(f) if jitted and kind != "pmap" else f
+    return bind(binding, body, N, "i")
 
 
 def _cases(v):
