@@ -76,11 +76,30 @@ def agree(api: str, fields: dict[str, str], processes: tuple[int, ...]) -> None:
 
 
 def _meet(prefix: str, processes: tuple[int, ...], wait_ms: int = 5000) -> None:
-    """Record that this process got here, then wait (bounded) until the others have too."""
+    """Record that this process got here, then wait (bounded) until the others have too.
+
+    Process 0 hosts JAX's coordination service, and a peer whose service goes away is
+    aborted by a C++ thread (SIGABRT and a stack dump instead of its exit code 1). So the
+    others leave first: each records that it is leaving just before ``os._exit``, and process
+    0 waits for those records, then a moment more, before it ends the service with itself.
+    """
     client, me = process.client(), process.me()[0]
     if client is None:
         return
     client.key_value_set(f"{prefix}{me}", "1")
+    _wait_for_all(client, prefix, processes, me, wait_ms)
+    if me != 0:
+        client.key_value_set(f"{prefix}left/{me}", "1")
+    elif len(processes) > 1:
+        _wait_for_all(client, f"{prefix}left/", processes, me, wait_ms)
+        time.sleep(_LEAVE_S)
+
+
+_LEAVE_S = 0.5  # time for a peer between recording it leaves and its os._exit completing
+
+
+def _wait_for_all(client: Any, prefix: str, processes: tuple[int, ...], me: int,
+                  wait_ms: int) -> None:
     for p in processes:
         if p != me:
             try:
