@@ -7,10 +7,12 @@ builds the placed optimizer state, ``reduce(grads)`` runs per rank inside the st
 
 from .all_reduce import AllReduce as AllReduce
 from .base import GradSync as GradSync
+from .fsdp import Fsdp as Fsdp
 from .zero1 import Zero1 as Zero1
 
 __all__ = [
     "AllReduce",
+    "Fsdp",
     "GradSync",
     "Zero1",
 ]
