@@ -29,9 +29,9 @@ from .checks import LossOutputError, accepts, check_live, loss_output, model_out
 from .data import leading_size
 from .extra import Extra
 from .grad_sync import check_grad_sync
+from .hooks.base import Compress, check_hook, is_elementwise
 from .state import TrainState
 from .step import build_eval, build_step
-from .hooks.base import Compress, check_hook, is_elementwise
 from .sync import AllReduce, Fsdp, GradSync, Zero1
 
 # loss_fn(params, batch, rng) -> (loss, metrics); it may take a keyword argument ``step``.
