@@ -46,11 +46,11 @@ def _functions(text: str) -> dict[str, str]:
     return {name: text[s:e] for (name, s), e in zip(starts, bounds, strict=True)}
 
 
-def _executed(funcs: dict[str, str], name: str) -> int:
-    """All-reduce ops one call of ``name`` executes, through the functions it calls."""
+def _executed(funcs: dict[str, str], name: str, op: str = "stablehlo.all_reduce") -> int:
+    """``op`` ops one call of ``name`` executes, through the functions it calls."""
     body = funcs[name]
     calls = re.findall(r"call @(\w+)\(", body)
-    return body.count('"stablehlo.all_reduce"') + sum(_executed(funcs, c) for c in calls)
+    return body.count(f'"{op}"') + sum(_executed(funcs, c, op) for c in calls)
 
 
 def _grad_order(body: str) -> list[str]:

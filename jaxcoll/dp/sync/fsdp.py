@@ -72,16 +72,14 @@ class Fsdp(Zero1):
         dims = self.shard_dims(like)
         wire = hook_wire_dtype(self.hook)
         leaves, treedef = jax.tree_util.tree_flatten(params)
-        out = [x if d is None else checkpoint_name(
-                   _gather(x, d, self.axis_name, self.n, self.algorithm, wire), GATHERED)
+        out = [x if d is None else _gather(x, d, self.axis_name, self.n, self.algorithm, wire)
                for x, d in zip(leaves, dims, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def wrap_loss(self, fn: Any) -> Any:
         if not self.regather:
             return fn
-        policy = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
-        return jax.checkpoint(fn, policy=policy)
+        return jax.checkpoint(fn, policy=_not_gathered)
 
     def reduce(self, grads: PyTree, comm_state: PyTree, step: jax.Array,
                like: PyTree = None) -> tuple[PyTree, PyTree]:
@@ -106,7 +104,19 @@ def _gather(x: jax.Array, dim: int, axis_name: AxisName, n: int, algorithm: str,
     loss uses it with its own examples). Its gradient: the reduce-scatter of the mean."""
     # Params cross devices here: one all-gather per split leaf.
     whole = primitives.all_gather(x, axis_name, axis=dim, tiled=True, algorithm=algorithm)
-    return to_varying(whole, axis_names(axis_name))
+    return checkpoint_name(to_varying(whole, axis_names(axis_name)), GATHERED)
+
+
+def _not_gathered(prim: Any, *_: Any, **params: Any) -> bool:
+    """The rematerialisation policy: save every value for the backward but the gathered
+    params (the output of :func:`_gather`, which carries the name :data:`GATHERED`)."""
+    if str(prim) == "name":
+        return params.get("name") != GATHERED
+    if str(prim) == "custom_vjp_call":
+        body = getattr(params.get("call_jaxpr"), "jaxpr", None)
+        return not any(str(e.primitive) == "name" and e.params.get("name") == GATHERED
+                       for e in getattr(body, "eqns", ()))
+    return True
 
 
 def _gather_fwd(x, dim, axis_name, n, algorithm, wire):
