@@ -3,11 +3,10 @@
 Usage: ``train.py OUT CKPT_DIR KILL_AT [SIGNAL [STRATEGY]]`` under ``jaxcoll-run``
 (STRATEGY ``fsdp``: ``Trainer(shard_params=True)``, the params split over both processes).
 Trains a small MLP for STEPS steps with ``fit(checkpoint_dir=CKPT_DIR, every=EVERY)`` and
-writes the final params
-to ``OUT/p{k}.npz``. ``KILL_AT`` > 0: on the first run (``JAXCOLL_RESTART_COUNT=0``) process 1
-sends itself SIGNAL (``KILL``, the default, or ``TERM``: a preemption, which ``fit`` answers
-with a checkpoint at the next step boundary) while producing batch KILL_AT; ``--max-restarts
-1`` then resumes from the last checkpoint.
+writes the final params to ``OUT/p{k}.npz``. ``KILL_AT`` > 0: on the first run
+(``JAXCOLL_RESTART_COUNT=0``) process 1 sends itself SIGNAL (``KILL``, the default, or
+``TERM``: a preemption, which ``fit`` answers with a checkpoint at the next step boundary)
+while producing batch KILL_AT; ``--max-restarts 1`` then resumes from the last checkpoint.
 """
 
 import os
