@@ -47,10 +47,10 @@ class Zero1(GradSync):
     optimizer state of every split leaf. Per step:
 
     1. per rank, inside ``shard_map``: each split leaf's local gradient (divided by n, in
-       ``grad_dtype``) is reduce-scattered along its split dimension
-       (:func:`~jaxcoll.primitives.reduce_scatter`, ``tiled=True``): each device receives its
-       slice of the mean; the replicated leaves are all-reduced by buckets
-       (:func:`~jaxcoll.dp.mean_gradients`);
+       the wire dtype of ``comm_hook``: :class:`~jaxcoll.dp.hooks.Compress`) is
+       reduce-scattered along its split dimension (:func:`~jaxcoll.primitives.reduce_scatter`,
+       ``tiled=True``): each device receives its slice of the mean; the replicated leaves
+       are all-reduced by buckets (:func:`~jaxcoll.dp.mean_gradients`);
     2. in the global view: the params are resharded to the same slices (a local slice: no
        communication), ``optimizer.update`` and ``optax.apply_updates`` run on the sharded
        tree, the optimizer state pinned to its sharding (each leaf that mirrors a param is
