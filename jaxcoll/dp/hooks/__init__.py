@@ -6,9 +6,11 @@
 from .base import AllReduceHook as AllReduceHook
 from .base import Bucket as Bucket
 from .base import Compress as Compress
+from .powersgd import PowerSGD as PowerSGD
 
 __all__ = [
     "AllReduceHook",
     "Bucket",
     "Compress",
+    "PowerSGD",
 ]

@@ -13,6 +13,29 @@ has ``init(shapes, index) -> state`` (the bucket's gradient shapes as
 ``jax.ShapeDtypeStruct``; the same initial state on every rank). :class:`AllReduceHook`
 (DDP's default ``allreduce_hook``) and :class:`Compress` (``bf16_compress_hook`` /
 ``fp16_compress_hook``) are the built-ins besides :class:`~jaxcoll.dp.hooks.PowerSGD`.
+
+Writing a hook: this one averages as DDP does and counts, per bucket and per rank, the steps
+whose mean held an inf or a NaN (``state.comm_state[k]`` after training; with
+``skip_nonfinite=True`` a skipped step keeps the old count, as it keeps the old params).
+The means a hook returns must be typed invariant (equal on every rank): compute them from
+what :meth:`Bucket.sum` or :meth:`Bucket.mean` returned, never from the state, which
+arrives typed varying (one copy per rank)::
+
+    import jax.numpy as jnp
+
+    class CountNonFinite:  # DDP's mean; the state counts the steps whose mean was not finite
+        def init(self, shapes, index):  # outside shard_map: the same on every rank
+            return jnp.zeros((), jnp.int32)
+
+        def __call__(self, count, bucket):  # per bucket and per rank, inside shard_map
+            # Gradients cross devices here: the bucket's g / n, summed in one all-reduce.
+            means = bucket.sum([g / bucket.n for g in bucket.grads])
+            finite = jnp.stack([jnp.isfinite(m).all() for m in means]).all()
+            return means, count + (~finite).astype(jnp.int32)
+
+    trainer = dp.Trainer(loss_fn, optax.sgd(0.1), comm_hook=CountNonFinite())
+
+``tests/dp/test_hooks.py`` runs this example.
 """
 
 from __future__ import annotations
