@@ -103,7 +103,8 @@ def sum_together(parts: list[jax.Array], axis_name: AxisName, n: int,
     algorithm = resolve("all_reduce", algorithm, nbytes, group_size=n,
                         two_level=isinstance(axis_name, tuple))
     if algorithm == "native":
-        # jaxcoll's native SUM is lax.psum; given the bucket's leaves together it binds once.
+        # jaxcoll's native SUM is lax.psum: one psum of the tuple, lowered to one all-reduce
+        # per operand, which XLA's all-reduce combiner merges.
         return list(lax.psum(tuple(parts), axis_name))
     # Gradients cross devices here: one collective for the whole bucket.
     total = primitives.all_reduce(pack(parts), axis_name, "sum", algorithm=algorithm)
