@@ -7,6 +7,7 @@ host loop to :mod:`jaxcoll.dp.loop`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -212,7 +213,8 @@ class Trainer:
         kind = Fsdp if self.shard_params else Zero1 if self.shard_optimizer else AllReduce
         self.strategy: GradSync = kind(optimizer, mesh, self.axis_name, self.grad_sync,
                                        self.bucket_bytes, comm_hook)
-        self._step_fn = None
+        self._step_fns: dict[Any, Any] = {}
+        self._known_step: tuple[Any, int] | None = None
         self._eval_fn = None
 
     # ----------------------------------------------------------------------------- placement
@@ -325,14 +327,35 @@ class Trainer:
         api = "Trainer.step"
         _check_state(api, state)
         batch = self.shard_batch(batch)
-        return self._run(api, self._step_program(state), state, batch)
+        phased = hasattr(self.strategy.hook, "phase")
+        host = self._host_step(state) if phased else 0
+        new, metrics = self._run(api, self._step_program(state), state, batch)
+        if phased:
+            self._known_step = (new.step, host + 1)
+        return new, metrics
 
     def _step_program(self, state: TrainState):
-        if self._step_fn is None:
-            self._step_fn = build_step(self._loss, self.strategy, state,
-                                       accum_steps=self.accum_steps, donate=self.donate,
-                                       extra=self.extra, skip_nonfinite=self.skip_nonfinite)
-        return self._step_fn
+        """The step program for ``state``: one per phase of a hook that has phases
+        (``hook.phase(step)``, e.g. PowerSGD before and after ``start_iter``), chosen from
+        the step number on the host."""
+        phase_of = getattr(self.strategy.hook, "phase", None)
+        key = None if phase_of is None else phase_of(self._host_step(state))
+        if key not in self._step_fns:
+            strategy = self.strategy if key is None else dataclasses.replace(
+                self.strategy, comm_hook=key)
+            self._step_fns[key] = build_step(self._loss, strategy, state,
+                                             accum_steps=self.accum_steps, donate=self.donate,
+                                             extra=self.extra,
+                                             skip_nonfinite=self.skip_nonfinite)
+        return self._step_fns[key]
+
+    def _host_step(self, state: TrainState) -> int:
+        """``state.step`` as an int: known without a device read for a state this Trainer
+        returned last; read (waiting for it) otherwise, e.g. after a restore."""
+        known = self._known_step
+        if known is not None and known[0] is state.step:
+            return known[1]
+        return int(jax.device_get(state.step))
 
     def _run(self, api: str, program: Any, *args: Any) -> Any:
         """``program(*args)``, with the user's mistakes found while tracing it explained;

@@ -66,7 +66,7 @@ def test_the_backward_gathers_the_params_again_instead_of_keeping_them():
     assert split == len(jax.tree_util.tree_leaves(params)) - 1  # all but the last bias
     again = _gathers(trainer, state, data[0])
     trainer.strategy = dataclasses.replace(trainer.strategy, regather=False)
-    trainer._step_fn = None
+    trainer._step_fns.clear()
     kept = _gathers(trainer, state, data[0])
     # Kept whole: one gather per split leaf. Regathered: the backward needs the kernels of
     # Dense_1 and Dense_2 again (for the gradient of their inputs) and gathers them anew;

@@ -324,3 +324,22 @@ def test_powersgd_plan_follows_torchs_rule():
     assert [e.shape for e in state["error"]] == [(32, 16), (17, 16), (3, 3, 8, 16)]
     assert PowerSGD(use_error_feedback=False, warm_start=False).init(structs, 0) == ()
     assert PowerSGD(rank=4).init(structs[:1], 0) == ()  # nothing compressed: stateless
+
+
+def test_powersgd_switches_program_at_start_iter_with_no_cond_inside(mlp_run):
+    # The Trainer compiles one program per phase (exact, compressed) and picks it on the
+    # host: no lax.cond in either (on XLA:CPU a cond copies every gradient into its branch).
+    model, params, model_state, data, _, _, _ = mlp_run
+    trainer = dp.Trainer(model, optax.sgd(LR), mesh=mesh_1d(N, "data"), comm_hook=EXACT,
+                         bucket_mb=0.002)
+    state = trainer.init(params, jax.random.key(1), model_state=model_state)
+    kinds = []
+    for batch in data[:EXACT.start_iter + 1]:
+        step, args = trainer.step_program(state, batch)
+        text = str(jax.make_jaxpr(step)(*args))
+        kinds.append((" cond[" in text, text.count("householder_product") > 0
+                      or "qr" in text))
+        state, _ = trainer.step(state, batch)
+    assert len(trainer._step_fns) == 2
+    assert not any(c for c, _ in kinds), kinds
+    assert [q for _, q in kinds] == [False] * EXACT.start_iter + [True], kinds

@@ -157,6 +157,14 @@ class PowerSGD:
         return jax.random.normal(key, (_matrix(tuple(shape.shape))[1], r), shape.dtype)
 
     # ------------------------------------------------------------------------------ the hook
+    def phase(self, step: int) -> Any:
+        """The hook for a step whose number the host knows: exact before ``start_iter``,
+        compressed from then on, with no switch inside the program. The Trainer compiles
+        one step program per phase and picks it when it dispatches a step: a ``lax.cond``
+        in the step copies every gradient and error buffer into its branch on XLA:CPU
+        (measured: +600-700 ms on an 80 MB MLP step over 8 devices)."""
+        return _Fixed(self, compress=step >= self.start_iter)
+
     def __call__(self, state: PyTree, bucket: Bucket) -> tuple[list[jax.Array], PyTree]:
         ranks = self.ranks(bucket.grads)
         if not any(ranks):  # nothing worth compressing: the exact mean
@@ -211,6 +219,23 @@ class PowerSGD:
         if self.use_error_feedback:
             new["error"] = [x - m for x, m in zip(inputs, means, strict=True)]
         return out, to_varying(new if new else state, axis_names(bucket.axis_name))
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """:class:`PowerSGD` in one phase: always exact, or always compressed (same state)."""
+
+    hook: PowerSGD
+    compress: bool
+
+    def init(self, shapes: Sequence[jax.ShapeDtypeStruct], index: int) -> PyTree:
+        return self.hook.init(shapes, index)
+
+    def __call__(self, state: PyTree, bucket: Bucket) -> tuple[list[jax.Array], PyTree]:
+        ranks = self.hook.ranks(bucket.grads)
+        if not self.compress or not any(ranks):
+            return bucket.mean(), state
+        return self.hook._compressed(state, bucket, ranks)
 
 
 def orthogonalize(m: jax.Array) -> jax.Array:
