@@ -602,9 +602,10 @@ def report(a: argparse.Namespace, configs: list[str], results: dict[str, dict]) 
         return f"{x / y:.2f}x" if y else "-"
 
     print(f"\n| {'configuration':31s} | step ms | p25-p75 ms | vs jax plain | vs torch plain "
-          f"| MB sent/dev/step | MB state/dev | loss @ step {a.warmup + a.steps} |")
+          f"| MB sent/dev/step | MB params+opt/dev | MB all state/dev "
+          f"| loss @ step {a.warmup + a.steps} |")
     print(f"|{'-' * 33}|--------:|-----------:|-------------:|---------------:|"
-          f"-----------------:|-------------:|---------------:|")
+          f"-----------------:|------------------:|-----------------:|---------------:|")
     for c in configs:
         v = results[c]
         if c not in med:
@@ -619,9 +620,13 @@ def report(a: argparse.Namespace, configs: list[str], results: dict[str, dict]) 
         loss = f"{statistics.median(v['loss']):.4f}" if v["loss"] else "-"
         print(f"| {LABELS[c]:31s} | {med[c]:7.1f} | {f'{q[0]:.0f}-{q[2]:.0f}':>10s} "
               f"| {ratio(med[c], base):>12s} | {ratio(med[c], tbase):>14s} "
-              f"| {sent:>16s} | {_mb(v.get('state_bytes')):>12s} | {loss:>14s} |")
-    print("\nloss: the global batch's mean loss at the last step, median over rounds (every "
-          "launch starts from the same weights and sees the same batches).")
+              f"| {sent:>16s} | {_mb(v.get('state_bytes')):>17s} "
+              f"| {_mb(v.get('all_state_bytes')):>16s} | {loss:>14s} |")
+    print("\nMB params+opt/dev: the params' and optimizer state's bytes on one device (jax: "
+          "their shards on the first local device; torch: one rank's params + momentum); all "
+          "state: every array of jax's TrainState there (hook state included). loss: the "
+          "global batch's mean loss at the last step, median over rounds (every launch starts "
+          "from the same weights and sees the same batches).")
     for c in configs:
         hlo = results[c].get("hlo", {})
         if c.startswith("jax") and hlo:
