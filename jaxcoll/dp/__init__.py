@@ -3,6 +3,7 @@
 Needs the ``dp`` extra (flax, optax, orbax-checkpoint, tqdm): ``pip install jaxcoll[dp]``.
 """
 
+from . import hooks as hooks
 from .adapters import Linen as Linen
 from .adapters import Model as Model
 from .adapters import Nnx as Nnx
@@ -31,6 +32,7 @@ __all__ = [
     "Trainer",
     "TrainState",
     "ema",
+    "hooks",
     "mean_gradients",
     "plan_buckets",
 ]

@@ -14,12 +14,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from .. import primitives
-from .._core.packing import pack, unpack
 from .._core.typing import AxisName, PyTree
-from ..algorithms.registry import check_algorithm, resolve
+from ..algorithms.registry import check_algorithm
+from .hooks.base import AllReduceHook, Bucket, Compress
 
 
 def check_grad_sync(api: str, grad_sync: Any) -> str:
@@ -68,15 +67,7 @@ def mean_gradients(
     leaf is divided by n, cast to ``grad_dtype`` when given (e.g. bfloat16, DDP's
     ``bf16_compress_hook``), summed over ranks, and cast back to its own dtype. Values are
     never mixed between leaves or buckets: an inf or NaN stays in its own leaf.
-
-    Lowering, per bucket of :func:`plan_buckets`: with the native algorithm (``"native"``, or
-    ``"auto"`` where jaxcoll's table picks native) one ``lax.psum`` over the bucket's leaves
-    (one StableHLO ``all_reduce`` per leaf, which XLA's all-reduce combiner merges into ONE
-    all-reduce op per bucket in the compiled HLO; no copy into a staging buffer: packing the
-    MLP benchmark's gradients into one flat buffer made the step 3-4x slower on CPU). With
-    ``"ring"``, ``"tree"`` or ``"hierarchical"`` the leaves are packed into one flat buffer for
-    one :func:`jaxcoll.primitives.all_reduce` call with that algorithm. The buckets are
-    chained in DDP's order (see :func:`after`), so the combiner never merges two of them.
+    :func:`sync_buckets` with the hook :class:`~jaxcoll.dp.hooks.Compress` (or the default).
 
     Args:
         grads: the local gradients (a pytree), inside ``jax.shard_map``.
@@ -88,51 +79,61 @@ def mean_gradients(
     Returns:
         The mean gradients, like ``grads``, typed invariant (equal on every rank).
     """
+    hook = AllReduceHook() if grad_dtype is None else Compress(grad_dtype)
+    leaves = jax.tree_util.tree_leaves(grads)
+    states = [() for _ in plan_buckets(leaves, bucket_bytes)]
+    means, _ = sync_buckets(grads, axis_name, bucket_bytes=bucket_bytes, hook=hook,
+                            states=states, step=jnp.zeros((), jnp.int32), algorithm=algorithm)
+    return means
+
+
+def sync_buckets(
+    grads: PyTree,
+    axis_name: AxisName,
+    *,
+    bucket_bytes: float | None,
+    hook: Any,
+    states: list[PyTree],
+    step: jax.Array,
+    algorithm: str = "auto",
+) -> tuple[PyTree, list[PyTree]]:
+    """The local gradients averaged over ranks bucket by bucket by ``hook``, inside shard_map.
+
+    For each bucket of :func:`plan_buckets` (DDP's order: the last leaves first), in order:
+    ``hook(states[k], Bucket(grads of the bucket, k, ...)) -> (means, states[k])``. Each
+    bucket's collectives depend only on that bucket's own gradients, never on another
+    bucket's result, so XLA's scheduler is free to start a bucket's communication as soon as
+    the backward pass has produced its leaves and overlap it with the rest of the backward
+    (a combiner may also merge independent buckets, as XLA:CPU's does).
+
+    Lowering with the default hook: with the native algorithm (``"native"``, or ``"auto"``
+    where jaxcoll's table picks native) one ``lax.psum`` over the bucket's leaves (one
+    StableHLO ``all_reduce`` per leaf, which XLA's all-reduce combiner merges; no copy into a
+    staging buffer: packing the MLP benchmark's gradients into one flat buffer made the step
+    3-4x slower on CPU). With ``"ring"``, ``"tree"`` or ``"hierarchical"`` the leaves are
+    packed into one flat buffer for one :func:`jaxcoll.primitives.all_reduce` call.
+
+    Returns:
+        ``(means, states)``: the mean gradients like ``grads`` (typed invariant) and each
+        bucket's new hook state.
+    """
     n = primitives.world_size(axis_name)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     out: list[Any] = [None] * len(leaves)
-    previous: list[jax.Array] = []
-    for bucket in plan_buckets(leaves, bucket_bytes):
-        parts = [leaves[i] for i in bucket]
-        dtype = parts[0].dtype
-        wire = [(p / jnp.asarray(n, dtype)).astype(grad_dtype or dtype) for p in parts]
-        wire = after(wire, previous)
-        # Gradients cross devices here: one collective per bucket.
-        summed = _sum_bucket(wire, axis_name, n, algorithm)
-        for i, total in zip(bucket, summed, strict=True):
-            out[i] = total.astype(dtype)
-        previous = summed
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def after(wire: list[jax.Array], previous: list[jax.Array]) -> list[jax.Array]:
-    """``wire`` unchanged, bit for bit, but computed after ``previous`` (the last bucket).
-
-    Orders the buckets as DDP launches them, so that XLA's all-reduce combiner merges the
-    leaves of one bucket into one all-reduce op but never merges two buckets. Every leaf of
-    the last bucket's result (one all-reduce each before the combiner) contributes
-    ``z_i = |where(isfinite(p_i), p_i, 0)| * 0``, which is ``+0.0`` for every ``p_i``, inf and
-    NaN included; ``w + -(sum z_i)`` is ``w + -0.0 == w`` exactly for every ``w``: no value of
-    one bucket can reach another. (``lax.optimization_barrier`` would order them without
-    arithmetic, but XLA:CPU removes barriers before its all-reduce combiner runs, which then
-    merges the buckets; the compiled-HLO test would fail.) Fused into the division by n.
-    """
-    if not previous:
-        return wire
-    z = [jnp.abs(jnp.where(jnp.isfinite(p), p, jnp.zeros_like(p))) * 0
-         for p in (jnp.ravel(q)[0] for q in previous)]
-    neg_zero = -sum(z[1:], z[0])
-    return [w + neg_zero.astype(w.dtype) for w in wire]
-
-
-def _sum_bucket(parts: list[jax.Array], axis_name: AxisName, n: int,
-                algorithm: str) -> list[jax.Array]:
-    """Sum a bucket's leaves over ranks with one collective."""
-    nbytes = sum(p.size * p.dtype.itemsize for p in parts)
-    algorithm = resolve("all_reduce", algorithm, nbytes, group_size=n,
-                        two_level=isinstance(axis_name, tuple))
-    if algorithm == "native":
-        # jaxcoll's native SUM is lax.psum; given the bucket's leaves together it binds once.
-        return list(lax.psum(tuple(parts), axis_name))
-    total = primitives.all_reduce(pack(parts), axis_name, "sum", algorithm=algorithm)
-    return unpack(total, parts)
+    new_states = []
+    for k, bucket in enumerate(plan_buckets(leaves, bucket_bytes)):
+        view = Bucket(tuple(leaves[i] for i in bucket), k, axis_name, n, algorithm, step)
+        means, state = hook(states[k], view)
+        means = list(means)
+        if len(means) != len(bucket):
+            raise ValueError(f"comm_hook {hook!r} returned {len(means)} gradients for a bucket "
+                             f"of {len(bucket)}; it must return one mean per gradient.")
+        for i, g in zip(bucket, means, strict=True):
+            if g.shape != leaves[i].shape or g.dtype != leaves[i].dtype:
+                raise ValueError(
+                    f"comm_hook {hook!r} returned a gradient of {g.dtype}{list(g.shape)} for "
+                    f"one of {leaves[i].dtype}{list(leaves[i].shape)}; it must return each "
+                    f"gradient's mean in that gradient's shape and dtype.")
+            out[i] = g
+        new_states.append(state)
+    return jax.tree_util.tree_unflatten(treedef, out), new_states

@@ -13,7 +13,10 @@ class TrainState(struct.PyTreeNode):
     """Everything a data-parallel run needs to continue exactly where it stopped.
 
     Attributes:
-        params: the model's trainable parameters, replicated on every device.
+        params: the model's trainable parameters, replicated on every device; with
+            ``Trainer(shard_params=True)`` (FSDP) each leaf with a dimension divisible by n
+            is split along it (each device holds 1/n), as global ``jax.Array`` s with the
+            leaf's real shape.
         opt_state: the optax state, with optax's own structure and shapes. Replicated, or
             with ``Trainer(shard_optimizer=True)`` (ZeRO-1) split like the params it mirrors:
             each leaf that mirrors a split param leaf is sharded along the same dimension
@@ -29,7 +32,12 @@ class TrainState(struct.PyTreeNode):
         extra: state the step carries besides the optimizer's, updated once per step by the
             Trainer's ``extra=`` (:class:`~jaxcoll.dp.Extra`; e.g. :func:`~jaxcoll.dp.ema`
             keeps an exponential moving average of the params here), replicated; ``{}``
-            without one.
+            without one. With ``shard_params=True`` the leaves that mirror params are
+            split like them.
+        comm_state: the communication hook's state (:mod:`jaxcoll.dp.hooks`; e.g.
+            PowerSGD's low-rank factors and error feedback): one pytree per bucket, each leaf
+            with a leading axis of n holding every rank's own state, split over the data
+            axis; ``{}`` for a stateless hook.
     """
 
     params: Any
@@ -38,3 +46,4 @@ class TrainState(struct.PyTreeNode):
     step: jax.Array
     rng: jax.Array
     extra: Any = field(default_factory=dict)
+    comm_state: Any = field(default_factory=dict)

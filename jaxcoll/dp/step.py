@@ -28,15 +28,23 @@ StateLoss = Callable[..., tuple[jax.Array, tuple[dict[str, jax.Array], PyTree]]]
 
 
 def local_grads(loss: StateLoss, params: PyTree, model_state: PyTree, batch: PyTree,
-                key: jax.Array, step: jax.Array, axis_name: AxisName, accum_steps: int):
+                key: jax.Array, step: jax.Array, axis_name: AxisName, accum_steps: int,
+                strategy: GradSync | None = None, like: PyTree = None):
     """This rank's mean gradient over ``accum_steps`` micro-batches of its share of the batch.
 
-    Returns ``(grads, loss, aux, model_state)``, all local (varying over the data axis).
+    ``params`` are as the train state holds them; the loss sees ``strategy.materialize``'s
+    whole params (the same, or gathered for FSDP). Returns ``(grads, loss, aux,
+    model_state)``, all local (varying over the data axis).
     """
     names = axis_names(axis_name)
     # The fix for the gradient trap: varying params, so jax.grad does not psum by itself.
     params = to_varying(params, names)
-    grad_fn = jax.value_and_grad(lambda p, ms, b, r: loss(p, ms, b, r, step), has_aux=True)
+    if strategy is None:
+        of_params = lambda p, ms, b, r: loss(p, ms, b, r, step)  # noqa: E731
+    else:
+        of_params = strategy.wrap_loss(
+            lambda p, ms, b, r: loss(strategy.materialize(p, like), ms, b, r, step))
+    grad_fn = jax.value_and_grad(of_params, has_aux=True)
     k = accum_steps
     if k == 1:
         (value, (aux, model_state)), grads = grad_fn(params, model_state, batch, key)
@@ -103,14 +111,33 @@ def sync_model_state(model_state: PyTree, axis_name: AxisName, algorithm: str) -
 
 
 def state_shardings(strategy: GradSync, state: TrainState) -> TrainState:
-    """Where every leaf of the TrainState lives: replicated, the optimizer state as the
-    strategy places it."""
+    """Where every leaf of the TrainState lives: as the strategy places the params, the
+    optimizer state and the extra state; the model state, step and rng replicated; the hook
+    state split per rank."""
     replicated = NamedSharding(strategy.mesh, P())
     rep = lambda t: jax.tree_util.tree_map(lambda _: replicated, t)  # noqa: E731
-    opt = strategy.named(strategy.opt_specs(state.opt_state, state.params))
-    return TrainState(params=rep(state.params), opt_state=opt,
+    named = strategy.named
+    per_rank = NamedSharding(strategy.mesh, P(strategy.axis_name))
+    return TrainState(params=named(strategy.state_param_specs(state.params)),
+                      opt_state=named(strategy.opt_specs(state.opt_state, state.params)),
                       model_state=rep(state.model_state), step=replicated, rng=replicated,
-                      extra=rep(state.extra))
+                      extra=named(strategy.extra_specs(state.extra, state.params)),
+                      comm_state=jax.tree_util.tree_map(lambda _: per_rank, state.comm_state))
+
+
+def abstract(tree: PyTree) -> PyTree:
+    """``jax.ShapeDtypeStruct`` of every leaf (shapes only: no buffer is kept alive)."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _own(tree: PyTree) -> PyTree:
+    """Per rank: this rank's state from its (1, ...) slice of the per-rank stack."""
+    return jax.tree_util.tree_map(lambda x: x[0], tree)
+
+
+def _stack(tree: PyTree, names: tuple) -> PyTree:
+    """Per rank: the state as this rank's (1, ...) slice of the per-rank stack (varying)."""
+    return jax.tree_util.tree_map(lambda x: to_varying(x, names)[None], tree)
 
 
 def all_finite(*trees: PyTree) -> jax.Array:
@@ -137,25 +164,33 @@ def build_step(loss: StateLoss, strategy: GradSync, state: TrainState, *, accum_
     when ``donate``.
     """
     axis, algorithm = strategy.axis_name, strategy.algorithm
+    names = axis_names(axis)
+    like = abstract(state.params)
 
-    def per_rank(params, model_state, batch, step, rng):
+    def per_rank(params, model_state, comm_state, batch, step, rng):
         rank = lax.axis_index(axis)
         key = jax.random.fold_in(jax.random.fold_in(rng, step), rank)
         grads, value, aux, model_state = local_grads(loss, params, model_state, batch, key,
-                                                     step, axis, accum_steps)
+                                                     step, axis, accum_steps, strategy, like)
         metrics = mean_metrics({"loss": value, **aux}, axis, algorithm)
         model_state = sync_model_state(model_state, axis, algorithm)
-        return strategy.reduce(grads), model_state, metrics
+        grads, comm_state = strategy.reduce(grads, _own(comm_state), step, like)
+        return grads, model_state, _stack(comm_state, names), metrics
 
+    per_rank_spec = specs_like(state.comm_state, P(axis))
     mapped = jax.shard_map(
-        per_rank, mesh=strategy.mesh, in_specs=(P(), P(), P(axis), P(), P()),
-        out_specs=(strategy.grad_specs(state.params), specs_like(state.model_state, P()), P()))
+        per_rank, mesh=strategy.mesh,
+        in_specs=(strategy.state_param_specs(state.params), P(), per_rank_spec, P(axis), P(),
+                  P()),
+        out_specs=(strategy.grad_specs(state.params), specs_like(state.model_state, P()),
+                   per_rank_spec, P()))
 
     def step(state: TrainState, batch: PyTree):
-        grads, model_state, metrics = mapped(state.params, state.model_state, batch,
-                                             state.step, state.rng)
+        grads, model_state, comm_state, metrics = mapped(
+            state.params, state.model_state, state.comm_state, batch, state.step, state.rng)
         params, opt_state = strategy.update(grads, state.opt_state, state.params)
-        new = TrainState(params, opt_state, model_state, state.step + 1, state.rng, state.extra)
+        new = TrainState(params, opt_state, model_state, state.step + 1, state.rng, state.extra,
+                         comm_state)
         if extra is not None:
             new = new.replace(extra=extra.update(state.extra, new, metrics))
         if skip_nonfinite:
@@ -165,7 +200,8 @@ def build_step(loss: StateLoss, strategy: GradSync, state: TrainState, *, accum_
             new = new.replace(params=keep(new.params, state.params),
                               opt_state=keep(new.opt_state, state.opt_state),
                               model_state=keep(new.model_state, state.model_state),
-                              extra=keep(new.extra, state.extra))
+                              extra=keep(new.extra, state.extra),
+                              comm_state=keep(new.comm_state, state.comm_state))
             metrics = {**metrics, "skipped": 1.0 - ok.astype(jnp.float32)}
         return new, metrics
 
@@ -173,17 +209,22 @@ def build_step(loss: StateLoss, strategy: GradSync, state: TrainState, *, accum_
     return jax.jit(step, donate_argnums=(0,) if donate else (), out_shardings=out)
 
 
-def build_eval(loss: StateLoss, strategy: GradSync):
-    """The jitted evaluation ``(params, model_state, step, batch) -> metrics`` (global means).
+def build_eval(loss: StateLoss, strategy: GradSync, params: PyTree):
+    """The jitted evaluation ``(params, model_state, step, batch) -> metrics`` (global means)
+    for params shaped and placed like ``params``.
 
-    Every rank runs the loss with ``rng=None`` on its share of the batch; the metrics are
-    averaged over ranks (each holds as many examples, so that is the batch mean).
+    Every rank runs the loss with ``rng=None`` on its share of the batch (with the whole
+    params: gathered for FSDP); the metrics are averaged over ranks (each holds as many
+    examples, so that is the batch mean).
     """
     axis = strategy.axis_name
+    like = abstract(params)
 
     def per_rank(params, model_state, step, batch):
-        value, (aux, _) = loss(params, model_state, batch, None, step)
+        whole = strategy.materialize(to_varying(params, axis_names(axis)), like)
+        value, (aux, _) = loss(whole, model_state, batch, None, step)
         return mean_metrics({"loss": value, **aux}, axis, strategy.algorithm)
 
     return jax.jit(jax.shard_map(per_rank, mesh=strategy.mesh,
-                                 in_specs=(P(), P(), P(), P(axis)), out_specs=P()))
+                                 in_specs=(strategy.state_param_specs(params), P(), P(),
+                                           P(axis)), out_specs=P()))

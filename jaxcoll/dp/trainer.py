@@ -29,9 +29,10 @@ from .checks import LossOutputError, accepts, check_live, loss_output, model_out
 from .data import leading_size
 from .extra import Extra
 from .grad_sync import check_grad_sync
+from .hooks.base import Compress, check_hook, is_elementwise
 from .state import TrainState
 from .step import build_eval, build_step
-from .sync import AllReduce, GradSync, Zero1
+from .sync import AllReduce, Fsdp, GradSync, Zero1
 
 # loss_fn(params, batch, rng) -> (loss, metrics); it may take a keyword argument ``step``.
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
@@ -81,6 +82,14 @@ class Trainer:
             the leaves that stay replicated; each split leaf is one reduce-scatter.
         grad_dtype: the dtype gradients travel in (``jnp.bfloat16``: DDP's bf16 compression
             hook); the update itself stays in the params' dtype. None: the params' dtype.
+            The same as ``comm_hook=dp.hooks.Compress(grad_dtype)``.
+        comm_hook: how each bucket of gradients is averaged (DDP's ``register_comm_hook``,
+            :mod:`jaxcoll.dp.hooks`): ``dp.hooks.Compress(jnp.bfloat16)``,
+            ``dp.hooks.PowerSGD(rank=4)``, or your own ``hook(state, bucket) -> (grads,
+            state)``; its state is carried in ``state.comm_state``. None: the exact mean.
+            With ``shard_optimizer`` or ``shard_params`` only the default and ``Compress``
+            (a reduce-scatter gives each device a slice, which a hook that needs whole
+            gradients cannot produce; torch's FSDP has the same limit).
         accum_steps: split each rank's share of the batch into this many micro-batches whose
             gradients are averaged locally and synchronised once (DDP's ``no_sync``), with
             ``accum_steps`` times smaller activations. Without batch-dependent layers this is
@@ -97,6 +106,12 @@ class Trainer:
             the updated slices are all-gathered. The optimizer runs on the real params tree
             (sharded by XLA), so any optax transformation gives the unsharded result,
             ``clip_by_global_norm``, masks, ``multi_transform`` and lamb included.
+        shard_params: FSDP / ZeRO-3 (:class:`~jaxcoll.dp.sync.Fsdp`, torch's
+            ``FullyShardedDataParallel``): the params, gradients and optimizer state of every
+            leaf with a dimension divisible by n are held 1/n per device (``state.params``
+            is split); each step all-gathers the params leaf by leaf for the loss (again in
+            the backward: they are not kept whole) and reduce-scatters the gradients.
+            Implies ``shard_optimizer``.
         extra: state carried and updated once per step besides the optimizer's
             (:class:`~jaxcoll.dp.Extra`), in ``state.extra``; e.g. ``dp.ema(0.999)``, an
             exponential moving average of the params.
@@ -128,6 +143,8 @@ class Trainer:
         accum_steps: int = 1,
         donate: bool = True,
         shard_optimizer: bool = False,
+        shard_params: bool = False,
+        comm_hook: Any = None,
         extra: Extra | None = None,
         skip_nonfinite: bool = False,
     ) -> None:
@@ -164,6 +181,20 @@ class Trainer:
         if grad_dtype is not None and not jnp.issubdtype(grad_dtype, jnp.floating):
             raise TypeError(f"{api}: grad_dtype must be a floating dtype such as jnp.bfloat16, "
                             f"got {grad_dtype!r} instead.")
+        comm_hook = check_hook(api, comm_hook)
+        if grad_dtype is not None:
+            if comm_hook is not None:
+                raise ValueError(f"{api}: grad_dtype={grad_dtype!r} and comm_hook={comm_hook!r} "
+                                 f"both say how gradients travel; grad_dtype=d is "
+                                 f"comm_hook=dp.hooks.Compress(d): pass one of them.")
+            comm_hook = Compress(grad_dtype)
+        if (shard_optimizer or shard_params) and not is_elementwise(comm_hook):
+            which = "shard_params" if shard_params else "shard_optimizer"
+            raise ValueError(
+                f"{api}: comm_hook={comm_hook!r} cannot be used with {which}=True: the sharded "
+                f"strategies reduce-scatter each gradient, so each device receives a slice, "
+                f"and only the default hook and dp.hooks.Compress work on slices. Use the hook "
+                f"with plain data parallelism (shard_optimizer=False, shard_params=False).")
         self.optimizer = optimizer
         self.mesh = mesh
         self.axis_name = names[0] if len(names) == 1 else names
@@ -173,12 +204,14 @@ class Trainer:
         self.grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
         self.accum_steps = accum_steps
         self.donate = bool(donate)
-        self.shard_optimizer = bool(shard_optimizer)
+        self.shard_params = bool(shard_params)
+        self.shard_optimizer = bool(shard_optimizer) or self.shard_params
+        self.comm_hook = comm_hook
         self.extra = extra
         self.skip_nonfinite = bool(skip_nonfinite)
-        kind = Zero1 if self.shard_optimizer else AllReduce
+        kind = Fsdp if self.shard_params else Zero1 if self.shard_optimizer else AllReduce
         self.strategy: GradSync = kind(optimizer, mesh, self.axis_name, self.grad_sync,
-                                       self.bucket_bytes, self.grad_dtype)
+                                       self.bucket_bytes, comm_hook)
         self._step_fn = None
         self._eval_fn = None
 
@@ -243,17 +276,20 @@ class Trainer:
         replicated = self._sharding(P())
         if per_rank:
             params, model_state = self._broadcast_from_rank0((params, model_state))
-        else:
-            # A copy: the step donates the state's buffers, and the caller's arrays must survive.
-            copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t),
-                           out_shardings=replicated)
-            params, model_state = copy((params, model_state))
+        placed = self.strategy.named(self.strategy.state_param_specs(params))
+        # A copy: the step donates the state's buffers, and the caller's arrays must survive.
+        copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t),
+                       out_shardings=(placed, replicated))
+        params, model_state = copy((params, model_state))
         opt_state = self.strategy.init(params)
-        extra = {} if self.extra is None else jax.jit(self.extra.init,
-                                                      out_shardings=replicated)(params)
+        extra = {}
+        if self.extra is not None:
+            shapes = jax.eval_shape(self.extra.init, params)
+            extra = jax.jit(self.extra.init, out_shardings=self.strategy.named(
+                self.strategy.extra_specs(shapes, params)))(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
         return TrainState(params, opt_state, model_state, step, jax.device_put(rng, replicated),
-                          extra)
+                          extra, self.strategy.init_comm(params))
 
     def _broadcast_from_rank0(self, tree: PyTree) -> PyTree:
         for leaf in jax.tree_util.tree_leaves(tree):
@@ -361,7 +397,7 @@ class Trainer:
         api = "Trainer.evaluate"
         _check_state(api, state)
         if self._eval_fn is None:
-            self._eval_fn = build_eval(self._loss, self.strategy)
+            self._eval_fn = build_eval(self._loss, self.strategy, state.params)
         eval_fn = self._eval_fn
         return loop.evaluate(
             lambda b: self._run(api, eval_fn, state.params, state.model_state, state.step,

@@ -1,7 +1,7 @@
 """Trainer.step on 8 devices == plain single-device optax on the same global batches.
 
 K = 20 steps, max relative difference of the params <= 1e-5 in float32, for an MLP and a
-small CNN with SyncBatchNorm, over bucketing, accum_steps, ZeRO-1 and every grad_sync. Each
+small CNN with SyncBatchNorm, over bucketing, accum_steps, ZeRO-1, FSDP and every grad_sync. Each
 model is a twin (tests/dp/_models.Twin): one copy trained by Adam, one by plain SGD, in the
 same program, each compared with the oracle on its own. SGD's params are linear in the
 gradient, so a constant gradient-scale error (n, n/(n-1)) that Adam hides fails the SGD copy.
@@ -46,13 +46,16 @@ VARIANTS = {
     "accum4": {"accum_steps": 4},
     "zero1": {"shard_optimizer": True},
     "zero1-accum4": {"shard_optimizer": True, "accum_steps": 4, "bucket_mb": 0.001},
+    "fsdp": {"shard_params": True},
+    "fsdp-accum4-ring": {"shard_params": True, "accum_steps": 4, "grad_sync": "ring",
+                         "bucket_mb": 0.001},
     # "auto" picks "native" on CPU at these sizes: "bucketed" is the native variant
     "ring": {"grad_sync": "ring", "bucket_mb": 0.001},
     "tree": {"grad_sync": "tree"},
     "hierarchical": {"grad_sync": "hierarchical", "axis_name": ("node", "local")},
 }
 
-CNN_VARIANTS = ("bucketed", "bucketing-off", "accum4", "zero1")
+CNN_VARIANTS = ("bucketed", "bucketing-off", "accum4", "zero1", "fsdp")
 
 
 def _setup(kind):

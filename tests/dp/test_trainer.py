@@ -12,6 +12,7 @@ import pytest
 
 from jaxcoll import dp
 from tests.dp._models import MLP, batches, cross_entropy
+from tests.dp.test_export import assert_whole_buckets
 from tests.helpers import mesh_1d
 
 
@@ -25,7 +26,7 @@ def _mlp_trainer(**kw):
 
 @pytest.mark.parametrize("bucket_mb, grad_dtype", [(25.0, None), (None, None),
                                                    (0.002, None), (0.002, jnp.bfloat16)])
-def test_one_all_reduce_per_bucket_in_the_compiled_hlo(bucket_mb, grad_dtype):
+def test_every_bucket_is_all_reduced_whole_in_the_compiled_hlo(bucket_mb, grad_dtype):
     trainer, params, ms, data = _mlp_trainer(bucket_mb=bucket_mb, grad_dtype=grad_dtype,
                                              grad_sync="native")
     state = trainer.init(params, jax.random.key(1), model_state=ms)
@@ -35,14 +36,11 @@ def test_one_all_reduce_per_bucket_in_the_compiled_hlo(bucket_mb, grad_dtype):
     # shapes only: XLA:CPU reduces bf16 in f32 (the bf16 wire dtype is checked in the jaxpr)
     groups = [sorted(re.findall(r"\w+(\[[\d,]*\])", op)) for op in ops]
     metrics = "[2]"  # loss and accuracy, packed in one vector; XLA may merge it into a bucket
-    grad_groups = sorted(sorted(g for g in group if g != metrics) for group in groups)
-    grad_groups = [g for g in grad_groups if g]
+    grad_groups = [sorted(g for g in group if g != metrics) for group in groups]
     leaves = jax.tree_util.tree_leaves(params)
     buckets = dp.plan_buckets(leaves, None if bucket_mb is None else bucket_mb * 2**20)
-    want = sorted(sorted(f"[{','.join(map(str, leaves[i].shape))}]" for i in b)
-                  for b in buckets)
-    assert grad_groups == want  # each bucket is exactly one all-reduce op
-    assert len(ops) in (len(buckets), len(buckets) + 1)
+    # XLA:CPU's combiner may merge independent buckets; it never splits one
+    assert_whole_buckets([g for g in grad_groups if g], leaves, buckets)
     jaxpr = jax.make_jaxpr(step)(*args)
     wire = jnp.bfloat16 if grad_dtype is not None else jnp.float32
     psums = [dtype for name, dtype in _collectives(jaxpr.jaxpr) if name.startswith("psum")]

@@ -1,4 +1,5 @@
-"""dp.Trainer across processes: 2 x 4 reaches the 1 x 8 params, and survives a SIGKILL.
+"""dp.Trainer across processes: 2 x 4 reaches the 1 x 8 params (DDP and FSDP), and survives
+a SIGKILL.
 
 Each process feeds only its own rows of every global batch
 (``jax.make_array_from_process_local_data``; tests/multihost/workers/train.py).
@@ -16,9 +17,9 @@ from ._launch import ROOT, launch, survivors
 KEYS = ("w", "b", "v")
 
 
-def _train(tmp_path, name, launcher_args, kill_at=0, sig="KILL"):
+def _train(tmp_path, name, launcher_args, kill_at=0, sig="KILL", strategy="ddp"):
     out, ckpt = tmp_path / name, tmp_path / f"{name}_ckpt"
-    job = launch(launcher_args, "train.py", [str(out), str(ckpt), str(kill_at), sig],
+    job = launch(launcher_args, "train.py", [str(out), str(ckpt), str(kill_at), sig, strategy],
                  timeout=200)
     assert job.returncode == 0, job.stderr[-4000:]
     assert survivors(job.token) == []
@@ -57,6 +58,23 @@ def test_trainer_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path):
             np.testing.assert_array_equal(p[k], two[0][k])  # both processes agree exactly
         for p in resumed + preempted:
             np.testing.assert_array_equal(p[k], two[0][k], err_msg=k)  # bit-identical resume
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path):
+    # shard_params=True: every leaf split over the 8 devices, i.e. over both processes.
+    _, (single,) = _train(tmp_path, "1x8", ["--nprocs", "1", "--devices-per-proc", "8"],
+                          strategy="fsdp")
+    job, resumed = _train(tmp_path, "2x4_killed",
+                          ["--nprocs", "2", "--devices-per-proc", "4", "--max-restarts", "1"],
+                          kill_at=6, strategy="fsdp")
+    assert "restarting all 2 process(es) (restart 1 of 1)" in job.stderr
+    assert len(resumed) == 2
+    for k in KEYS:
+        assert np.abs(single[k] - single[k].mean()).max() > 0
+        for p in resumed:
+            np.testing.assert_allclose(p[k], single[k], rtol=1e-5, atol=1e-6, err_msg=k)
+            np.testing.assert_array_equal(p[k], resumed[0][k])
 
 
 @pytest.mark.timeout(120)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import optax
 
 from ..._core.typing import PyTree
-from ..grad_sync import mean_gradients
+from ..grad_sync import plan_buckets, sync_buckets
 from .base import GradSync
 
 
@@ -21,10 +22,10 @@ class AllReduce(GradSync):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
 
-    :meth:`reduce` is :func:`~jaxcoll.dp.mean_gradients` (buckets of ``bucket_bytes``,
-    ``grad_dtype`` on the wire, ``algorithm`` for each bucket's collective); the params, the
-    gradients and the optimizer state are replicated, so :meth:`update` is plain optax, which
-    each device computes on its own copy (no communication).
+    :meth:`reduce` is :func:`~jaxcoll.dp.grad_sync.sync_buckets` (buckets of
+    ``bucket_bytes``, each through ``comm_hook``, ``algorithm`` for its collectives); the
+    params, the gradients and the optimizer state are replicated, so :meth:`update` is plain
+    optax, which each device computes on its own copy (no communication).
 
     Example (8 devices)::
 
@@ -32,10 +33,16 @@ class AllReduce(GradSync):
         >>> opt_state = sync.init(params)              # replicated
     """
 
-    def reduce(self, grads: PyTree) -> PyTree:
-        # Gradients cross devices here: one all-reduce per bucket.
-        return mean_gradients(grads, self.axis_name, bucket_bytes=self.bucket_bytes,
-                              grad_dtype=self.grad_dtype, algorithm=self.algorithm)
+    def reduce(self, grads: PyTree, comm_state: PyTree, step: jax.Array,
+               like: PyTree = None) -> tuple[PyTree, PyTree]:
+        count = len(plan_buckets(jax.tree_util.tree_leaves(grads), self.bucket_bytes))
+        states = list(comm_state) if comm_state else [() for _ in range(count)]
+        # Gradients cross devices here: each bucket through the hook (one all-reduce each
+        # with the default hook).
+        means, states = sync_buckets(grads, self.axis_name, bucket_bytes=self.bucket_bytes,
+                                     hook=self.hook, states=states, step=step,
+                                     algorithm=self.algorithm)
+        return means, (states if comm_state else comm_state)
 
     def update(self, grads: PyTree, opt_state: PyTree,
                params: PyTree) -> tuple[PyTree, PyTree]:

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from ... import primitives
 from ..._core.typing import PyTree
 from ..grad_sync import mean_gradients
+from ..hooks.base import wire_dtype as hook_wire_dtype
 from .base import GradSync, specs_like
 
 
@@ -46,10 +47,10 @@ class Zero1(GradSync):
     optimizer state of every split leaf. Per step:
 
     1. per rank, inside ``shard_map``: each split leaf's local gradient (divided by n, in
-       ``grad_dtype``) is reduce-scattered along its split dimension
-       (:func:`~jaxcoll.primitives.reduce_scatter`, ``tiled=True``): each device receives its
-       slice of the mean; the replicated leaves are all-reduced by buckets
-       (:func:`~jaxcoll.dp.mean_gradients`);
+       the wire dtype of ``comm_hook``: :class:`~jaxcoll.dp.hooks.Compress`) is
+       reduce-scattered along its split dimension (:func:`~jaxcoll.primitives.reduce_scatter`,
+       ``tiled=True``): each device receives its slice of the mean; the replicated leaves
+       are all-reduced by buckets (:func:`~jaxcoll.dp.mean_gradients`);
     2. in the global view: the params are resharded to the same slices (a local slice: no
        communication), ``optimizer.update`` and ``optax.apply_updates`` run on the sharded
        tree, the optimizer state pinned to its sharding (each leaf that mirrors a param is
@@ -103,23 +104,29 @@ class Zero1(GradSync):
             return specs_like(opt_state, P())
         return jax.tree_util.tree_map_with_path(spec_of, opt_state)
 
-    def reduce(self, grads: PyTree) -> PyTree:
+    def reduce(self, grads: PyTree, comm_state: PyTree, step: jax.Array,
+               like: PyTree = None) -> tuple[PyTree, PyTree]:
+        return self.reduce_kept(grads, self.shard_dims(grads), scatter=True), comm_state
+
+    def reduce_kept(self, grads: PyTree, dims: list[int | None], *, scatter: bool) -> PyTree:
+        """The replicated leaves (``dims[i] is None``) all-reduced by buckets; with
+        ``scatter`` the split leaves reduce-scattered, else passed through."""
+        wire_dtype = hook_wire_dtype(self.hook)
         leaves, treedef = jax.tree_util.tree_flatten(grads)
-        dims = self.shard_dims(grads)
-        out: list[Any] = [None] * len(leaves)
+        out: list[Any] = list(leaves)
         kept = [i for i, d in enumerate(dims) if d is None]
         if kept:
             # Gradients of the replicated leaves cross devices here: one all-reduce per bucket.
             means = mean_gradients([leaves[i] for i in kept], self.axis_name,
-                                   bucket_bytes=self.bucket_bytes, grad_dtype=self.grad_dtype,
+                                   bucket_bytes=self.bucket_bytes, grad_dtype=wire_dtype,
                                    algorithm=self.algorithm)
             for i, g in zip(kept, means, strict=True):
                 out[i] = g
         for i, d in enumerate(dims):
-            if d is None:
+            if d is None or not scatter:
                 continue
             g = leaves[i]
-            wire = (g / np.asarray(self.n, g.dtype)).astype(self.grad_dtype or g.dtype)
+            wire = (g / np.asarray(self.n, g.dtype)).astype(wire_dtype or g.dtype)
             # Gradients cross devices here: each rank receives only its slice of the mean.
             out[i] = primitives.reduce_scatter(wire, self.axis_name, "sum", scatter_dimension=d,
                                                tiled=True, algorithm=self.algorithm

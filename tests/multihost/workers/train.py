@@ -1,11 +1,12 @@
 """dp.Trainer on the global world, each process feeding only its own part of every batch.
 
-Usage: ``train.py OUT CKPT_DIR KILL_AT [SIGNAL]`` under ``jaxcoll-run``. Trains a small MLP
-for STEPS steps with ``fit(checkpoint_dir=CKPT_DIR, every=EVERY)`` and writes the final params
-to ``OUT/p{k}.npz``. ``KILL_AT`` > 0: on the first run (``JAXCOLL_RESTART_COUNT=0``) process 1
-sends itself SIGNAL (``KILL``, the default, or ``TERM``: a preemption, which ``fit`` answers
-with a checkpoint at the next step boundary) while producing batch KILL_AT; ``--max-restarts
-1`` then resumes from the last checkpoint.
+Usage: ``train.py OUT CKPT_DIR KILL_AT [SIGNAL [STRATEGY]]`` under ``jaxcoll-run``
+(STRATEGY ``fsdp``: ``Trainer(shard_params=True)``, the params split over both processes).
+Trains a small MLP for STEPS steps with ``fit(checkpoint_dir=CKPT_DIR, every=EVERY)`` and
+writes the final params to ``OUT/p{k}.npz``. ``KILL_AT`` > 0: on the first run
+(``JAXCOLL_RESTART_COUNT=0``) process 1 sends itself SIGNAL (``KILL``, the default, or
+``TERM``: a preemption, which ``fit`` answers with a checkpoint at the next step boundary)
+while producing batch KILL_AT; ``--max-restarts 1`` then resumes from the last checkpoint.
 """
 
 import os
@@ -20,6 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -27,6 +29,7 @@ from jaxcoll import dp  # noqa: E402
 
 OUT, CKPT, KILL_AT = sys.argv[1], sys.argv[2], int(sys.argv[3])
 SIGNAL = getattr(signal, "SIG" + (sys.argv[4] if len(sys.argv) > 4 else "KILL"))
+FSDP = len(sys.argv) > 5 and sys.argv[5] == "fsdp"
 STEPS, EVERY, BATCH = 12, 4, 32
 ME = jax.process_index()
 FIRST_RUN = os.environ.get("JAXCOLL_RESTART_COUNT", "0") == "0"
@@ -42,7 +45,7 @@ def loss_fn(params, batch, rng):
     return jnp.mean(err**2), {}
 
 
-trainer = dp.Trainer(loss_fn, optax.adam(0.05))
+trainer = dp.Trainer(loss_fn, optax.adam(0.05), shard_params=FSDP)
 sharding = NamedSharding(trainer.mesh, P(trainer.axis_name))
 # The rows of a global batch that this process's devices hold (devices are in global order).
 mine = [k for k, d in enumerate(trainer.mesh.devices.reshape(-1)) if d.process_index == ME]
@@ -68,7 +71,11 @@ init = {"w": rng.standard_normal((4, 16)).astype(np.float32) * 0.5,
 state = trainer.init(jax.tree_util.tree_map(jnp.asarray, init), jax.random.key(0))
 state, _ = trainer.fit(state, LocalBatches(), steps=STEPS, checkpoint_dir=CKPT, every=EVERY,
                        progress=False)
-params = {k: np.asarray(v.addressable_shards[0].data) for k, v in state.params.items()}
+if FSDP:  # every leaf is split over the 8 devices of both processes: gather them
+    assert all(not v.is_fully_replicated for v in state.params.values())
+    params = multihost_utils.process_allgather(state.params, tiled=True)
+else:
+    params = {k: np.asarray(v.addressable_shards[0].data) for k, v in state.params.items()}
 os.makedirs(OUT, exist_ok=True)
 np.savez(os.path.join(OUT, f"p{ME}.npz"), step=np.asarray(jax.device_get(state.step)), **params)
 print(f"process {ME}: finished at step {int(jax.device_get(state.step))}", flush=True)

@@ -1,0 +1,135 @@
+"""Fsdp: ZeRO stage 3 (torch's FullyShardedDataParallel). Params, gradients and optimizer
+state are all held 1/n per device; each step gathers the params leaf by leaf for the loss.
+
+The split is :class:`~jaxcoll.dp.sync.Zero1`'s: every leaf with a dimension divisible by n is
+split along the first such dimension (each device's slice contiguous), the others stay
+replicated; the params keep their pytree structure and shapes, so the optimizer sees the
+real tree and every optax transformation gives the unsharded result.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.ad_checkpoint import checkpoint_name
+
+from ... import primitives
+from ..._core.typing import AxisName, PyTree
+from .._vma import axis_names, to_varying
+from ..hooks.base import wire_dtype as hook_wire_dtype
+from .zero1 import Zero1
+
+#: The name the gathered params carry in the loss (``jax.ad_checkpoint.checkpoint_name``): the
+#: rematerialisation policy of :meth:`Fsdp.wrap_loss` never saves them for the backward.
+GATHERED = "jaxcoll_fsdp_params"
+
+
+@dataclass(frozen=True)
+class Fsdp(Zero1):
+    """Gather the params for the loss, reduce-scatter the gradients, update 1/n everywhere.
+
+    Equivalent to :class:`~jaxcoll.dp.sync.AllReduce` (every optax transformation gives the
+    unsharded result, up to float rounding), with each device holding only its slice of
+    every split leaf's params, gradients and optimizer state between steps. Per step:
+
+    1. per rank, inside ``shard_map``: each split leaf is all-gathered
+       (:func:`~jaxcoll.primitives.all_gather`, ``tiled=True``, one collective per leaf) into
+       the whole params the loss sees; the gather's gradient is the reduce-scatter of the
+       local gradient divided by n (:func:`~jaxcoll.primitives.reduce_scatter`, in the
+       hook's wire dtype), so ``jax.grad`` returns each device its slice of the mean, leaf by
+       leaf as the backward pass reaches it; the replicated leaves are all-reduced by buckets;
+    2. with ``regather`` (default), the loss is rematerialised (``jax.checkpoint``) with a
+       policy that saves everything but the gathered params: the backward gathers each leaf
+       again where it needs it instead of keeping the whole params alive from the forward
+       (torch FSDP's reshard-after-forward); the activations are saved as usual;
+    3. in the global view: ``optimizer.update`` and ``optax.apply_updates`` on the sharded
+       tree; the params stay sharded (no all-gather after the update).
+
+    Leaves with no dimension divisible by n (a bias of 10 on 8 devices) stay replicated;
+    :meth:`resident_bytes` tells how much each device holds.
+
+    Example (8 devices)::
+
+        >>> sync = Fsdp(optax.adamw(1e-3), mesh, "data")
+        >>> trainer = dp.Trainer(loss_fn, optax.adamw(1e-3), shard_params=True)  # the same
+    """
+
+    regather: bool = True
+
+    def state_param_specs(self, params: PyTree) -> PyTree:
+        return self.param_specs(params)
+
+    def extra_specs(self, extra: PyTree, params: PyTree) -> PyTree:
+        """Extra state that mirrors the params (an EMA) is split like them."""
+        return self.opt_specs(extra, params)
+
+    def materialize(self, params: PyTree, like: PyTree) -> PyTree:
+        dims = self.shard_dims(like)
+        wire = hook_wire_dtype(self.hook)
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        out = [x if d is None else _gather(x, d, self.axis_name, self.n, self.algorithm, wire)
+               for x, d in zip(leaves, dims, strict=True)]
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def wrap_loss(self, fn: Any) -> Any:
+        if not self.regather:
+            return fn
+        return jax.checkpoint(fn, policy=_not_gathered)
+
+    def reduce(self, grads: PyTree, comm_state: PyTree, step: jax.Array,
+               like: PyTree = None) -> tuple[PyTree, PyTree]:
+        # The split leaves' gradients are already their slices of the mean (the gather's
+        # gradient); the replicated leaves cross devices here, one all-reduce per bucket.
+        return self.reduce_kept(grads, self.shard_dims(like), scatter=False), comm_state
+
+    def update(self, grads: PyTree, opt_state: PyTree,
+               params: PyTree) -> tuple[PyTree, PyTree]:
+        shardings = self.named(self.param_specs(params))
+        constrain = jax.lax.with_sharding_constraint
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        params = constrain(optax.apply_updates(params, updates), shardings)
+        opt_state = constrain(opt_state, self.named(self.opt_specs(opt_state, params)))
+        return params, opt_state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _gather(x: jax.Array, dim: int, axis_name: AxisName, n: int, algorithm: str,
+            wire: Any) -> jax.Array:
+    """This rank's slice ``x`` of a param -> the whole param (typed varying: each rank's
+    loss uses it with its own examples). Its gradient: the reduce-scatter of the mean."""
+    # Params cross devices here: one all-gather per split leaf.
+    whole = primitives.all_gather(x, axis_name, axis=dim, tiled=True, algorithm=algorithm)
+    return checkpoint_name(to_varying(whole, axis_names(axis_name)), GATHERED)
+
+
+def _not_gathered(prim: Any, *_: Any, **params: Any) -> bool:
+    """The rematerialisation policy: save every value for the backward but the gathered
+    params (the output of :func:`_gather`, which carries the name :data:`GATHERED`)."""
+    if str(prim) == "name":
+        return params.get("name") != GATHERED
+    if str(prim) == "custom_vjp_call":
+        body = getattr(params.get("call_jaxpr"), "jaxpr", None)
+        return not any(str(e.primitive) == "name" and e.params.get("name") == GATHERED
+                       for e in getattr(body, "eqns", ()))
+    return True
+
+
+def _gather_fwd(x, dim, axis_name, n, algorithm, wire):
+    return _gather(x, dim, axis_name, n, algorithm, wire), None
+
+
+def _gather_bwd(dim, axis_name, n, algorithm, wire, _, ct):
+    ct = to_varying(ct, axis_names(axis_name))
+    g = (ct / jnp.asarray(n, ct.dtype)).astype(wire or ct.dtype)
+    # Gradients cross devices here: each rank receives only its slice of the mean.
+    g = primitives.reduce_scatter(g, axis_name, "sum", scatter_dimension=dim, tiled=True,
+                                  algorithm=algorithm)
+    return (g.astype(ct.dtype),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)

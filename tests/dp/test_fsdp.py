@@ -1,0 +1,114 @@
+"""FSDP (``shard_params=True``): what each device holds, what the step gathers, and the
+state around it (EMA, evaluate, to_module, checkpoints). Its equivalence with one device
+(SGD and Adam, MLP and BatchNorm CNN, accum, ring) is in test_equivalence.py; over two
+processes in tests/multihost/test_trainer.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jaxcoll import dp
+from tests.dp._models import MLP, batches, cross_entropy, max_rel_diff
+from tests.dp.test_export import _executed, _functions
+from tests.helpers import mesh_1d
+
+N = 8
+
+
+def _resident(tree) -> int:
+    """Bytes of ``tree``'s arrays held by the first device (their addressable shards)."""
+    dev = jax.devices()[0]
+    return sum(s.data.nbytes for x in jax.tree_util.tree_leaves(tree)
+               for s in x.addressable_shards if s.device == dev)
+
+
+def _setup(**kw):
+    model = dp.Linen(MLP(), cross_entropy)
+    data = batches("mlp", 4, 32)
+    params, _ = model.init(jax.random.key(0), data[0])
+    trainer = dp.Trainer(model, optax.adam(1e-2), mesh=mesh_1d(N, "data"), **kw)
+    return trainer, params, data
+
+
+def test_each_device_holds_one_nth_of_params_and_optimizer_state():
+    rows = {}
+    for name, kw in {"ddp": {}, "zero1": {"shard_optimizer": True},
+                     "fsdp": {"shard_params": True}}.items():
+        trainer, params, _ = _setup(**kw)
+        state = trainer.init(params, jax.random.key(1))
+        rows[name] = (_resident(state.params), _resident(state.opt_state))
+        print(f"{name}: params {rows[name][0]} B, optimizer state {rows[name][1]} B per device")
+    ddp, zero1, fsdp = (sum(rows[k]) for k in ("ddp", "zero1", "fsdp"))
+    # The MLP's leaves all split over 8 but the last bias (4 floats), Adam's counts are
+    # scalars: FSDP holds 1/8 of DDP's bytes plus those.
+    assert fsdp <= 1.2 / N * ddp, rows
+    assert rows["zero1"][0] == rows["ddp"][0] and rows["zero1"][1] <= 1.2 / N * rows["ddp"][1]
+    assert fsdp < zero1 < ddp
+
+
+def _gathers(trainer, state, batch) -> int:
+    step, args = trainer.step_program(state, batch)
+    funcs = _functions(step.lower(*args).as_text())
+    return _executed(funcs, "main", "stablehlo.all_gather")
+
+
+def test_the_backward_gathers_the_params_again_instead_of_keeping_them():
+    trainer, params, data = _setup(shard_params=True)
+    state = trainer.init(params, jax.random.key(1))
+    split = sum(d is not None for d in trainer.strategy.shard_dims(params))
+    assert split == len(jax.tree_util.tree_leaves(params)) - 1  # all but the last bias
+    again = _gathers(trainer, state, data[0])
+    trainer.strategy = dataclasses.replace(trainer.strategy, regather=False)
+    trainer._step_fn = None
+    kept = _gathers(trainer, state, data[0])
+    # Kept whole: one gather per split leaf. Regathered: the backward needs the kernels of
+    # Dense_1 and Dense_2 again (for the gradient of their inputs) and gathers them anew;
+    # the biases and the first kernel are not needed by the backward.
+    assert kept == split and again == split + 2, (kept, again)
+
+
+def test_ema_evaluate_to_module_and_resume_with_sharded_params(tmp_path):
+    trainer, params, data = _setup(shard_params=True, extra=dp.ema(0.5))
+    ddp, _, _ = _setup(extra=dp.ema(0.5))
+    state = trainer.init(params, jax.random.key(1))
+    kernel = state.params["Dense_0"]["kernel"]
+    assert kernel.shape == (16, 32) and not kernel.is_fully_replicated
+    assert state.extra["Dense_0"]["kernel"].sharding == kernel.sharding  # the EMA too
+    full, _ = trainer.fit(state, data, steps=4, checkpoint_dir=tmp_path / "a", every=2)
+    ref = ddp.init(params, jax.random.key(1))
+    for b in data:
+        ref, _ = ddp.step(ref, b)
+    assert max_rel_diff(full.params, ref.params) <= 1e-5
+    assert max_rel_diff(full.extra, ref.extra) <= 1e-5
+    got, want = trainer.evaluate(full, data[:2]), ddp.evaluate(ref, data[:2])
+    assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
+    module = trainer.to_module(full)  # a bound linen module with the whole params
+    np.testing.assert_array_equal(module.variables["params"]["Dense_0"]["kernel"],
+                                  np.asarray(full.params["Dense_0"]["kernel"]))
+    # Stopped after step 2 (its checkpoint), resumed by a new Trainer: bit-identical.
+    trainer.fit(trainer.init(params, jax.random.key(1)), data, steps=2,
+                checkpoint_dir=tmp_path / "b", every=2)
+    again = _setup(shard_params=True, extra=dp.ema(0.5))[0]
+    resumed, _ = again.fit(again.init(params, jax.random.key(1)), data, steps=4,
+                           checkpoint_dir=tmp_path / "b", every=2)
+    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(resumed)),
+                    jax.tree_util.tree_leaves(jax.device_get(full)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert resumed.params["Dense_0"]["kernel"].sharding == kernel.sharding
+
+
+@pytest.mark.parametrize("kw", [{"shard_params": True}, {"shard_optimizer": True}])
+def test_a_hook_that_needs_whole_gradients_is_refused_by_the_sharded_strategies(kw):
+    def hook(state, bucket):
+        return bucket.mean(), state
+
+    with pytest.raises(ValueError, match=re.escape("cannot be used with")):
+        _setup(comm_hook=hook, **kw)
+    _setup(comm_hook=dp.hooks.Compress(np.dtype("float16")), **kw)  # a slice can be cast
