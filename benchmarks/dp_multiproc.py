@@ -24,7 +24,9 @@ batch every step), global batch 64, SGD lr 0.02 momentum 0.9, everything float32
   (``pip install torch==2.13.0``); ``--no-torch`` runs the jaxcoll rows alone.
 * attribution rows, only when named in ``--configs``: ``jax-nosync`` (a jitted shard_map step,
   each device updating on its own gradients: no collective at all) and ``torch-nosync`` (DDP
-  under ``no_sync()``). Wrong on purpose: they show what a step costs besides the sync.
+  under ``no_sync()``), wrong on purpose: what a step costs besides the sync; and
+  ``jax-powersgd-s0``, PowerSGD compressing from step 0 (``start_iter=0``: no ``lax.cond``
+  between the exact and the compressed average in the step; torch allows no start below 2).
 
 Method. The configurations run in ``--rounds`` interleaved rounds (jax, torch, jax, torch, ...,
 the order rotated by one every round) so that load from other work on a shared machine falls
@@ -67,7 +69,8 @@ SIZES = (784, 4096, 4096, 10)
 BATCH = 64
 PROCS, DEVICES_PER_PROC = 2, 4
 WORLD = PROCS * DEVICES_PER_PROC
-JAX_CONFIGS = ("jax-plain", "jax-bf16", "jax-powersgd", "jax-zero1", "jax-fsdp", "jax-nosync")
+JAX_CONFIGS = ("jax-plain", "jax-bf16", "jax-powersgd", "jax-zero1", "jax-fsdp", "jax-nosync",
+               "jax-powersgd-s0")
 TORCH_CONFIGS = ("torch-plain", "torch-bf16", "torch-powersgd", "torch-nosync")
 # Interleaved: each jax row next to its torch counterpart.
 ORDER = ("jax-plain", "torch-plain", "jax-bf16", "torch-bf16", "jax-powersgd",
@@ -82,12 +85,13 @@ LABELS = {
     "torch-bf16": "torch DDP bf16_compress_hook",
     "torch-powersgd": "torch DDP powerSGD_hook rank 4",
     "jax-nosync": "(jaxcoll, no gradient sync)",
+    "jax-powersgd-s0": "(jaxcoll PowerSGD from step 0)",
     "torch-nosync": "(torch DDP under no_sync())",
 }
-LOSSY = {"jax-powersgd", "torch-powersgd"}
+LOSSY = {"jax-powersgd", "torch-powersgd", "jax-powersgd-s0"}
 # Attribution rows, not in the default set: the same step without any collective (wrong on
 # purpose), i.e. what the step costs on these cores besides gradient synchronisation.
-DIAGNOSTIC = {"jax-nosync", "torch-nosync"}
+DIAGNOSTIC = {"jax-nosync", "torch-nosync", "jax-powersgd-s0"}
 DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "u64": 8, "s32": 4,
                "u32": 4, "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
 
@@ -317,8 +321,9 @@ def jax_worker(a: argparse.Namespace) -> None:
             "jax-zero1": {"shard_optimizer": True},
             "jax-fsdp": {"shard_params": True},
         }.get(a.config)
-        if a.config == "jax-powersgd":
-            kw = {"comm_hook": dp.hooks.PowerSGD(rank=4, start_iter=2)}
+        if a.config in ("jax-powersgd", "jax-powersgd-s0"):
+            start = 0 if a.config == "jax-powersgd-s0" else 2
+            kw = {"comm_hook": dp.hooks.PowerSGD(rank=4, start_iter=start)}
         assert kw is not None, a.config
         assert set(kw) <= set(inspect.signature(dp.Trainer).parameters), kw
         trainer = dp.Trainer(loss_fn, optimizer, mesh=mesh, **kw)
@@ -523,8 +528,8 @@ def available(configs: list[str], no_torch: bool) -> tuple[list[str], list[str]]
         from jaxcoll import dp
 
         params = inspect.signature(dp.Trainer).parameters
-        jax_ok["jax-powersgd"] = ("comm_hook" in params
-                                  and hasattr(getattr(dp, "hooks", None), "PowerSGD"))
+        jax_ok["jax-powersgd"] = jax_ok["jax-powersgd-s0"] = (
+            "comm_hook" in params and hasattr(getattr(dp, "hooks", None), "PowerSGD"))
         jax_ok["jax-fsdp"] = "shard_params" in params
     torch_ok = not no_torch
     if not no_torch and any(c.startswith("torch") for c in configs):
@@ -538,7 +543,7 @@ def available(configs: list[str], no_torch: bool) -> tuple[list[str], list[str]]
         if c not in LABELS:
             raise SystemExit(f"unknown config {c!r}; choose from {', '.join(LABELS)}")
         if c.startswith("jax") and not jax_ok[c]:
-            what = ("dp.hooks.PowerSGD / Trainer(comm_hook=...)" if c == "jax-powersgd"
+            what = ("dp.hooks.PowerSGD / Trainer(comm_hook=...)" if "powersgd" in c
                     else "Trainer(shard_params=True)")
             notes.append(f"{c}: the installed jaxcoll has no {what}; row skipped.")
         elif c.startswith("torch") and not torch_ok:
