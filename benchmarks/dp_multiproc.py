@@ -1,6 +1,6 @@
 """Data-parallel training over real processes: dp.Trainer (2 processes x 4 devices) vs torch DDP.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/dp_multiproc.py            # ~13 min on 2 cores
+    PYTHONPATH=. .venv/bin/python benchmarks/dp_multiproc.py            # ~11 min on 2 cores
     PYTHONPATH=. .venv/bin/python benchmarks/dp_multiproc.py --rounds 1 --steps 3     # quick
     PYTHONPATH=. .venv/bin/python benchmarks/dp_multiproc.py --no-torch --configs jax-zero1
     PYTHONPATH=. .venv/bin/python benchmarks/dp_multiproc.py \
