@@ -312,7 +312,7 @@ def jax_worker(a: argparse.Namespace) -> None:
                        donate_argnums=0)
         state = jax.device_put((params, optimizer.init(params)), rep)
         run = step
-        program = (step, (state, batches[0]))
+        program = (lambda st, b: (step, (st, b))) if a.hlo else None
         held = state
     else:
         kw = {
@@ -329,7 +329,7 @@ def jax_worker(a: argparse.Namespace) -> None:
         trainer = dp.Trainer(loss_fn, optimizer, mesh=mesh, **kw)
         state = trainer.init(params, jax.random.key(0))
         run = trainer.step
-        program = trainer.step_program(state, batches[0]) if a.hlo else None
+        program = trainer.step_program if a.hlo else None
         held = (state.params, state.opt_state)
 
     dev0 = jax.local_devices()[0]
@@ -341,9 +341,6 @@ def jax_worker(a: argparse.Namespace) -> None:
 
     out: dict = {"config": a.config, "state_bytes": resident(held),
                  "all_state_bytes": resident(state)}
-    if a.hlo:
-        step, args = program
-        out["hlo"] = hlo_bytes_sent(step.lower(*args).compile().as_text(), n)
 
     times, losses = [], []
     for s in range(total):
@@ -353,6 +350,9 @@ def jax_worker(a: argparse.Namespace) -> None:
         if s >= a.warmup:
             times.append(time.perf_counter() - t)
         losses.append(metrics["loss"])
+    if program is not None:  # the program of the timed steps (PowerSGD's compressed phase)
+        step, args = program(state, batches[0])
+        out["hlo"] = hlo_bytes_sent(step.lower(*args).compile().as_text(), n)
     losses = [float(np.asarray(m.addressable_shards[0].data)) for m in losses]
     everyone = dist.all_gather_object(times)
     out["times"] = [max(ts) for ts in zip(*everyone, strict=True)]  # the slowest process
