@@ -329,17 +329,20 @@ class Trainer:
         batch = self.shard_batch(batch)
         phased = hasattr(self.strategy.hook, "phase")
         host = self._host_step(state) if phased else 0
-        new, metrics = self._run(api, self._step_program(state), state, batch)
+        new, metrics = self._run(api, self._step_program(state, host if phased else None),
+                                 state, batch)
         if phased:
             self._known_step = (new.step, host + 1)
         return new, metrics
 
-    def _step_program(self, state: TrainState):
+    def _step_program(self, state: TrainState, host_step: int | None = None):
         """The step program for ``state``: one per phase of a hook that has phases
         (``hook.phase(step)``, e.g. PowerSGD before and after ``start_iter``), chosen from
-        the step number on the host."""
+        the step number on the host (``host_step``, or :meth:`_host_step`)."""
         phase_of = getattr(self.strategy.hook, "phase", None)
-        key = None if phase_of is None else phase_of(self._host_step(state))
+        if phase_of is not None and host_step is None:
+            host_step = self._host_step(state)
+        key = None if phase_of is None else phase_of(host_step)
         if key not in self._step_fns:
             strategy = self.strategy if key is None else dataclasses.replace(
                 self.strategy, comm_hook=key)
