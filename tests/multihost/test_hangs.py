@@ -135,7 +135,11 @@ def test_peer_that_exits_early_is_named(tmp_path):
                 r"[\d.]+s waiting for dist.all_reduce\(float32\[4,3\]\) over processes 0-1: "
                 r"process\(es\) 1 exited while this one waits for it")
     assert re.search(expected, summary), summary
-    assert "SIGABRT" not in job.stderr
+    # The job ends on process 0's message, never on an abort. Process 1, already past its
+    # exit and waiting in JAX's shutdown barrier for process 0, may then be aborted by JAX
+    # when process 0 (the coordinator's host) goes: a follow-on, reported after the cause.
+    assert "was killed by SIGABRT first" not in job.stderr
+    assert "failed: process 0 exited with code 1" in summary
     assert survivors(job.token) == []
 
 
