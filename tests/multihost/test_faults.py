@@ -7,6 +7,7 @@ is 60 s, well under JAX's own 100 s heartbeat and 300 s init timeouts.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -31,8 +32,11 @@ def test_worker_that_raises_fails_the_job(tmp_path):
     assert job.returncode == 1
     assert job.seconds < BOUND_S
     assert "[1] RuntimeError: worker 1 failed on purpose at step 5" in job.stderr
-    assert "jaxcoll-run: process 1 (pid" in job.stderr and "exited with code 1 first" in job.stderr
-    assert "failed: process 1 exited with code 1" in job.stderr
+    # Process 1 raises; process 0, in an all-reduce with it, then fails on gloo's "connection
+    # reset": either exit may reach the launcher first (both are code 1).
+    assert re.search(r"jaxcoll-run: process [01] \(pid \d+\) exited with code 1 first",
+                     job.stderr), job.stderr[-3000:]
+    assert re.search(r"failed: process [01] exited with code 1", job.stderr)
     assert survivors(job.token) == []
 
 
