@@ -50,6 +50,20 @@ def _microbatches(api: str, x: jax.Array, m: int) -> jax.Array:
     return x.reshape((m, x.shape[0] // m) + x.shape[1:])
 
 
+def _check_targets(api: str, examples: int, y: PyTree) -> None:
+    """Every leaf of ``y`` has one row per example of ``x``: micro-batch i of ``x`` is scored
+    against rows of ``y`` cut the same way, so other counts would pair the wrong rows."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(y)[0]:
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] != examples:
+            got = f"{shape[0]} examples" if shape else "no leading axis (a scalar)"
+            raise ValueError(f"{api}: y{jax.tree_util.keystr(path)} has {got} but x has "
+                             f"{examples}; the last stage scores micro-batch i of x against "
+                             f"the same rows of y, so y needs one target per example of x. "
+                             f"Pass the targets of exactly this replica's rows of x (a leading "
+                             f"axis of {examples}).")
+
+
 def _forward(api: str, stage_fn: Callable, params: PyTree, xs: jax.Array, stage_axis: Any):
     """The forward schedule: at step t stage s runs micro-batch t - s. Returns each stage's
     saved inputs ``(M, mb, ...)`` and, on the last stage, the outputs."""
@@ -151,7 +165,8 @@ def pipeline_value_and_grad(
         params: this stage's parameters (a pytree).
         x: this replica's input batch ``(B, ...)``, read by stage 0 (the others may pass the
             same array; only its shape is used there).
-        y: this replica's targets, leading axis B (a pytree), read by the last stage.
+        y: this replica's targets, leading axis B (a pytree, every leaf one row per example
+            of ``x``), read by the last stage.
         stage_axis: the mesh axis of the stages.
         num_microbatches: M; must divide B.
         data_axis: the mesh axis of data-parallel replicas, or None.
@@ -164,6 +179,7 @@ def pipeline_value_and_grad(
     """
     api = "pipeline_value_and_grad"
     xs = _microbatches(api, x, num_microbatches)
+    _check_targets(api, x.shape[0], y)
     ys = jax.tree_util.tree_map(lambda v: _microbatches(api, v, num_microbatches), y)
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)

@@ -89,6 +89,31 @@ def test_pipeline_errors(kwargs, match):
         f.trace(_params(), jax.ShapeDtypeStruct((12, W), jnp.float32))
 
 
+@pytest.mark.parametrize("y, match", [
+    (jax.ShapeDtypeStruct((4, W), jnp.float32), r"pipeline_value_and_grad: y has 4 examples "
+                                                r"but x has 12; .*one target per example of "
+                                                r"x.*a leading axis of 12"),
+    (jax.ShapeDtypeStruct((24, W), jnp.float32), r"y has 24 examples but x has 12"),
+    ({"h": jax.ShapeDtypeStruct((12, W), jnp.float32),
+      "w": jax.ShapeDtypeStruct((), jnp.float32)},
+     r"y\['w'\] has no leading axis \(a scalar\) but x has 12"),
+])
+def test_pipeline_refuses_targets_that_do_not_match_the_examples(y, match):
+    # 4 targets for 12 examples split into 4 micro-batches of 3 and 1: loss_fn would
+    # broadcast them and return a loss of the wrong pairs.
+    mesh = mesh_1d(S, "stage")
+
+    def body(p, x, y):
+        mine = jax.tree.map(lambda v: v[0], p)
+        loss_of = loss_fn if not isinstance(y, dict) else lambda h, t: loss_fn(h, t["h"])
+        return parallel.pipeline_value_and_grad(stage_fn, loss_of, mine, x, y,
+                                                stage_axis="stage", num_microbatches=4)[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=P()))
+    with pytest.raises(ValueError, match=match):
+        f.trace(_params(), jax.ShapeDtypeStruct((12, W), jnp.float32), y)
+
+
 def test_moe_capacity_drops_come_back_as_zeros():
     n, t, d = 4, 8, 3
     mesh = mesh_1d(n, "ep")
