@@ -1,10 +1,13 @@
 """What the Trainer checks about the user's code and values, with messages that name the fix.
 
-Three kinds of check, each raised where the mistake is made:
+Four kinds of check, each raised where the mistake is made:
 
 * the loss's return value (:func:`loss_output`), checked when the step is traced, so a
   bare scalar, a ``None``, a string or a per-example array in the metrics is reported as
   such instead of as a failure deep inside the step;
+* params that cannot be trained (:func:`float_params`): an integer or boolean leaf, checked
+  by ``Trainer.init`` and when the step is traced, instead of failing inside ``jax.grad``
+  with a message that names no leaf;
 * a state whose buffers were donated to an earlier step (:func:`check_live`), checked before
   dispatch: calling a jitted program with donated buffers can kill the process;
 * a collective over an axis the Trainer does not have (:func:`unbound_axis`): a BatchNorm
@@ -126,6 +129,26 @@ def model_output(who: str, out: Any) -> tuple[jax.Array, tuple[dict[str, jax.Arr
                                          f"loss_fn must return (loss, (metrics, model_state)).")
     loss, metrics = loss_output(who, (out[0], out[1][0]))
     return loss, (metrics, out[1][1])
+
+
+def float_params(api: str, params: PyTree, grad_route: str) -> None:
+    """Raise TypeError if a leaf of ``params`` is not floating (or complex).
+
+    Every param is differentiated, its gradient crosses the devices (``grad_route``: how the
+    strategy moves it, e.g. reduce-scattered for ZeRO-1 and FSDP) and the optimizer updates
+    it; ``jax.grad`` refuses integer and boolean inputs, so such a leaf is named here.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = np.dtype(getattr(leaf, "dtype", None) or np.result_type(leaf))
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"{api}: params{jax.tree_util.keystr(path)} has dtype {dtype}, but every param "
+                f"is trained: differentiated by jax.grad, its gradient {grad_route}, and "
+                f"updated by the optimizer, which needs a floating dtype. Cast it (e.g. "
+                f"jnp.float32) if it should train; keep it out of the params if it should not: "
+                f"a constant in loss_fn's closure, or model state with a dp.Model (a linen "
+                f"collection other than 'params', an nnx Variable that is not an nnx.Param)."
+            )
 
 
 def check_live(api: str, state: PyTree) -> None:

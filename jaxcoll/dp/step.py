@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from .. import primitives
 from .._core.typing import AxisName, PyTree
 from ._vma import axis_names, to_varying
+from .checks import float_params
 from .extra import Extra
 from .state import TrainState
 from .sync.base import GradSync, specs_like
@@ -186,6 +187,9 @@ def build_step(loss: StateLoss, strategy: GradSync, state: TrainState, *, accum_
                    per_rank_spec, P()))
 
     def step(state: TrainState, batch: PyTree):
+        # Checked when traced (each new state signature): an integer param would otherwise
+        # fail inside jax.grad, unnamed.
+        float_params("Trainer.step", state.params, strategy.grad_route)
         grads, model_state, comm_state, metrics = mapped(
             state.params, state.model_state, state.comm_state, batch, state.step, state.rng)
         params, opt_state = strategy.update(grads, state.opt_state, state.params)

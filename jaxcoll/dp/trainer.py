@@ -26,7 +26,15 @@ from .._watch import process, watchdog
 from . import loop
 from ._vma import axis_names
 from .adapters import Model, name_of
-from .checks import LossOutputError, accepts, check_live, loss_output, model_output, unbound_axis
+from .checks import (
+    LossOutputError,
+    accepts,
+    check_live,
+    float_params,
+    loss_output,
+    model_output,
+    unbound_axis,
+)
 from .data import leading_size
 from .extra import Extra
 from .grad_sync import check_grad_sync
@@ -267,7 +275,13 @@ class Trainer:
         Returns:
             A :class:`TrainState` at step 0, placed on the mesh; ``state.extra`` is
             ``extra.init(params)`` when the Trainer has an ``extra``.
+
+        Raises:
+            TypeError: a leaf of ``params`` is not floating (an integer or a bool): every
+                param is differentiated and updated; the message names the leaf and where
+                such a value belongs instead.
         """
+        float_params("Trainer.init", params, self.strategy.grad_route)
         model_state = {} if model_state is None else model_state
         if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
             rng = jax.random.key_data(rng)

@@ -181,3 +181,27 @@ def test_constructor_errors_name_the_fix():
                                         r"loss_fn"):
         trainer, state = _trainer(loss)
         trainer.to_module(state)
+
+
+@pytest.mark.parametrize("kw, route", [
+    ({}, r"averaged over the devices by all-reduce \(DDP\)"),
+    ({"shard_optimizer": True}, r"reduce-scattered .*\(ZeRO-1, shard_optimizer=True\)"),
+    ({"shard_params": True}, r"reduce-scattered .*\(FSDP, shard_params=True\)"),
+])
+def test_an_integer_param_is_named_with_its_path_dtype_and_the_fix(kw, route):
+    # Before: every strategy failed inside jax.grad on the first step ("grad requires real- or
+    # complex-valued inputs ... but got int32"), naming no leaf.
+    def loss(p, b, rng):
+        return _ce(_logits(p, b), b) + 0.0 * p["layer"]["count"].sum(), {}
+
+    trainer = dp.Trainer(loss, optax.sgd(0.1), mesh=mesh_1d(8, "data"), **kw)
+    message = (rf"params\['layer'\]\['count'\] has dtype int32, but every param is trained: "
+               rf".*{route}.*Cast it \(e.g. jnp.float32\) if it should train; keep it out of "
+               rf"the params if it should not")
+    with pytest.raises(TypeError, match=rf"Trainer.init: {message}"):
+        trainer.init({**W, "layer": {"count": np.arange(8, dtype=np.int32)}}, jax.random.key(0))
+    # A state whose params were replaced after init: named when the step is traced.
+    state = trainer.init(W, jax.random.key(0))
+    bad = state.replace(params={**state.params, "layer": {"count": jnp.arange(8)}})
+    with pytest.raises(TypeError, match=rf"Trainer.step: {message}"):
+        trainer.step(bad, BATCH)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import optax
@@ -32,6 +33,8 @@ class AllReduce(GradSync):
         >>> sync = AllReduce(optax.adam(1e-3), mesh, "data", bucket_bytes=25 * 2**20)
         >>> opt_state = sync.init(params)              # replicated
     """
+
+    grad_route: ClassVar[str] = "averaged over the devices by all-reduce (DDP)"
 
     def reduce(self, grads: PyTree, comm_state: PyTree, step: jax.Array,
                like: PyTree = None) -> tuple[PyTree, PyTree]:

@@ -24,7 +24,7 @@ so one is safe to share and to rebuild.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +61,9 @@ class GradSync:
         comm_hook: the communication hook each bucket goes through (:mod:`jaxcoll.dp.hooks`);
             None: DDP's default, the exact mean in the gradients' own dtype.
     """
+
+    #: How a param's gradient crosses the devices, as error messages say it.
+    grad_route: ClassVar[str] = "synchronised over the devices"
 
     optimizer: optax.GradientTransformation
     mesh: Mesh

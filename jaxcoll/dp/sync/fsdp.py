@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,9 @@ class Fsdp(Zero1):
         >>> sync = Fsdp(optax.adamw(1e-3), mesh, "data")
         >>> trainer = dp.Trainer(loss_fn, optax.adamw(1e-3), shard_params=True)  # the same
     """
+
+    grad_route: ClassVar[str] = ("reduce-scattered (all-reduced where no dimension splits) "
+                                 "over the devices (FSDP, shard_params=True)")
 
     regather: bool = True
 

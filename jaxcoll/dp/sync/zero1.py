@@ -11,7 +11,7 @@ params: the result of any optax transformation is the unsharded one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -64,6 +64,9 @@ class Zero1(GradSync):
         >>> sync = Zero1(optax.adamw(1e-3), mesh, "data")
         >>> opt_state = sync.init(params)   # mu, nu: 1/8 of each split leaf per device
     """
+
+    grad_route: ClassVar[str] = ("reduce-scattered (all-reduced where no dimension splits) "
+                                 "over the devices (ZeRO-1, shard_optimizer=True)")
 
     def shard_dims(self, params: PyTree) -> list[int | None]:
         """:func:`shard_dim` of every leaf of ``params``, in leaf order."""
