@@ -1,7 +1,8 @@
 """FSDP (``shard_params=True``): what each device holds, what the step gathers, and the
-state around it (EMA, evaluate, to_module, checkpoints). Its equivalence with one device
-(SGD and Adam, MLP and BatchNorm CNN, accum, ring) is in test_equivalence.py; over two
-processes in tests/multihost/test_trainer.py.
+state around it (EMA, evaluate, to_module, checkpoints), and plain SGD against one device
+(a gradient scale error fails here on its own). Its full equivalence with one device (SGD
+and Adam, MLP and BatchNorm CNN, accum, ring) is in test_equivalence.py; over two processes
+in tests/multihost/test_trainer.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import optax
 import pytest
 
 from jaxcoll import dp
-from tests.dp._models import MLP, batches, cross_entropy, max_rel_diff
+from tests.dp._models import MLP, batches, cross_entropy, max_rel_diff, oracle
 from tests.dp.test_export import _executed, _functions
 from tests.helpers import mesh_1d
 
@@ -29,12 +30,32 @@ def _resident(tree) -> int:
                for s in x.addressable_shards if s.device == dev)
 
 
-def _setup(**kw):
+def _setup(optimizer=None, **kw):
     model = dp.Linen(MLP(), cross_entropy)
     data = batches("mlp", 4, 32)
     params, _ = model.init(jax.random.key(0), data[0])
-    trainer = dp.Trainer(model, optax.adam(1e-2), mesh=mesh_1d(N, "data"), **kw)
+    optimizer = optax.adam(1e-2) if optimizer is None else optimizer
+    trainer = dp.Trainer(model, optimizer, mesh=mesh_1d(N, "data"), **kw)
     return trainer, params, data
+
+
+def test_sgd_steps_move_the_params_as_one_device_does():
+    # Plain SGD: the params move linearly in the gradient, so a gradient scale off by any
+    # factor (8/7, a missing 1/n in the gather's backward) moves them that much more; Adam
+    # would divide the factor away. The moves are compared, not the params, whose size would
+    # hide a small factor.
+    sgd = optax.sgd(0.1)
+    trainer, params, data = _setup(sgd, shard_params=True)
+    state = trainer.init(params, jax.random.key(1))
+    for batch in data:
+        state, _ = trainer.step(state, batch)
+    want, _ = oracle(trainer.model, sgd, params, {}, data, n=N)
+    moved = lambda p: jax.tree_util.tree_map(  # noqa: E731
+        lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), p, params)
+    got_moves, want_moves = moved(jax.device_get(state.params)), moved(want)
+    assert min(np.abs(m).max() for m in jax.tree_util.tree_leaves(want_moves)) > 1e-3
+    diff = max_rel_diff(got_moves, want_moves)
+    assert diff <= 1e-5, f"FSDP's SGD moves differ from one device's by {diff:.3g} (relative)"
 
 
 def test_each_device_holds_one_nth_of_params_and_optimizer_state():
