@@ -1,6 +1,7 @@
 """A damaged newest checkpoint (files truncated, emptied or deleted) does not block a resume:
-it is skipped with a warning naming its step, the newest good one is restored, and the run
-ends bit-identical to one that was never stopped."""
+it is skipped with a warning naming its step, the newest good one is restored, the damaged
+step is saved again when training reaches it, and the run ends bit-identical to one that was
+never stopped."""
 
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ def _same(a, b) -> bool:
                                strict=True))
 
 
+def _read(ckpt: dp.Checkpointer, step: int, template) -> dp.TrainState:
+    """The checkpoint of ``step`` exactly (no fallback to another step)."""
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, template)
+    return ckpt.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+
+
 def _damage(step_dir: Path, target: str, mode: str) -> None:
     paths = sorted(step_dir.glob(target))
     assert paths, (step_dir, target)
@@ -62,12 +69,12 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
     trainer, fresh, data = _setup()
     ref, _ = trainer.fit(fresh(), data, steps=15)  # never stopped
     pristine = tmp_path / "pristine"
-    trainer.fit(fresh(), data, steps=10, checkpoint_dir=pristine, every=5)
+    step10 = jax.device_get(trainer.fit(fresh(), data, steps=10, checkpoint_dir=pristine,
+                                        every=5)[0])
     ckpt = dp.Checkpointer(pristine)
     assert ckpt.manager.all_steps() == [5, 10]
-    template = fresh()
-    step5 = ckpt.manager.restore(5, args=ocp.args.StandardRestore(
-        jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, template)))
+    step5 = _read(ckpt, 5, fresh())
+    assert _same(_read(ckpt, 10, fresh()), step10)
     ckpt.close()
 
     for i, (target, mode) in enumerate(DAMAGE):
@@ -82,8 +89,9 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
         assert int(got.step) == 5 and _same(got, step5), (target, mode)
     gc.collect()  # the failed restores' leftover tensorstore coroutines go here, not later
 
-    # A whole resume: warned, restored from step 5, the damaged step 10 replaced, and the
-    # result bit-identical to the run that was never stopped.
+    # A whole resume: warned, restored from step 5 (the newest good one: the run's first
+    # step is 6), the damaged step 10 saved again when training reached it (read back, it
+    # is the never-stopped run's step 10), and the result bit-identical to that run.
     run = tmp_path / "resume"
     shutil.copytree(pristine, run)
     _damage(run / "10", "default/_METADATA", "truncate")
@@ -93,7 +101,13 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
     assert _same(resumed, ref)
     ckpt = dp.Checkpointer(run)
     assert ckpt.manager.all_steps() == [10, 15]
-    assert _same(ckpt.restore_latest(fresh()), ref)  # no warning: step 10 was rewritten
+    try:
+        again = _read(ckpt, 10, fresh())
+    except Exception as e:
+        pytest.fail(f"step 10 was not saved again after the resume: reading it fails with "
+                    f"{type(e).__name__}: {str(e)[:200]}")
+    assert int(again.step) == 10 and _same(again, step10)
+    assert _same(ckpt.restore_latest(fresh()), ref)  # step 15, the run's end
     ckpt.close()
 
     # Nothing restorable: an error listing every step, never a silent fresh start.
