@@ -1,12 +1,19 @@
-"""A damaged newest checkpoint (files truncated, emptied or deleted) does not block a resume:
+"""Checkpoints that keep what a stopped run did.
+
+A damaged newest checkpoint (files truncated, emptied or deleted) does not block a resume:
 it is skipped with a warning naming its step, the newest good one is restored, the damaged
 step is saved again when training reaches it, and the run ends bit-identical to one that was
-never stopped."""
+never stopped. A preempted run (SIGTERM) saves the step it stopped at, between the periodic
+checkpoints, and its restart resumes there."""
 
 from __future__ import annotations
 
 import gc
+import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -18,6 +25,8 @@ import pytest
 
 from jaxcoll import dp
 from tests.helpers import mesh_1d
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _loss(w, batch, rng):
@@ -117,3 +126,52 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
             RuntimeError, match=r"no checkpoint in .* can be restored into this state:\n"
                                 r"  step 15: .*\n  step 10: .*\nIf the model or optimizer"):
         trainer.fit(fresh(), data, steps=20, checkpoint_dir=run, every=5)
+
+
+# The preempted run, in a process of its own (its SIGTERM and exit are its own): this file's
+# _setup, fit with a checkpoint every EVERY steps, and a callback that sends SIGTERM after
+# step AT and waits until jaxcoll's handler has recorded it, so the stop step is fixed.
+EVERY, AT, STEPS = 4, 5, 10
+PREEMPTED = f"""
+import os, signal, sys, time
+import tests.conftest  # 8 simulated CPU devices, as here
+import jaxcoll
+from tests.dp.test_checkpoint import _setup
+
+def preempt(step, metrics):
+    if step == {AT}:
+        os.kill(os.getpid(), signal.SIGTERM)
+        while not jaxcoll.preemption_requested():
+            time.sleep(0.01)
+
+trainer, fresh, data = _setup()
+trainer.fit(fresh(), data, steps={STEPS}, checkpoint_dir=sys.argv[1], every={EVERY},
+            callbacks=[preempt])
+"""
+
+
+def test_sigterm_saves_the_step_it_stopped_at_and_the_restart_resumes_there(tmp_path):
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", PREEMPTED, str(run)], cwd=ROOT,
+                         env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 143, out.stderr[-3000:]
+    found = re.search(r"Trainer.fit: SIGTERM: saved a checkpoint at step (\d+)", out.stderr)
+    assert found, out.stderr[-3000:]
+    # fit checks for a stop after dispatching each step; the callback of step AT runs after
+    # step AT + 1 was dispatched (prefetch), so the run stops after step AT + 2.
+    stop = int(found.group(1))
+    assert stop == AT + 2 and stop % EVERY, stop  # between two periodic checkpoints
+
+    trainer, fresh, data = _setup()
+    ckpt = dp.Checkpointer(run)
+    saved = ckpt.manager.all_steps()
+    assert stop in saved, f"no checkpoint of the preempted step {stop} (saved: {saved})"
+    got = _read(ckpt, stop, fresh())
+    ckpt.close()
+    want, _ = trainer.fit(fresh(), data, steps=stop)  # never stopped
+    assert int(got.step) == stop and _same(got, want)
+    # The restart: the same call again resumes at the preempted step, not at step EVERY.
+    resumed, hist = trainer.fit(fresh(), data, steps=STEPS, checkpoint_dir=run, every=EVERY)
+    assert [h["step"] for h in hist] == list(range(stop + 1, STEPS + 1))
+    ref, _ = trainer.fit(want, data, steps=STEPS)
+    assert _same(resumed, ref)
