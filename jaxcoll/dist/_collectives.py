@@ -23,10 +23,10 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from .. import primitives
-from .._watch import detect, process, watchdog
 from .._core.checks import check_pairs
 from .._core.ops import ReduceOp, check_op_dtype, coerce_op
 from .._core.typing import PyTree
+from .._watch import detect, process, watchdog
 from ..groups import Group
 from ._group import group_root, resolve_group
 from ._per_rank import check_per_rank, per_rank
