@@ -314,8 +314,8 @@ def gather_uneven(
     tensors of different sizes per rank. As :func:`all_gather_uneven`, but only ``dst``'s row
     of each ``result[j]`` holds rank j's tensor; the other rows are zeros (SPMD: one shape per
     rank, where torch gives non-destination ranks nothing). ``dst`` is a GLOBAL rank,
-    ``group_dst`` a rank within the group; pass one. Lowering:
-    :func:`jaxcoll.primitives.gather_uneven`.
+    ``group_dst`` a rank within the group; pass at most one: with neither, the destination is
+    global rank 0, as in torch. Lowering: :func:`jaxcoll.primitives.gather_uneven`.
 
     Example (8 devices)::
 
@@ -326,7 +326,7 @@ def gather_uneven(
     """
     api = "dist.gather_uneven"
     group = resolve_group(api, group)
-    dst = group_root(api, group, dst, group_dst, "dst")
+    dst = group_root(api, group, dst, group_dst, "dst", default=0)
     by_rank = _gather_sizes(api, sizes, group, _width(api, x, group))
     out = _watched(api, _gather_program(group, by_rank, dst)(x), x)
     return Work(out) if async_op else out
