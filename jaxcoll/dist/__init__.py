@@ -53,6 +53,7 @@ from ._per_rank import to_ranks as to_ranks
 from ._ragged import all_gather_uneven as all_gather_uneven
 from ._ragged import all_to_all_single as all_to_all_single
 from ._ragged import gather_uneven as gather_uneven
+from ._ragged import reduce_scatter_uneven as reduce_scatter_uneven
 from ._scan import exscan as exscan
 from ._scan import scan as scan
 from ._work import Work as Work
@@ -91,6 +92,7 @@ __all__ = [
     "recv_object_list",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_uneven",
     "scan",
     "scatter",
     "scatter_object_list",
