@@ -140,3 +140,26 @@ def check_gather_axis(api: str, shape: tuple[int, ...], axis: Any, tiled: bool) 
         raise ValueError(f"{api}: tiled=True concatenates along an existing axis, but x is a "
                          f"scalar. Use tiled=False to stack, or reshape x to 1-D.")
     return check_axis(api, "axis", axis, len(shape))
+
+
+def check_sizes(api: str, sizes: Any, n: int, total: int, what: str) -> tuple[int, ...]:
+    """Static sizes of the ``n`` parts, one per rank in rank order, that split ``total`` rows
+    exactly (``what`` says where ``total`` comes from, e.g. ``"x has 8 rows"``)."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence | np.ndarray):
+        raise TypeError(f"{api}: sizes must be a list of {n} static ints, one per rank (the rows "
+                        f"of its part), got {sizes!r} of type {type(sizes).__name__} instead. "
+                        f"The sizes set the result's shape, so they cannot be traced.")
+    if len(sizes) != n:
+        raise ValueError(f"{api}: sizes={list(sizes)} has {len(sizes)} entries, but the group "
+                         f"has {n} ranks. Pass one size per rank: sizes[r] is the number of "
+                         f"rows rank r gets.")
+    ints = tuple(check_static_int(api, f"sizes[{r}]", s) for r, s in enumerate(sizes))
+    for r, s in enumerate(ints):
+        if s < 0:
+            raise ValueError(f"{api}: sizes[{r}]={s} is negative; sizes count rows and must be "
+                             f">= 0.")
+    if sum(ints) != total:
+        raise ValueError(f"{api}: sizes={list(ints)} sums to {sum(ints)}, but {what}. Each "
+                         f"rank's input is the {n} parts concatenated in rank order (torch's "
+                         f"input_list), so sum(sizes) must equal its length.")
+    return ints

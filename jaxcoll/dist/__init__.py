@@ -15,7 +15,6 @@ Example (8 devices)::
     array(8., dtype=float32)
 """
 
-from ._init import init as init
 from .._core.ops import ReduceOp as ReduceOp
 from ..groups import Group as Group
 from ._collectives import all_gather as all_gather
@@ -41,6 +40,7 @@ from ._group import new_group as new_group
 from ._group import new_subgroups as new_subgroups
 from ._group import ordered_group as ordered_group
 from ._group import world as world
+from ._init import init as init
 from ._objects import all_gather_object as all_gather_object
 from ._objects import broadcast_object as broadcast_object
 from ._objects import broadcast_object_list as broadcast_object_list
@@ -53,6 +53,7 @@ from ._per_rank import to_ranks as to_ranks
 from ._ragged import all_gather_uneven as all_gather_uneven
 from ._ragged import all_to_all_single as all_to_all_single
 from ._ragged import gather_uneven as gather_uneven
+from ._ragged import reduce_scatter_uneven as reduce_scatter_uneven
 from ._scan import exscan as exscan
 from ._scan import scan as scan
 from ._work import Work as Work
@@ -91,6 +92,7 @@ __all__ = [
     "recv_object_list",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_uneven",
     "scan",
     "scatter",
     "scatter_object_list",

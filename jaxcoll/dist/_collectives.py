@@ -23,10 +23,10 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from .. import primitives
-from .._watch import detect, process, watchdog
 from .._core.checks import check_pairs
 from .._core.ops import ReduceOp, check_op_dtype, coerce_op
 from .._core.typing import PyTree
+from .._watch import detect, process, watchdog
 from ..groups import Group
 from ._group import group_root, resolve_group
 from ._per_rank import check_per_rank, per_rank
@@ -219,20 +219,20 @@ def gather(
     """Rank ``dst`` gets all ranks' values in group rank order; the other rows are zeros.
 
     ``torch.distributed.gather(tensor, gather_list, dst, group, async_op, group_dst)``: ``dst``
-    a GLOBAL rank, ``group_dst`` a rank within the group; pass one. Every row has the gathered
-    shape
-    (SPMD), so non-destination rows are zeros where torch gives them nothing.
-    Lowering: :func:`jaxcoll.primitives.gather`.
+    a GLOBAL rank, ``group_dst`` a rank within the group; pass at most one. With neither, the
+    destination is global rank 0, as in torch (a group without global rank 0 then needs one of
+    them). Every row has the gathered shape (SPMD), so non-destination rows are zeros where
+    torch gives them nothing. Lowering: :func:`jaxcoll.primitives.gather`.
 
     Example (8 devices)::
 
-        >>> y = dist.gather(dist.per_rank(np.arange(8.0)), dst=0)
+        >>> y = dist.gather(dist.per_rank(np.arange(8.0)))      # dst: global rank 0
         >>> dist.to_ranks(y)[0]
         array([0., 1., 2., 3., 4., 5., 6., 7.], dtype=float32)
     """
     api = "dist.gather"
     group = resolve_group(api, group)
-    dst = group_root(api, group, dst, group_dst, "dst")
+    dst = group_root(api, group, dst, group_dst, "dst", default=0)
     return _run(api, "gather", x, group, async_op, dst=dst, axis=axis, tiled=bool(tiled))
 
 
@@ -243,20 +243,21 @@ def scatter(
     """Group rank r gets slice r of rank ``src``'s value; the other rows of ``x`` are not read.
 
     ``torch.distributed.scatter(tensor, scatter_list, src, group, async_op, group_src)``:
-    ``src`` a GLOBAL rank, ``group_src`` a rank within the group; pass one. Each row of ``x``
-    holds the n
-    slices stacked along ``axis`` (or, ``tiled``, an axis n times longer). Only ``src``'s row
-    matters; the others give the shape. Lowering: :func:`jaxcoll.primitives.scatter`.
+    ``src`` a GLOBAL rank, ``group_src`` a rank within the group; pass at most one. With
+    neither, the source is global rank 0, as in torch (a group without global rank 0 then needs
+    one of them). Each row of ``x`` holds the n slices stacked along ``axis`` (or, ``tiled``,
+    an axis n times longer). Only ``src``'s row matters; the others give the shape.
+    Lowering: :func:`jaxcoll.primitives.scatter`.
 
     Example (8 devices)::
 
         >>> x = dist.per_rank(lambda r: np.arange(8.0) * (r == 0))
-        >>> dist.to_ranks(dist.scatter(x, src=0))[5]
+        >>> dist.to_ranks(dist.scatter(x))[5]                  # src: global rank 0
         array(5., dtype=float32)
     """
     api = "dist.scatter"
     group = resolve_group(api, group)
-    src = group_root(api, group, src, group_src, "src")
+    src = group_root(api, group, src, group_src, "src", default=0)
     return _run(api, "scatter", x, group, async_op, src=src, axis=axis, tiled=bool(tiled))
 
 

@@ -229,27 +229,36 @@ def group_sharding(group: Group) -> NamedSharding:
     return NamedSharding(group.mesh, P(group.mesh_axes))
 
 
-def group_root(api: str, group: Group, rank: Any, group_rank: Any, name: str) -> int:
+def group_root(api: str, group: Group, rank: Any, group_rank: Any, name: str,
+               default: int | None = None) -> int:
     """The group rank of a root given as torch gives it: ``name`` (``src``/``dst``) a GLOBAL
-    rank, or ``group_<name>`` a rank within the group; one of them, not both."""
+    rank, or ``group_<name>`` a rank within the group; one of them, not both. With neither,
+    the root is the global rank ``default`` (torch's ``scatter`` and ``gather`` default to
+    global rank 0), or, for ops without a default, an error."""
     if rank is not None and group_rank is not None:
         raise ValueError(f"{api}: pass {name}= (a global rank) or group_{name}= (a rank within "
                          f"the group), not both; got {name}={rank!r}, group_{name}="
                          f"{group_rank!r}.")
     if group_rank is not None:
         return check_rank(api, f"group_{name}", group_rank, group.size)
+    default_note = ""
     if rank is None:
-        raise ValueError(f"{api}: pass {name}= (a global rank) or group_{name}= (a rank "
-                         f"within the group).")
+        if default is None:
+            raise ValueError(f"{api}: pass {name}= (a global rank) or group_{name}= (a rank "
+                             f"within the group).")
+        rank = default
+        default_note = f"torch's default when neither {name}= nor group_{name}= is given"
     rank = check_static_int(api, name, rank)
     if len(group.subgroups) > 1:
-        raise ValueError(f"{api}: {name}={rank} names one global rank, but {group!r} is a "
-                         f"partition whose subgroups each need their own root; pass "
-                         f"group_{name}= (the rank within each subgroup) instead.")
+        shown = f"{name}={rank} ({default_note})" if default_note else f"{name}={rank}"
+        raise ValueError(f"{api}: {shown} names one global rank, but {group!r} is a partition "
+                         f"whose subgroups each need their own root; pass group_{name}= (the "
+                         f"rank within each subgroup) instead.")
     if rank not in group.ranks:
+        why = f"; {name}={rank} is {default_note}" if default_note else ""
         raise ValueError(f"{api}: Global rank {rank} is not part of group {group!r} (its "
-                         f"global ranks: {list(group.ranks)}). Pass a member's global rank as "
-                         f"{name}=, or a rank within the group as group_{name}=.")
+                         f"global ranks: {list(group.ranks)}){why}. Pass a member's global "
+                         f"rank as {name}=, or a rank within the group as group_{name}=.")
     return group.ranks.index(rank)
 
 

@@ -1,5 +1,5 @@
-"""Uneven collectives on per-rank arrays: all_to_all_single with split sizes, and all_gather /
-gather of tensors whose size differs per rank.
+"""Uneven collectives on per-rank arrays: all_to_all_single with split sizes, all_gather /
+gather of tensors whose size differs per rank, and reduce_scatter into parts of different sizes.
 
 A per-rank array has one shape for every rank, so a rank's uneven tensor is written as its row
 padded to a common width plus its real size, given as host lists exactly as each torch rank
@@ -19,7 +19,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .. import primitives
-from .._core.checks import check_static_int
+from .._core.checks import check_sizes, check_static_int
+from .._core.ops import ReduceOp, check_op_dtype, coerce_op
 from .._core.typing import PyTree
 from .._watch import process, watchdog
 from ..groups import Group
@@ -314,8 +315,8 @@ def gather_uneven(
     tensors of different sizes per rank. As :func:`all_gather_uneven`, but only ``dst``'s row
     of each ``result[j]`` holds rank j's tensor; the other rows are zeros (SPMD: one shape per
     rank, where torch gives non-destination ranks nothing). ``dst`` is a GLOBAL rank,
-    ``group_dst`` a rank within the group; pass one. Lowering:
-    :func:`jaxcoll.primitives.gather_uneven`.
+    ``group_dst`` a rank within the group; pass at most one: with neither, the destination is
+    global rank 0, as in torch. Lowering: :func:`jaxcoll.primitives.gather_uneven`.
 
     Example (8 devices)::
 
@@ -326,7 +327,80 @@ def gather_uneven(
     """
     api = "dist.gather_uneven"
     group = resolve_group(api, group)
-    dst = group_root(api, group, dst, group_dst, "dst")
+    dst = group_root(api, group, dst, group_dst, "dst", default=0)
     by_rank = _gather_sizes(api, sizes, group, _width(api, x, group))
     out = _watched(api, _gather_program(group, by_rank, dst)(x), x)
+    return Work(out) if async_op else out
+
+
+@functools.lru_cache(maxsize=256)
+def _reduce_scatter_program(group: Group, sizes: tuple[int, ...], op: ReduceOp):
+    api = "dist.reduce_scatter_uneven"
+    spec = P(group.mesh_axes)
+
+    def body(x):
+        for leaf in jax.tree_util.tree_leaves(x):  # checked when a new dtype is traced
+            check_op_dtype(api, op, leaf.dtype)
+        local = jax.tree_util.tree_map(lambda a: a[0], x)
+        out, _ = primitives.reduce_scatter_uneven(local, group.axis_name, sizes, op)
+        return jax.tree_util.tree_map(lambda a: a[None], out)
+
+    return jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=spec, out_specs=spec))
+
+
+def reduce_scatter_uneven(
+    x: PyTree, sizes: Sequence[int], op: ReduceOp | str = ReduceOp.SUM,
+    group: Group | None = None, async_op: bool = False,
+) -> PyTree | Work:
+    """Rank r gets part r of ``op`` over all ranks' inputs, where part r has ``sizes[r]`` rows.
+
+    ``torch.distributed.reduce_scatter(output, input_list, op, group, async_op)`` with parts of
+    different sizes per rank (rank r's ``output`` has ``input_list[r]``'s size, the same on
+    every rank): row r of ``x`` (shape ``(n, sum(sizes), ...)``) is rank r's ``input_list``
+    concatenated. Row r of the result holds torch's rank r output, then zero padding up to
+    ``max(sizes)``. Equivalent to::
+
+        def reduce_scatter_uneven(x, sizes, op):
+            total = functools.reduce(op, to_ranks(x))        # AVG: sum / n
+            starts = np.cumsum([0, *sizes])
+            rows = [pad(total[starts[r]:starts[r + 1]], max(sizes)) for r in range(n)]
+            return per_rank(rows, group)
+
+    Lowering: :func:`jaxcoll.primitives.reduce_scatter_uneven` (one ``reduce_scatter`` of the
+    parts padded to ``max(sizes)`` rows, or, when one part is much longer than the others, one
+    ``all_reduce`` and a slice: whichever moves fewer bytes). Every op/dtype pair
+    :func:`reduce_scatter` allows; pytrees whose leaves share the width.
+
+    Args:
+        x: a per-rank array ``(n, sum(sizes), ...)`` (or pytree of them) for ``group``.
+        sizes: one int per group rank: the rows of its part (torch's ``input_list[r]``
+            length). For a partition (``new_subgroups``, ``hierarchy``) every subgroup splits
+            the same way.
+        op: a :class:`~jaxcoll.ReduceOp` or its name.
+        group: the group; the world if None.
+        async_op: return a :class:`~jaxcoll.dist.Work`.
+
+    Returns:
+        A per-rank array ``(n, max(sizes), ...)``: torch's rank r output is
+        ``y[r, :sizes[r]]`` (for a partition, ``sizes`` of row r's group rank).
+
+    Raises:
+        ValueError: ``sizes`` of the wrong length or with a negative entry, or not summing to
+            the width of ``x``'s rows.
+        TypeError: ``op`` not defined for a dtype of ``x``.
+
+    Example (4 devices; parts of 1, 2, 3 and 2 rows; rank r holds 0..7 times r + 1)::
+
+        >>> g = dist.new_group([0, 1, 2, 3])
+        >>> x = dist.per_rank(lambda r: np.arange(8.0) * (r + 1), g)
+        >>> y = dist.reduce_scatter_uneven(x, [1, 2, 3, 2], group=g)
+        >>> dist.to_ranks(y)[2]
+        array([30., 40., 50.], dtype=float32)
+    """
+    api = "dist.reduce_scatter_uneven"
+    group = resolve_group(api, group)
+    width = _width(api, x, group)
+    sizes = check_sizes(api, sizes, group.size, width, f"x's rows have width {width}")
+    op = op if isinstance(op, ReduceOp) else coerce_op(api, op)
+    out = _watched(api, _reduce_scatter_program(group, sizes, op)(x), x)
     return Work(out) if async_op else out

@@ -17,6 +17,7 @@ from .p2p import shift as shift
 from .ragged import all_gather_uneven as all_gather_uneven
 from .ragged import gather_uneven as gather_uneven
 from .ragged import ragged_all_to_all as ragged_all_to_all
+from .ragged import reduce_scatter_uneven as reduce_scatter_uneven
 from .ranks import rank as rank
 from .ranks import world_size as world_size
 from .reduce_scatter import reduce_scatter as reduce_scatter
@@ -37,6 +38,7 @@ __all__ = [
     "rank",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_uneven",
     "scan",
     "scatter",
     "sendrecv",

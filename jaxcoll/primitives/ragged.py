@@ -1,11 +1,14 @@
-"""Uneven collectives: a ragged all_to_all (MoE token dispatch) and an uneven all_gather/gather.
+"""Uneven collectives: a ragged all_to_all (MoE token dispatch), an uneven all_gather/gather
+and an uneven reduce_scatter.
 
 Under SPMD every rank's array has one static shape, so "a different number of rows per rank"
-is written the way MoE code writes it: a static-capacity buffer plus traced sizes.
+is written the way MoE code writes it: a static-capacity buffer plus the sizes (traced, or,
+where they set the result's shape, static).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -13,10 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core import lowering
-from .._core.axis import resolve
-from .._core.checks import as_array_leaves, check_rank, check_static_int
+from .._core.axis import Axis, resolve
+from .._core.checks import as_array_leaves, check_rank, check_sizes, check_static_int
+from .._core.ops import ReduceOp, check_op_dtype, coerce_op
 from .._core.protocol import handler
 from .._core.typing import AxisName, PyTree
+from .all_reduce import all_reduce
+from .reduce_scatter import reduce_scatter
 
 
 def delegate(own: Any, primitive: Any, x: Any, **kwargs: Any) -> Any:
@@ -233,3 +239,100 @@ def gather_uneven(
     here = ax.rank() == dst
     return (jax.tree_util.tree_map(lambda a: jnp.where(here, a, jnp.zeros((), a.dtype)), padded),
             jnp.where(here, sizes, np.int32(0)))
+
+
+def reduce_scatter_uneven(
+    x: PyTree, axis_name: AxisName, sizes: Sequence[int], op: ReduceOp | str = ReduceOp.SUM,
+) -> tuple[PyTree, jax.Array]:
+    """Rank r gets part r (``sizes[r]`` rows) of ``op`` over every rank's ``x``, padded.
+
+    The SPMD form of ``torch.distributed.reduce_scatter(output, input_list, op)`` when the
+    parts differ in size (rank r's ``output`` has ``input_list[r]``'s size; NCCL supports it,
+    torch's test is ``test_reduce_scatter_v_cuda``). Every rank passes
+    its ``input_list`` concatenated along the first axis, ``sum(sizes)`` rows, and the same
+    static ``sizes``. Equivalent to::
+
+        def reduce_scatter_uneven(x, axis_name, sizes, op):
+            r, cap = rank(axis_name), max(sizes)
+            total = all_reduce(x, axis_name, op)
+            start = sum(sizes[:r])
+            part = total[start:start + sizes[r]]            # torch's output on rank r
+            out = zeros((cap, *x.shape[1:])).at[:sizes[r]].set(part)
+            return out, sizes[r]
+
+    Lowering: whichever moves fewer bytes. When ``n * max(sizes) <= 2 * sum(sizes)`` (sizes
+    roughly even): one :func:`reduce_scatter` (``lax.psum_scatter`` for SUM/AVG, an
+    ``all_to_all`` + local fold for the other ops) of the n parts, each zero-padded to
+    ``max(sizes)`` rows. Otherwise (one part much longer than the rest): one
+    :func:`all_reduce` of the ``sum(sizes)`` rows, then a slice at this rank's offset. Every op
+    and dtype :func:`reduce_scatter` allows (float16 SUM/AVG accumulate in float32), pytrees
+    (every leaf has ``sum(sizes)`` rows); differentiable for SUM and AVG.
+
+    Args:
+        x: an array or pytree of arrays, each leaf ``(sum(sizes), *s)``: the n parts, rank j's
+            part at rows ``sum(sizes[:j]) .. sum(sizes[:j+1]) - 1``. The same layout on every
+            rank.
+        axis_name: mesh axis name or tuple of names.
+        sizes: n static non-negative ints, ``sizes[r]`` the rows of rank r's part (they set
+            the result's shape, so they cannot be traced).
+        op: a :class:`~jaxcoll.ReduceOp` or its name (dtype rules as :func:`all_reduce`).
+
+    Returns:
+        ``(out, size)``: ``out`` like ``x`` with ``max(sizes)`` rows, this rank's reduced part
+        then zeros; ``size`` int32, ``sizes[r]`` (torch's output is ``out[:size]``).
+
+    Note:
+        torch sizes each rank's output exactly; under SPMD every rank's result has one shape,
+        so it is padded to the longest part, as :func:`all_gather_uneven` pads.
+
+    Example (4 devices; parts of 1, 2, 3 and 2 rows, every rank holds 0..7)::
+
+        >>> f = jax.shard_map(
+        ...     lambda v: reduce_scatter_uneven(v, "x", [1, 2, 3, 2])[0][None],
+        ...     mesh=mesh, in_specs=P(), out_specs=P("x"))
+        >>> f(jnp.arange(8.0))
+        Array([[ 0.,  0.,  0.], [ 4.,  8.,  0.], [12., 16., 20.], [24., 28.,  0.]],
+              dtype=float32)
+    """
+    if (own := handler(axis_name)) is not None:
+        return delegate(own, reduce_scatter_uneven, x, sizes=sizes, op=op)
+    api = "reduce_scatter_uneven"
+    op = coerce_op(api, op)
+    ax = resolve(api, axis_name)
+    leaves, treedef = as_array_leaves(api, x)
+    m = _leading(api, leaves, "input")
+    sizes = check_sizes(api, sizes, ax.size, m, f"x has {m} rows")
+    for leaf in leaves:
+        check_op_dtype(api, op, leaf.dtype)
+    out, size = _reduce_scatter_parts(leaves, ax, op, sizes)
+    return jax.tree_util.tree_unflatten(treedef, out), size
+
+
+def _reduce_scatter_parts(leaves: list[jax.Array], ax: Axis, op: ReduceOp,
+                          sizes: tuple[int, ...]) -> tuple[list[jax.Array], jax.Array]:
+    """Part ``rank`` of ``op`` over the ranks' leaves (checked), padded to ``max(sizes)`` rows:
+    by a reduce-scatter of the padded parts, or an all-reduce when that moves fewer bytes."""
+    m, n, cap = sum(sizes), ax.size, max(sizes)
+    starts = np.cumsum((0, *sizes[:-1])).tolist()
+    r = ax.rank()
+    if n * cap <= 2 * m:  # the n padded parts move no more than an all-reduce of m rows would
+        parts = [jnp.concatenate([_padded(leaf[a:a + k], cap) for a, k in zip(starts, sizes)])
+                 for leaf in leaves]
+        out = reduce_scatter(parts, ax.name, op, tiled=True)
+    else:
+        total = all_reduce(leaves, ax.name, op)
+        start = jnp.asarray(starts, jnp.int32)[r]
+        out = [jax.lax.dynamic_slice_in_dim(_padded(t, m + cap), start, cap) for t in total]
+    size = jnp.asarray(sizes, jnp.int32)[r]
+    return [_zero_from(o, size) for o in out], size
+
+
+def _padded(a: jax.Array, rows: int) -> jax.Array:
+    """``a`` with zero rows appended up to ``rows``."""
+    return jnp.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+
+
+def _zero_from(a: jax.Array, size: jax.Array) -> jax.Array:
+    """``a`` with its rows from ``size`` on set to zero."""
+    keep = (jnp.arange(a.shape[0]) < size).reshape((a.shape[0],) + (1,) * (a.ndim - 1))
+    return jnp.where(keep, a, jnp.zeros((), a.dtype))

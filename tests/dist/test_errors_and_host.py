@@ -70,8 +70,8 @@ def test_host_queries_and_objects() -> None:
          r"dist.send: Global rank -1 is not part of group"),
         (lambda: dist.broadcast(dist.per_rank(np.zeros(8)), src=1, group_src=1), ValueError,
          r"dist.broadcast: pass src= \(a global rank\) or group_src= .* not both"),
-        (lambda: dist.gather(dist.per_rank(np.zeros(8))), ValueError,
-         r"dist.gather: pass dst= \(a global rank\) or group_dst="),
+        (lambda: dist.reduce(dist.per_rank(np.zeros(8))), ValueError,
+         r"dist.reduce: pass dst= \(a global rank\) or group_dst="),  # torch: no default
         (lambda: dist.scatter(dist.per_rank(np.zeros(8)), src=2, group=dist.new_subgroups(2)),
          ValueError, r"dist.scatter: src=2 names one global rank, but .* partition.*group_src="),
         (lambda: dist.reduce(dist.per_rank(np.zeros(8)), group_dst=8), ValueError,

@@ -1,6 +1,7 @@
 """dist.all_to_all_single (with and without split sizes), dist.all_gather_uneven,
-dist.gather_uneven, dist.scan and dist.exscan: torch's documented answers, a NumPy oracle on
-groups of 1, 2, 3, 4 and 8 ranks (sorted, ordered, partitions), and every error."""
+dist.gather_uneven, dist.reduce_scatter_uneven, dist.scan and dist.exscan: torch's documented
+answers, a NumPy oracle on groups of 1, 2, 3, 4 and 8 ranks (sorted, ordered, partitions), and
+every error."""
 
 from __future__ import annotations
 
@@ -184,6 +185,88 @@ def test_uneven_gather_errors():
                            [1, 1], dst=3, group=dist.new_group([0, 1]))
     work = dist.all_gather_uneven(x, [1] * 8, async_op=True)
     assert [a.shape for a in work.wait()] == [(8, 1, 2)] * 8
+
+
+@pytest.mark.parametrize("gname", ["world", "size4"])
+def test_reduce_scatter_uneven_is_torchs_reduce_scatter_v_test(gname):
+    """PyTorch's test_reduce_scatter_v_cuda: the part of the rank of global rank ``src`` has
+    ``src + 1`` rows; every rank's input is ``sum_len`` rows of 10 (torch's
+    ``_build_tensor(sum_len, 10)``, shape (sum_len,) * 3) with its own part set to 2, so each
+    rank's output is its part's rows, all 2 + 10 * (n - 1); async and not."""
+    g = GROUPS[gname][0]()
+    sizes = [src + 1 for src in g.ranks]
+    starts, sum_len = np.cumsum([0, *sizes]), sum(sizes)
+
+    def tensor(j):
+        t = np.full((sum_len,) * 3, 10, np.float32)
+        t[starts[j]:starts[j + 1]] = 2
+        return t
+
+    x = dist.per_rank(tensor, g)
+    for async_op in (True, False):
+        out = dist.reduce_scatter_uneven(x, sizes, dist.ReduceOp.SUM, g, async_op)
+        rows = dist.to_ranks(out.wait() if async_op else out)
+        for j, row in enumerate(rows):
+            k = sizes[j]
+            assert row.shape == (max(sizes), sum_len, sum_len)
+            np.testing.assert_array_equal(row[:k], np.full((k, sum_len, sum_len),
+                                                           2 + 10 * (g.size - 1)))
+            assert not row[k:].any()  # padding
+
+
+@pytest.mark.parametrize("gname, op, sizes", [
+    ("world", "sum", [2, 0, 1, 3, 1, 1, 2, 2]),
+    ("size1", "max", [3]),
+    ("size3", "product", [1, 3, 2]),
+    ("ordered4", "avg", [0, 6, 1, 0]),  # one long part: the all_reduce lowering
+    ("sub2", "bxor", [1, 2]),
+    ("local", "min", [2, 1, 0, 2]),
+])
+def test_reduce_scatter_uneven_matches_numpy_on_groups(gname, op, sizes):
+    make, rows, devices = GROUPS[gname]
+    g = make()
+    n_rows, width = len(devices), sum(sizes)
+    rng = np.random.default_rng(n_rows + width)
+    xs = {"f": rng.normal(size=(n_rows, width, 2)).astype(np.float32),
+          "i": rng.integers(-9, 9, (n_rows, width)).astype(np.int32)}
+    xs = {key: v for key, v in xs.items() if (op, key) not in (("avg", "i"), ("bxor", "f"))}
+    x = {key: dist.per_rank(list(v), g) for key, v in xs.items()}
+    y = dist.reduce_scatter_uneven(x, sizes, op, group=g)
+    for key, v in xs.items():
+        want = expected(rows, list(v), lambda m: [o for o, _ in
+                                                  oracle.reduce_scatter_uneven(m, op, sizes)])
+        got = dist.to_ranks(y[key])
+        for r in range(n_rows):
+            assert got[r].dtype == v.dtype and got[r].shape == (max(sizes), *v.shape[2:])
+            np.testing.assert_allclose(got[r], want[r], rtol=1e-6, atol=1e-6,
+                                       err_msg=f"{gname} {key} row {r}")
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda x: dist.reduce_scatter_uneven(x, [1] * 7), ValueError,
+     r"dist.reduce_scatter_uneven: sizes=\[1, 1, 1, 1, 1, 1, 1\] has 7 entries, but the group "
+     r"has 8 ranks. Pass one size per rank"),
+    (lambda x: dist.reduce_scatter_uneven(x, [2, -1, 1, 1, 1, 1, 1, 0]), ValueError,
+     r"dist.reduce_scatter_uneven: sizes\[1\]=-1 is negative"),
+    (lambda x: dist.reduce_scatter_uneven(x, [1] * 8), ValueError,
+     r"dist.reduce_scatter_uneven: sizes=\[1, 1, 1, 1, 1, 1, 1, 1\] sums to 8, but x's rows "
+     r"have width 6"),
+    (lambda x: dist.reduce_scatter_uneven(x, "12"), TypeError,
+     r"dist.reduce_scatter_uneven: sizes must be a list of 8 static ints"),
+    (lambda x: dist.reduce_scatter_uneven(x, [6, 0], group=dist.new_subgroups(4)), ValueError,
+     r"sizes=\[6, 0\] has 2 entries, but the group has 4 ranks"),
+    (lambda x: dist.reduce_scatter_uneven(x.astype(np.int32), [6] + [0] * 7, "avg"), TypeError,
+     r"dist.reduce_scatter_uneven: op=ReduceOp.AVG is not defined for dtype int32"),
+    (lambda x: dist.reduce_scatter_uneven(x, [6] + [0] * 7, "mode"), ValueError,
+     r"dist.reduce_scatter_uneven: op='mode' is not a reduce op"),
+    (lambda x: dist.reduce_scatter_uneven(x[:, 0, 0], [0] * 8), ValueError,
+     r"dist.reduce_scatter_uneven: x has shape \(8,\), one scalar per rank"),
+    (lambda x: dist.reduce_scatter_uneven(x, [6] + [0] * 7, group=[0, 1]), TypeError,
+     r"dist.reduce_scatter_uneven: group must be a Group"),
+])
+def test_reduce_scatter_uneven_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call(dist.per_rank(lambda r: np.zeros((6, 2), np.float32)))
 
 
 @pytest.mark.parametrize("gname", ["world", "size3", "sub2", "ordered4"])

@@ -70,3 +70,58 @@ def test_partition_groups_take_group_ranks():
     assert [float(v[0]) for v in got] == [1.0] * 4 + [5.0] * 4
     with pytest.raises(ValueError, match="partition"):
         dist.broadcast(x, src=1, group=g)
+
+
+def test_scatter_and_gather_default_to_global_rank_0():
+    """torch's scatter and gather take global rank 0 when neither src/dst nor group_src/
+    group_dst is given (PyTorch's test_scatter_checks / test_gather_checks call them so).
+    Every row holds different data, so reading another rank would show."""
+    x = dist.per_rank(lambda r: np.float32([10 * r + j for j in range(8)]))
+    scattered = dist.to_ranks(dist.scatter(x))
+    assert [float(v) for v in scattered] == [float(j) for j in range(8)]  # rank 0's row
+    gathered = dist.to_ranks(dist.gather(dist.per_rank(lambda r: np.float32([100 + r]))))
+    assert gathered[0][:, 0].tolist() == [100.0 + r for r in range(8)]
+    assert not any(row.any() for row in gathered[1:])
+    work = dist.gather(dist.per_rank(lambda r: np.float32([r])), async_op=True)
+    assert dist.to_ranks(work.wait())[0][:, 0].tolist() == list(map(float, range(8)))
+
+
+def test_the_default_root_is_global_rank_0_not_group_rank_0():
+    """In a group where global rank 0 is group rank 1, the default root is group rank 1."""
+    g = dist.ordered_group([3, 0, 5])
+    gathered = dist.to_ranks(dist.gather(_values(g), group=g))
+    assert gathered[1][:, 0].tolist() == [103.0, 100.0, 105.0]
+    assert not gathered[0].any() and not gathered[2].any()
+    x = dist.per_rank(lambda j: np.float32([1, 2, 3]) * (10 ** j), g)
+    assert [float(v) for v in dist.to_ranks(dist.scatter(x, group=g))] == [10.0, 20.0, 30.0]
+    ragged = dist.gather_uneven(dist.per_rank(lambda j: np.float32([g.ranks[j]] * 2), g),
+                                [1, 2, 1], group=g)
+    assert [dist.to_ranks(t)[1].tolist() for t in ragged] == [[3.0], [0.0, 0.0], [5.0]]
+    assert not dist.to_ranks(ragged[0])[0].any()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda x, g: dist.gather(x, group=g),
+     r"dist.gather: Global rank 0 is not part of group Group\(ranks=\[1, 5, 6\].*; dst=0 is "
+     r"torch's default when neither dst= nor group_dst= is given. Pass a member's"),
+    (lambda x, g: dist.scatter(x, group=g),
+     r"dist.scatter: Global rank 0 is not part of group .*; src=0 is torch's default"),
+    (lambda x, g: dist.gather_uneven(x, [1, 1, 1], group=g),
+     r"dist.gather_uneven: Global rank 0 is not part of group .*; dst=0 is torch's "
+     r"default"),
+])
+def test_the_default_root_outside_the_group_is_torchs_error(call, match):
+    g = dist.new_group([6, 1, 5])
+    with pytest.raises(ValueError, match=match):
+        call(dist.per_rank(lambda j: np.zeros((3, 1), np.float32), g), g)
+
+
+def test_a_partition_needs_group_src_even_by_default():
+    x = dist.per_rank(lambda r: np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match=r"dist.scatter: src=0 \(torch's default when neither "
+                                         r"src= nor group_src= is given\) names one global "
+                                         r"rank, but .* partition"):
+        dist.scatter(x, group=dist.new_subgroups(2))
+    with pytest.raises(ValueError, match=r"dist.broadcast: pass src= \(a global rank\) or "
+                                         r"group_src="):
+        dist.broadcast(x)  # torch's broadcast has no default src

@@ -181,3 +181,17 @@ def exscan(xs, op):
         else:
             out.append(fold(op, [widen(x) for x in xs[:r]]))
     return out
+
+
+def reduce_scatter_uneven(xs, op, sizes):
+    """xs[j]: rank j's input, the n parts concatenated (sum(sizes) rows). Returns per rank r
+    (op over the ranks of part r, zero-padded to max(sizes) rows; sizes[r])."""
+    total = fold(op, [widen(x) for x in xs])
+    cap = max(sizes)
+    starts = np.cumsum([0, *sizes])
+    out = []
+    for r, k in enumerate(sizes):
+        part = np.zeros((cap, *total.shape[1:]), total.dtype)
+        part[:k] = total[starts[r]:starts[r] + k]
+        out.append((part, np.int32(k)))
+    return out
