@@ -18,15 +18,19 @@ None of them, or a job of one process: :func:`init` does nothing.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
+import socket
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+
+from ._xla_flags import with_xla_cpu_flags
 
 __all__ = ["initialize"]
 
@@ -182,6 +186,21 @@ def _loopback_bind(address: str | None) -> str | None:
     return address if loopback else None
 
 
+def _exit_now(code: int, line: str | None = None, reason: str | None = None,
+              before: Callable[[], None] | None = None) -> None:
+    if before is not None:
+        before()
+    os._exit(code)
+
+
+leave: Callable[..., None] = _exit_now
+"""How the fail-fast hook ends the process: ``leave(code, line, reason, before)``.
+
+:func:`jaxcoll.init` puts in ``jaxcoll._watch``'s, which first tells the other processes of
+the failure and, in the process hosting JAX's coordination service, waits for them to leave.
+"""
+
+
 def _fail_fast_hook(previous):
     """An excepthook that ends the process at once after reporting an uncaught exception.
 
@@ -191,18 +210,15 @@ def _fail_fast_hook(previous):
     """
 
     def hook(kind, value, tb):
-        previous(kind, value, tb)
         try:
+            previous(kind, value, tb)
             sys.stdout.flush()
             sys.stderr.flush()
+        finally:
             # An error every process raises together (a collective mismatch) carries a
             # rendezvous, so that no process exits (and gets the others stopped) before all
             # have printed theirs.
-            before_exit = getattr(value, "_jaxcoll_before_exit", None)
-            if before_exit is not None:
-                before_exit()
-        finally:
-            os._exit(1)
+            leave(1, None, _first_line(value), getattr(value, "_jaxcoll_before_exit", None))
 
     hook.jaxcoll_fail_fast = True
     return hook
@@ -334,6 +350,12 @@ def initialize(
             or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
             or _loopback_bind(spec.coordinator_address))
 
+    from jax._src import xla_bridge  # the only way to ask whether a backend exists yet
+
+    if not xla_bridge.backends_are_initialized():
+        # XLA:CPU's rendezvous timeouts out of the way (read when JAX starts its devices).
+        os.environ["XLA_FLAGS"] = with_xla_cpu_flags(os.environ.get("XLA_FLAGS", ""))
+
     cluster = None
     if spec.num_processes is None and spec.coordinator_address is None:
         cluster = cluster_detection_method or _cluster(os.environ)
@@ -373,6 +395,8 @@ def _connect(api, spec, cluster, init_t, beat_t, stop_t, bind) -> None:
             os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION") is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = spec.coordinator_address or f"the {cluster} job's coordinator"
+    if spec.process_id == 0 and spec.coordinator_address:
+        _check_port_free(api, spec, bind or f"[::]:{spec.coordinator_address.rpartition(':')[2]}")
     # When a peer or the coordinator never shows up, XLA ends the process from a C++ thread
     # (abort, no Python exception). Say what happened, in one line, just before it does.
     message = (
@@ -417,6 +441,32 @@ def _connect(api, spec, cluster, init_t, beat_t, stop_t, bind) -> None:
         ) from e
     finally:
         watchdog.cancel()
+
+
+def _check_port_free(api: str, spec: _Spec, bind: str) -> None:
+    """Raise if the coordination service could not listen at ``bind`` (process 0 only).
+
+    JAX's service does not report a port already in use: the process can crash (SIGSEGV) or
+    hang until the initialization timeout. Binding a socket there first (and closing it)
+    gives the one clear message instead.
+    """
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host if host not in ("", "::") else "::" if family == socket.AF_INET6
+                    else "", int(port)))
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            return  # not ours to judge (an address of another host, say): JAX will tell
+        raise ValueError(
+            f"{api}: process 0 hosts the job's coordination service at {bind} (coordinator "
+            f"address {spec.coordinator_address!r}, from {spec.source}), but port {port} is "
+            f"already in use by another program. Pick a free port (jaxcoll-run does when "
+            f"--coordinator is not given) or end the program that holds it."
+        ) from None
 
 
 def _give_up(message: str) -> None:

@@ -16,14 +16,19 @@ given local accelerators ``D * local_rank .. D * local_rank + D - 1``.
 ``--timeout S`` (``JAXCOLL_TIMEOUT``) is the collective timeout of jaxcoll's watchdog and
 ``--debug detail`` (``JAXCOLL_DEBUG``) turns on mismatch detection (see :func:`jaxcoll.init`).
 
-Every output line is prefixed with ``[k]``, the process index. If a process exits non-zero or
-is killed, the launcher names it (with the last ``Name: message`` line it wrote to stderr, such
-as the watchdog's ``jaxcoll: process 0 of 2 timed out ...`` or ``RuntimeError: ...``; a
-process that printed jaxcoll's exit line counts as failing from that line), sends SIGTERM to
-every other process group, SIGKILL after ``--grace`` seconds, and exits non-zero (the failed
-process's exit code, or 128 + signal); jaxcoll's SIGTERM handler ends each worker within a
-second, even one blocked in a collective;
-with ``--max-restarts K`` it restarts the whole group up to K times instead. SIGINT and
+Every output line is prefixed with ``[k]``, the process index; gloo's per-rank connection
+reports are dropped. If a process exits non-zero or is killed, the launcher gives the others
+up to 10 s to end by themselves (a jaxcoll process learns of a peer's failure within a second
+or two and exits with its own line; the process hosting JAX's coordination service leaves
+last, so JAX aborts none), then sends SIGTERM to every process group still running, SIGKILL
+after ``--grace`` seconds, and exits non-zero. It names the cause: the earliest failure that
+is not a consequence of another (a peer's "stops: process K failed", a closed gloo
+connection), with the last ``Name: message`` line that process wrote to stderr (such as the
+watchdog's ``jaxcoll: process 0 of 2 timed out ...`` or ``RuntimeError: ...``; else its last
+line, e.g. a ``SystemExit`` message), and exits with that process's exit code (or 128 +
+signal). A process that printed jaxcoll's exit line counts as failing from that line.
+jaxcoll's SIGTERM handler ends each worker within a second, even one blocked in a
+collective. With ``--max-restarts K`` it restarts the whole group up to K times instead. SIGINT and
 SIGTERM sent to the launcher are forwarded to every process. Each process runs in its own
 session (process group) and is killed with the launcher if the launcher itself dies, so no
 process outlives it.
@@ -45,10 +50,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from ._xla_flags import with_xla_cpu_flags
+
 __all__ = ["main"]
 
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.05
+_SETTLE_S = 10.0  # how long the others may take to end by themselves after a failure
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -157,10 +165,10 @@ def _child_env(a: argparse.Namespace, coordinator: str, bind: str, local_rank: i
     if a.debug is not None:
         env["JAXCOLL_DEBUG"] = a.debug
     d = a.devices_per_proc
+    # XLA:CPU's own rendezvous timeouts out of the way: only jaxcoll's watchdog ends a stuck
+    # collective, with its message (see jaxcoll._xla_flags).
+    env["XLA_FLAGS"] = with_xla_cpu_flags(env.get("XLA_FLAGS", ""), d)
     if d is not None:
-        flags = [f for f in env.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={d}"])
         env["JAX_NUM_CPU_DEVICES"] = str(d)
         if nprocs_total > 1:
             env["JAXCOLL_LOCAL_DEVICE_IDS"] = ",".join(
@@ -183,6 +191,27 @@ _CAUSE = re.compile(r"^[A-Za-z_][\w.]*: \S")
 # jaxcoll's own last words (watchdog, SIGTERM): the process exits right after this line, so it
 # counts as failing from here (a peer may die of it sooner, e.g. from a closed connection).
 _ANNOUNCE = re.compile(r"^jaxcoll: process \d+ .*[Ee]xiting with code \d+")
+# A failure caused by another process's: jaxcoll saw another process fail or leave, the
+# peers' transport broke (gloo), or JAX lost the job's coordination service. Never named as
+# the cause while a failure of another kind is there.
+_FOLLOW_ON = re.compile(
+    r"stops: process \d+ failed|exited while this one waits|[Cc]onnection (reset|closed) by "
+    r"peer|Socket closed|Broken pipe|JAX distributed service detected fatal errors")
+# Lines that never say why a process stopped: C++ log lines (``E1123 16:40:06.048386 ...``),
+# traceback frames, blank lines.
+_NOT_A_CAUSE = re.compile(r"^([EWIF]\d{4} |\s|Traceback|$)")
+# Gloo's connection report: one line per local rank, written by several threads at once, so
+# fragments of two can share a line ("[Gloo] Rank 3[Gloo] Rank 2 is connected to  is connected
+# to 77 peer ranks. ..."). The launcher drops these lines.
+_GLOO_PARTS = re.compile(
+    r"\[Gloo\] Rank \d+|is connected to|Expected number of connected peer ranks is :|"
+    r"peer ranks|\d+")
+
+
+def _gloo_report(line: str) -> bool:
+    """True for a line made only of (fragments of) gloo's connection report."""
+    return ("[Gloo]" in line or "peer ranks" in line) and \
+        not _GLOO_PARTS.sub("", line).strip(" .:\n")
 
 
 def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock,
@@ -192,10 +221,10 @@ def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock,
         line = raw.decode("utf-8", errors="replace")
         if not line.endswith("\n"):
             line += "\n"
-        if proc is not None and _CAUSE.match(line):
-            proc.cause = line.strip()[:400]
-            if proc.announced_at is None and _ANNOUNCE.match(line):
-                proc.announced_at = time.monotonic()
+        if _gloo_report(line):
+            continue
+        if proc is not None:
+            proc.note(line.strip())
         with lock:
             out.write(prefix + line)
             out.flush()
@@ -209,7 +238,25 @@ class _Proc:
     threads: list[threading.Thread] = field(default_factory=list)
     exited_at: float | None = None  # monotonic time the reaper saw the exit
     cause: str | None = None  # the last "Name: message" line it wrote to stderr
+    last: str | None = None  # the last line it wrote to stderr that may say why it stopped
     announced_at: float | None = None  # monotonic time of its jaxcoll exit line, if any
+    follow_on: bool = False  # it reported another process's failure (see _FOLLOW_ON)
+
+    def note(self, line: str) -> None:
+        """Remember what a line of stderr says about why this process stops."""
+        if _FOLLOW_ON.search(line):
+            self.follow_on = True
+        if _NOT_A_CAUSE.match(line):
+            return
+        self.last = line[:400]
+        if _CAUSE.match(line):
+            self.cause = line[:400]
+            if self.announced_at is None and _ANNOUNCE.match(line):
+                self.announced_at = time.monotonic()
+
+    def why(self) -> str | None:
+        """Its cause line, else the last line that may say why (``SystemExit("...")``)."""
+        return self.cause or self.last
 
     def failed_at(self) -> float:
         return min(t for t in (self.exited_at, self.announced_at) if t is not None)
@@ -264,21 +311,26 @@ class _Group:
         return sorted(failed, key=lambda p: p.failed_at())
 
     def first_cause(self, window: float = 0.5) -> _Proc:
-        """The failure to name first: the earliest, unless a process killed by a signal (that
-        announced nothing) failed within ``window`` seconds of it. A killed peer's partners
-        can notice the broken connection and exit within milliseconds, sometimes before the
-        launcher's thread has recorded the kill; the kill is the cause."""
+        """The failure to name first: the earliest of those not caused by another process's
+        failure (see ``_FOLLOW_ON``), unless a process killed by a signal (that announced
+        nothing) failed within ``window`` seconds of it. A killed peer's partners can notice
+        the broken connection and exit within milliseconds, sometimes before the launcher's
+        thread has recorded the kill; the kill is the cause."""
         failed = self.failures()
-        first = failed[0].failed_at()
-        killed = [p for p in failed if p.failed_at() - first < window
+        roots = [p for p in failed if not p.follow_on] or failed
+        first = roots[0].failed_at()
+        killed = [p for p in roots if p.failed_at() - first < window
                   and p.popen.returncode < 0 and p.announced_at is None]
-        return killed[0] if killed else failed[0]
+        return killed[0] if killed else roots[0]
 
-    def settle(self, wait: float = 1.0) -> None:
-        """Let processes that announced their exit finish it, so the first cause is named."""
+    def settle(self, wait: float) -> None:
+        """After a failure, let the other processes end by themselves for up to ``wait`` s.
+
+        A jaxcoll process learns of a peer's failure within a second or two and exits with a
+        line of its own, the process hosting the coordination service last (so JAX aborts
+        none); its exit code and line are what it says, not the launcher's SIGTERM."""
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and any(
-                p.announced_at is not None and p.exited_at is None for p in self.procs):
+        while time.monotonic() < deadline and not self.all_done():
             time.sleep(_POLL_S)
 
     def all_done(self) -> bool:
@@ -308,7 +360,8 @@ class _Group:
 
 
 def _because(proc: _Proc) -> str:
-    return f": {proc.cause.rstrip('.')}" if proc.cause else ""
+    why = proc.why()
+    return f": {why.rstrip('.')}" if why else ""
 
 
 def _say(msg: str) -> None:
@@ -350,13 +403,14 @@ def run(argv: Sequence[str] | None = None) -> int:
             if not failed:
                 group.join_output()
                 return 0
-            time.sleep(_POLL_S)  # let exits that happened in the same instant be reaped
-            group.settle()
+            group.settle(_SETTLE_S)
             proc = group.first_cause()
             code = proc.popen.returncode
             others = [p.index for p in group.procs if p.exited_at is None]
+            rest = (f"stopping process(es) {others} (SIGTERM, SIGKILL after {a.grace:g}s)"
+                    if others else "every other process has ended")
             _say(f"process {proc.index} (pid {proc.popen.pid}) {describe_exit(code)} first; "
-                 f"stopping process(es) {others} (SIGTERM, SIGKILL after {a.grace:g}s).")
+                 f"{rest}.")
             group.stop(a.grace)
             group.join_output()
             for p in group.failures():

@@ -3,7 +3,8 @@
 Layers, lowest first (README "Architecture"): ``jaxcoll._core`` (ground) < ``algorithms`` <
 ``primitives`` < ``groups`` < ``dist``, ``dp`` < ``bench`` < the top-level re-exports.
 ``_init`` (joining a multi-process job), ``_watch`` (watchdog, mismatch detection, SIGTERM)
-and ``run`` (the launcher) stand apart and import nothing of jaxcoll outside themselves. A
+and ``run`` (the launcher) stand apart and import nothing of jaxcoll outside themselves but
+the shared modules (``_xla_flags``), which import nothing of jaxcoll and serve every layer. A
 module may import modules of a lower layer and of its own package; every import counts, at
 module level or inside a function (a function-local import that dodges a circle is still a
 circle, so none are allowed).
@@ -24,6 +25,7 @@ UNITS = {
     "jaxcoll._core": 0,
     "jaxcoll._init": 0,
     "jaxcoll._watch": 0,
+    "jaxcoll._xla_flags": 0,
     "jaxcoll.run": 0,
     "jaxcoll.algorithms": 1,
     "jaxcoll.primitives": 2,
@@ -35,6 +37,9 @@ UNITS = {
     "jaxcoll": 6,
 }
 APART = {"jaxcoll._init", "jaxcoll._watch", "jaxcoll.run"}
+# Modules that import nothing of jaxcoll and that every unit, those standing apart too, may
+# import.
+SHARED = {"jaxcoll._xla_flags"}
 
 
 def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -89,7 +94,9 @@ def violations(root: pathlib.Path) -> list[str]:
             dep_unit = unit_of(dep)
             if in_function:
                 bad.append(f"{where}: {mod} imports {dep} inside a function")
-            if unit in APART and dep_unit != unit:
+            if unit in SHARED:
+                bad.append(f"{where}: {mod} is shared by every layer but imports {dep}")
+            elif unit in APART and dep_unit != unit and dep_unit not in SHARED:
                 bad.append(f"{where}: {mod} stands apart but imports {dep}")
             elif dep_unit != unit and UNITS[dep_unit] >= UNITS[unit]:
                 bad.append(f"{where}: {mod} (layer {UNITS[unit]}) imports {dep} "
@@ -134,6 +141,7 @@ def test_every_module_has_a_layer():
          "imports jaxcoll.primitives.all_reduce (layer 2), which is not below it"),
         ("dp/__init__.py", "from ..dist import world\n", "imports jaxcoll.dist (layer 4)"),
         ("_init.py", "from ._core import ops\n", "stands apart but imports jaxcoll._core"),
+        ("_xla_flags.py", "from . import _init\n", "is shared by every layer but imports"),
         ("primitives/gather.py", "def f():\n    from . import scatter\n", "inside a function"),
         ("dist/_work.py", "from . import _collectives\n", "import circle: "),
     ],

@@ -12,6 +12,9 @@ joining the job; a single process uses the watchdog once ``JAXCOLL_TIMEOUT`` (or
   at its first use and raise on every process when they disagree.
 * exit markers: a process that exits normally records it before JAX's shutdown barrier, so a
   peer still waiting in a collective with it gives up within seconds, naming it.
+* :mod:`.monitor` and :func:`process.leave`: a process that fails records it, the others
+  leave within a second or two naming it, and the process hosting JAX's coordination service
+  leaves last, so JAX aborts none of them.
 * :mod:`.signals`: SIGTERM ends the process at once (exit code 143), or, inside
   :func:`handle_preemption`, stops every process's loop after the same step.
 """
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 import atexit
 
+from . import monitor as _monitor
 from . import process
 from . import watchdog as _watchdog
 from .detect import agree as agree
 from .detect import watch as watch
 from .process import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from .process import leave as leave
 from .signals import handle_preemption as handle_preemption
 from .signals import install as _install_sigterm
 from .signals import preemption_point as preemption_point
@@ -62,6 +67,7 @@ def start(timeout: float | str | None = "env", debug: str | None = "env") -> Non
     if process.client() is None:
         return
     _install_sigterm()
+    _monitor.start()
     if not _exit_hook:
         # Registered after JAX's own atexit hook, so it runs first: the marker is in the store
         # before JAX's shutdown barrier, where an early leaver would otherwise wait 60 s.

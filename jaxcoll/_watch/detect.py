@@ -68,9 +68,9 @@ def agree(api: str, fields: dict[str, str], processes: tuple[int, ...]) -> None:
     show = [k for k in differ if k != "program"] or differ
     listing = "; ".join(f"process {p}: {_summary(got[p], show)}" for p in sorted(got))
     error = RuntimeError(f"{api}: processes disagree on the collective #{seq}: {listing}")
-    # Every process must get to print it: the first to exit ends the job (the launcher stops
-    # the rest; if it hosts the coordinator, a C++ thread ends them). jaxcoll's fail-fast
-    # excepthook calls this after printing the traceback, before exiting.
+    # Every process must get to print it: the first to leave ends the job (the others learn
+    # of it and leave too). jaxcoll's fail-fast excepthook calls this after printing the
+    # traceback, before leaving.
     error._jaxcoll_before_exit = functools.partial(_meet, f"{key}printed/", processes)
     raise error
 
@@ -78,24 +78,15 @@ def agree(api: str, fields: dict[str, str], processes: tuple[int, ...]) -> None:
 def _meet(prefix: str, processes: tuple[int, ...], wait_ms: int = 5000) -> None:
     """Record that this process got here, then wait (bounded) until the others have too.
 
-    Process 0 hosts JAX's coordination service, and a peer whose service goes away is
-    aborted by a C++ thread (SIGABRT and a stack dump instead of its exit code 1). So the
-    others leave first: each records that it is leaving just before ``os._exit``, and process
-    0 waits for those records, then a moment more, before it ends the service with itself.
+    The fail-fast hook calls this after printing the error and before :func:`process.leave`,
+    which ends the process (and tells the others of it): no process leaves before every one
+    has printed its own account of the disagreement.
     """
     client, me = process.client(), process.me()[0]
     if client is None:
         return
     client.key_value_set(f"{prefix}{me}", "1")
     _wait_for_all(client, prefix, processes, me, wait_ms)
-    if me != 0:
-        client.key_value_set(f"{prefix}left/{me}", "1")
-    elif len(processes) > 1:
-        _wait_for_all(client, f"{prefix}left/", processes, me, wait_ms)
-        time.sleep(_LEAVE_S)
-
-
-_LEAVE_S = 0.5  # time for a peer between recording it leaves and its os._exit completing
 
 
 def _wait_for_all(client: Any, prefix: str, processes: tuple[int, ...], me: int,

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -142,14 +143,31 @@ def kv(call: Callable[[Any], Any], wait_s: float = KV_S) -> Any:
     return box[0] if box else None
 
 
+def _marked(kind: str) -> dict[int, str]:
+    """Process -> value of every ``jaxcoll/<kind>/<process>`` key in the store."""
+    entries = kv(lambda c: c.key_value_dir_get(f"{PREFIX}{kind}/")) or []
+    return {int(k.rsplit("/", 1)[1]): v for k, v in entries}
+
+
 def exited() -> list[int]:
-    """The processes that recorded a normal exit (see :func:`mark_exit`)."""
-    entries = kv(lambda c: c.key_value_dir_get(f"{PREFIX}exited/")) or []
-    return sorted(int(k.rsplit("/", 1)[1]) for k, _ in entries)
+    """The processes that began a normal exit (see :func:`mark_exit`)."""
+    return sorted(_marked("exited"))
+
+
+def failed() -> dict[int, str]:
+    """Process -> the line it ended with, for every process that ended on a failure."""
+    return _marked("failed")
+
+
+exiting = False
+"""This process began its normal exit (Python's ``atexit``): it waits at JAX's shutdown
+barrier for the others and must not leave it on another's failure (see :func:`leave`)."""
 
 
 def mark_exit() -> None:
     """Record in the store that this process is exiting normally."""
+    global exiting
+    exiting = True
     k = me()[0]
     kv(lambda c: c.key_value_set(f"{PREFIX}exited/{k}", "0", allow_overwrite=True))
 
@@ -162,20 +180,98 @@ def say(line: str) -> None:
         pass
 
 
-def die(line: str, code: int) -> None:
-    """Print ``line`` and end the process now with ``code``, from any thread.
+LEAVE_S = 10.0
+"""The longest the process hosting the coordination service waits, when it fails, for the
+others to leave first (they learn of its failure within a second or two; see :func:`leave`)."""
 
-    ``os._exit``: no atexit hooks, so no wait at JAX's shutdown barrier for peers that may be
-    stuck with this process.
+_leaving = threading.Lock()
+
+
+def leave(code: int, line: str | None = None, reason: str | None = None,
+          before: Callable[[], None] | None = None) -> None:
+    """End this process with ``code`` after ``line``, without pulling the job from under the
+    others: the only way a jaxcoll process ends early, from any thread.
+
+    JAX aborts every process (SIGABRT, "Terminating process because the JAX distributed
+    service detected fatal errors") whose coordination service goes away: the service runs in
+    process 0, and a process that loses it cannot hand the abort to Python. So in a
+    multi-process job:
+
+    * ``reason`` (default ``line``) goes into the store as ``failed/<me>``: the other processes
+      poll it (:func:`monitor`) and leave too, each with its own line naming this one;
+    * the process hosting the service leaves last: it waits (at most :data:`LEAVE_S`) until
+      every other process has recorded that it is gone;
+    * when every other process is already in its normal exit, waiting at JAX's shutdown
+      barrier for this one, this one joins the barrier first, so that they finish cleanly.
+
+    ``os._exit``: no atexit hooks run, so there is no wait at JAX's shutdown barrier for peers
+    that may be stuck in a collective with this process. A second call (another thread) waits
+    for the first to end the process. ``before`` runs first (an error all processes raise
+    together waits there until every process has printed its own).
     """
+    if not _leaving.acquire(blocking=False):
+        while True:  # another thread is ending the process
+            time.sleep(1.0)
     try:
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001 - exiting anyway
-        pass
-    try:
-        say(line)
+        try:
+            sys.stdout.flush()
+            if before is not None:
+                before()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+        if line is not None:
+            say(line)
+        if client() is not None:
+            _release(reason or line)
     finally:
         os._exit(code)
+
+
+def _release(reason: str | None) -> None:
+    """Tell the others this process ends; see that none loses the coordination service."""
+    k, n = me()
+    if reason is not None:
+        kv(lambda c: c.key_value_set(f"{PREFIX}failed/{k}", reason[:400], allow_overwrite=True))
+    others = set(range(n)) - {k}
+    host = hosts_coordinator()
+    deadline = time.monotonic() + LEAVE_S
+    while True:
+        gone = set(_marked("gone"))
+        waiting = others - gone
+        if waiting and not gone and waiting <= set(exited()):
+            _join_shutdown()  # they wait for this process at JAX's shutdown barrier
+            return
+        if not host or not waiting or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if not host:
+        kv(lambda c: c.key_value_set(f"{PREFIX}gone/{k}", "1", allow_overwrite=True))
+    elif not waiting:
+        time.sleep(GONE_S)  # their os._exit, just after their record, completes
+
+
+GONE_S = 1.0
+"""How long the coordination service's host waits after the others' last "gone" record: the
+time their ``os._exit`` may take to complete on a loaded machine."""
+
+
+def _join_shutdown() -> None:
+    """``jax.distributed.shutdown()`` from a helper thread, given up after :data:`LEAVE_S`."""
+    th = threading.Thread(target=_shutdown_quietly, name="jaxcoll-leave", daemon=True)
+    th.start()
+    th.join(LEAVE_S)
+
+
+def _shutdown_quietly() -> None:
+    try:
+        _distributed.shutdown()
+    except Exception:  # noqa: BLE001 - leaving anyway
+        pass
+
+
+def die(line: str, code: int) -> None:
+    """Print ``line`` and end the process now with ``code`` (see :func:`leave`)."""
+    leave(code, line)
 
 
 def ranges(items: Any) -> str:

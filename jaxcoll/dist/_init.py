@@ -33,6 +33,7 @@ def init(
 ) -> Group:
     _watch.configure(timeout if timeout is not None else "env",
                      debug if debug is not None else "env")  # bad values fail before joining
+    _init.leave = _watch.leave  # a failure tells the other processes first
     _init.initialize(coordinator_address, num_processes, process_id, **kwargs)
     _watch.start(timeout if timeout is not None else "env", debug if debug is not None else "env")
     return world()

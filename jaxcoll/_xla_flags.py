@@ -1,0 +1,73 @@
+"""XLA:CPU settings every jaxcoll process gets: only jaxcoll's watchdog ends a stuck collective.
+
+XLA:CPU runs each device's share of a collective on its own thread and joins the threads at a
+rendezvous. By default it logs a warning after 20 s and, after 40 s, ends the whole process
+with a C++ check failure (``rendezvous.cc ... Termination timeout for all reduce ... Exiting to
+ensure a consistent program state``): SIGABRT and a stack trace, no Python exception and no
+name of the program. On a loaded machine (simulated devices sharing two cores with another
+job) threads do arrive that late, and a healthy program is killed. jaxcoll moves those limits
+out of the way, so that a slow collective finishes and a stuck one is ended by jaxcoll's
+watchdog (``JAXCOLL_TIMEOUT``, default 600 s in a multi-process job) with one line naming it.
+
+Imports nothing (the launcher uses it without importing JAX).
+"""
+
+from __future__ import annotations
+
+__all__ = ["XLA_CPU_TIMEOUT_S", "with_xla_cpu_flags", "xla_cpu_flags"]
+
+XLA_CPU_TIMEOUT_S = 7 * 24 * 3600
+"""Seconds XLA:CPU waits for a collective's threads before warning or ending the process.
+
+A week: in practice never, so jaxcoll's watchdog (or the user) decides when a collective is
+stuck. Set ``JAXCOLL_TIMEOUT`` to have a single process end a stuck collective too.
+"""
+
+_NAMES = (
+    "xla_cpu_collective_call_warn_stuck_timeout_seconds",
+    "xla_cpu_collective_call_terminate_timeout_seconds",
+    "xla_cpu_collective_timeout_seconds",
+)
+
+
+def xla_cpu_flags(devices: int | None = None) -> list[str]:
+    """The ``XLA_FLAGS`` entries jaxcoll sets for XLA:CPU: its timeouts, and ``devices``.
+
+    ``jaxcoll-run`` gives them to every process it starts and :func:`jaxcoll.init` adds them
+    before JAX starts its devices. A program that simulates devices without either (a test
+    suite, a notebook) sets them itself, before JAX touches a device::
+
+        >>> import os, jaxcoll
+        >>> os.environ["XLA_FLAGS"] = " ".join(jaxcoll.xla_cpu_flags(devices=8))
+
+    Without them a collective whose device threads are late by 40 s (a loaded machine) ends
+    the process with a C++ abort instead of finishing.
+
+    Args:
+        devices: simulated CPU devices (``--xla_force_host_platform_device_count``); None
+            leaves the count alone.
+
+    Returns:
+        The flags, e.g. ``["--xla_force_host_platform_device_count=8",
+        "--xla_cpu_collective_call_warn_stuck_timeout_seconds=604800", ...]``.
+    """
+    if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int)
+                                or devices < 1):
+        raise ValueError(f"xla_cpu_flags: devices={devices!r} must be a positive int.")
+    count = [] if devices is None else [f"--xla_force_host_platform_device_count={devices}"]
+    return count + [f"--{name}={XLA_CPU_TIMEOUT_S}" for name in _NAMES]
+
+
+def with_xla_cpu_flags(xla_flags: str, devices: int | None = None) -> str:
+    """``xla_flags`` (an ``XLA_FLAGS`` value) with jaxcoll's XLA:CPU flags added.
+
+    A flag the value already sets keeps the value's setting (the user's word wins), except the
+    device count when ``devices`` is given.
+    """
+    present = xla_flags.split()
+    if devices is not None:
+        present = [f for f in present
+                   if not f.startswith("--xla_force_host_platform_device_count")]
+    names = {f.split("=", 1)[0] for f in present}
+    added = [f for f in xla_cpu_flags(devices) if f.split("=", 1)[0] not in names]
+    return " ".join([*present, *added])
