@@ -187,14 +187,17 @@ def _loopback_bind(address: str | None) -> str | None:
 
 
 def _exit_now(code: int, line: str | None = None, reason: str | None = None,
-              before: Callable[[], None] | None = None) -> None:
+              before: Callable[[], None] | None = None,
+              report: Callable[[], None] | None = None) -> None:
+    if report is not None:
+        report()
     if before is not None:
         before()
     os._exit(code)
 
 
 leave: Callable[..., None] = _exit_now
-"""How the fail-fast hook ends the process: ``leave(code, line, reason, before)``.
+"""How the fail-fast hook ends the process: ``leave(code, line, reason, before, report)``.
 
 :func:`jaxcoll.init` puts in ``jaxcoll._watch``'s, which first tells the other processes of
 the failure and, in the process hosting JAX's coordination service, waits for them to leave.
@@ -210,15 +213,16 @@ def _fail_fast_hook(previous):
     """
 
     def hook(kind, value, tb):
-        try:
+        def report() -> None:
             previous(kind, value, tb)
             sys.stdout.flush()
             sys.stderr.flush()
-        finally:
-            # An error every process raises together (a collective mismatch) carries a
-            # rendezvous, so that no process exits (and gets the others stopped) before all
-            # have printed theirs.
-            leave(1, None, _first_line(value), getattr(value, "_jaxcoll_before_exit", None))
+
+        # An error every process raises together (a collective mismatch) carries a rendezvous
+        # (``before``), so that no process leaves before all have printed theirs. When this
+        # process is already leaving (its watchdog gave up, say), the error is a consequence
+        # of that and is not reported.
+        leave(1, None, _first_line(value), getattr(value, "_jaxcoll_before_exit", None), report)
 
     hook.jaxcoll_fail_fast = True
     return hook

@@ -188,7 +188,8 @@ _leaving = threading.Lock()
 
 
 def leave(code: int, line: str | None = None, reason: str | None = None,
-          before: Callable[[], None] | None = None) -> None:
+          before: Callable[[], None] | None = None,
+          report: Callable[[], None] | None = None) -> None:
     """End this process with ``code`` after ``line``, without pulling the job from under the
     others: the only way a jaxcoll process ends early, from any thread.
 
@@ -206,14 +207,17 @@ def leave(code: int, line: str | None = None, reason: str | None = None,
 
     ``os._exit``: no atexit hooks run, so there is no wait at JAX's shutdown barrier for peers
     that may be stuck in a collective with this process. A second call (another thread) waits
-    for the first to end the process. ``before`` runs first (an error all processes raise
-    together waits there until every process has printed its own).
+    for the first to end the process, without printing anything. ``report`` (printing an
+    error's traceback) and then ``before`` run first (an error all processes raise together
+    waits there until every process has printed its own).
     """
     if not _leaving.acquire(blocking=False):
         while True:  # another thread is ending the process
             time.sleep(1.0)
     try:
         try:
+            if report is not None:
+                report()
             sys.stdout.flush()
             if before is not None:
                 before()

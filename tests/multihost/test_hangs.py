@@ -44,6 +44,12 @@ def _first_named(job) -> int:
     return int(m.group(1))
 
 
+def _no_abort(job) -> None:
+    """No process was aborted: no C++ fatal log line, no check failure, no signal."""
+    assert not re.search(r"^\[\d\] F\d{4} |Check failure|SIGABRT|was killed by",
+                         job.stderr, re.M), job.stderr[-3000:]
+
+
 def _check_watchdog(job, what: str) -> int:
     """A watchdog end: exit 1, the summary quotes the jaxcoll line; returns the process."""
     assert job.returncode == 1, job.stderr[-3000:]
@@ -55,6 +61,7 @@ def _check_watchdog(job, what: str) -> int:
     assert f"(timeout {TIMEOUT_S}s) waiting for {what}" in summary, summary
     waited = float(re.search(r"timed out after ([\d.]+)s", summary).group(1))
     assert TIMEOUT_S <= waited < TIMEOUT_S + 2, summary
+    _no_abort(job)
     assert survivors(job.token) == []
     return first
 
@@ -70,6 +77,7 @@ def _check_mismatch(job, apis: tuple[str, str], message: str) -> None:
     assert f"exited with code 1: RuntimeError: {apis[first]}: processes disagree on the " \
            f"collective #1: {message}" in _summary(job)
     assert "result" not in job.stdout  # nobody went on with a wrong answer
+    _no_abort(job)
     assert survivors(job.token) == []
 
 
@@ -119,8 +127,11 @@ def test_peer_spinning_outside_any_collective_ends_at_the_timeout(tmp_path):
     job = launch(JOB, "hangs.py", [str(tmp_path), "spin"], timeout=60)
     assert _check_watchdog(job, "user step(float32[4,3])") == 0
     assert "the other processes have not joined it" in _summary(job)
-    assert "then process 1 exited with code 143: jaxcoll: process 1 received SIGTERM" \
-        in job.stderr
+    # Process 1 learns of process 0's failure and leaves by itself, naming it; process 0, the
+    # coordination service's host, leaves after it, so JAX aborts neither.
+    assert "then process 1 exited with code 1: jaxcoll: process 1 of 2 stops: process 0 " \
+        "failed (jaxcoll: process 0 of 2 timed out after" in job.stderr, job.stderr[-3000:]
+    assert "SIGABRT" not in job.stderr and "F1" not in job.stderr
 
 
 @pytest.mark.timeout(60)
@@ -135,11 +146,41 @@ def test_peer_that_exits_early_is_named(tmp_path):
                 r"[\d.]+s waiting for dist.all_reduce\(float32\[4,3\]\) over processes 0-1: "
                 r"process\(es\) 1 exited while this one waits for it")
     assert re.search(expected, summary), summary
-    # The job ends on process 0's message, never on an abort. Process 1, already past its
-    # exit and waiting in JAX's shutdown barrier for process 0, may then be aborted by JAX
-    # when process 0 (the coordinator's host) goes: a follow-on, reported after the cause.
-    assert "was killed by SIGABRT first" not in job.stderr
-    assert "failed: process 0 exited with code 1" in summary
+    # Process 1, already past its exit and waiting at JAX's shutdown barrier, is let through
+    # it by process 0 (the coordination service's host) before process 0 leaves: it ends
+    # with its own code 0, and JAX aborts no one.
+    assert "then process 1" not in job.stderr, job.stderr[-3000:]
+    _no_abort(job)
+    assert survivors(job.token) == []
+
+
+@pytest.mark.timeout(60)
+def test_process_0_that_fails_on_purpose_is_named_first(tmp_path):
+    # Process 0 raises SystemExit("...") while process 1 waits in an all-reduce with it:
+    # process 1 gives up on seeing process 0 exit and lets it through JAX's shutdown barrier;
+    # the launcher names process 0 and its message (a follow-on never counts as the cause).
+    job = launch(JOB, "hangs.py", [str(tmp_path), "fail0"], timeout=60)
+    assert job.returncode == 1, job.stderr[-3000:]
+    assert job.seconds < WATCHDOG_BOUND_S
+    assert _first_named(job) == 0, job.stderr[-3000:]
+    assert _summary(job) == ("jaxcoll-run: failed: process 0 exited with code 1: hangs.py: "
+                             "process 0 gives up on purpose."), job.stderr[-3000:]
+    assert re.search(r"then process 1 exited with code 1: jaxcoll: process 1 of 2 gave up "
+                     r"after [\d.]+s waiting for dist.all_reduce", job.stderr), job.stderr[-3000:]
+    _no_abort(job)
+    assert survivors(job.token) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["apart", "apart1"])
+def test_processes_that_finish_seconds_apart_end_cleanly(tmp_path, mode):
+    # The first to finish waits at JAX's shutdown barrier for the other, 3 s later; whichever
+    # hosts the coordination service, both end with code 0 and nothing is aborted.
+    job = launch(JOB, "hangs.py", [str(tmp_path), mode], timeout=60)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert job.stdout.count("result") == 2, job.stdout
+    assert "Polled an error" not in job.stderr and "Traceback" not in job.stderr, job.stderr
+    _no_abort(job)
     assert survivors(job.token) == []
 
 
@@ -162,6 +203,7 @@ def test_sigterm_stops_workers_blocked_in_a_collective_at_once(tmp_path):
     for k in (0, 1):
         assert f"[{k}] jaxcoll: process {k} received SIGTERM; exiting with code 143." \
             in job.stderr, job.stderr[-3000:]
+    assert not re.search(r"^\[\d\] F\d{4} |Check failure", job.stderr, re.M), job.stderr
     assert survivors(token) == []
 
 

@@ -12,6 +12,9 @@ Modes (process 0 / process 1):
   ``shape``: ``dist.all_reduce`` of ``[4, 3]`` / ``[4, 5]`` rows.
   ``spin``: a ``jaxcoll.watch``-ed jitted shard_map of the user's / a Python loop.
   ``exit``: ``dist.all_reduce`` / ``sys.exit(0)``.
+  ``fail0``: ``raise SystemExit("...")`` once process 1 is in its loop / ``dist.all_reduce``.
+  ``apart``: both ``dist.all_reduce``, then process k sleeps ``3 * k`` s (``apart1``:
+  ``3 * (1 - k)`` s) before its normal exit.
   ``block``: waits in ``dist.all_reduce`` / sleeps in Python (the test sends SIGTERM).
   ``preempt``: both loop on all-reduces inside ``jaxcoll.handle_preemption`` and stop at
   ``jaxcoll.preemption_point`` (the test sends SIGTERM to process 1 only).
@@ -89,6 +92,19 @@ elif MODE == "exit":
     if ME == 1:
         sys.exit(0)
     y = dist.all_reduce(x)
+elif MODE == "fail0":
+    if ME == 0:
+        while not os.path.exists(os.path.join(OUT, "loop1")):
+            time.sleep(0.05)
+        time.sleep(0.5)  # process 1 is now inside the all-reduce
+        raise SystemExit("hangs.py: process 0 gives up on purpose")
+    mark("loop")
+    y = dist.all_reduce(x)
+elif MODE in ("apart", "apart1"):
+    y = dist.all_reduce(x)
+    print(f"process {ME} result {dist.to_ranks(y)[0]}", flush=True)
+    time.sleep(3 * (ME if MODE == "apart" else 1 - ME))
+    sys.exit(0)
 elif MODE == "block":
     mark("loop")
     if ME == 1:
