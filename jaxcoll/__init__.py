@@ -17,6 +17,7 @@ from ._watch import preemption_point as preemption_point
 from ._watch import preemption_requested as preemption_requested
 from ._watch import watch as watch
 from ._watch import watch_outputs as watch_outputs
+from ._xla_flags import xla_cpu_flags as xla_cpu_flags
 from .dist import init as init
 
 __version__ = "0.1.0"
@@ -35,4 +36,5 @@ __all__ = [
     "primitives",
     "watch",
     "watch_outputs",
+    "xla_cpu_flags",
 ]

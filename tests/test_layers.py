@@ -25,7 +25,7 @@ UNITS = {
     "jaxcoll._core": 0,
     "jaxcoll._init": 0,
     "jaxcoll._watch": 0,
-    "jaxcoll._xla_flags": 0,
+    "jaxcoll._xla_flags": -1,
     "jaxcoll.run": 0,
     "jaxcoll.algorithms": 1,
     "jaxcoll.primitives": 2,

@@ -102,3 +102,31 @@ def test_launcher_rejects_bad_arguments(tmp_path):
         job = launch(args, "faults.py", [str(tmp_path), "raise"], timeout=30)
         assert job.returncode == 2, args
         assert message in job.stderr, job.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_taken_coordinator_port_is_named_before_jax_starts(tmp_path):
+    # Another program listens on the coordinator's port. JAX's service does not say so (the
+    # process can crash with SIGSEGV, or wait for the init timeout); init names the port.
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXCOLL_", "JAX_"))}
+        env["JAX_PLATFORMS"] = "cpu"
+        code = f"import jaxcoll; jaxcoll.init('127.0.0.1:{port}', 2, 0)"
+        script = tmp_path / "job.py"
+        script.write_text("import jaxcoll\njaxcoll.init()\n")
+        for cmd in ([sys.executable, "-c", code],
+                    [sys.executable, "-m", "jaxcoll.run", "--nprocs", "2", "--coordinator",
+                     f"127.0.0.1:{port}", "--init-timeout", "20", str(script)]):
+            t0 = time.monotonic()
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
+            assert proc.returncode == 1, (cmd, proc.returncode, proc.stderr[-2000:])
+            assert time.monotonic() - t0 < 15
+            assert f"port {port} is already in use by another program" in proc.stderr, \
+                proc.stderr[-2000:]
