@@ -28,6 +28,8 @@ from typing import Any
 
 import jax
 
+from ._jax import backends_are_initialized, distributed_state
+
 __all__ = ["initialize"]
 
 # Defaults sized for a job whose launcher watches every process (jaxcoll-run, srun): a peer
@@ -361,9 +363,7 @@ def initialize(
 
 
 def _connect(api, spec, cluster, init_t, beat_t, stop_t, bind) -> None:
-    from jax._src import xla_bridge  # the only way to ask whether a backend exists yet
-
-    if xla_bridge.backends_are_initialized():
+    if backends_are_initialized():
         raise RuntimeError(
             f"{api}: JAX has already started its devices in this process, so it can no longer "
             f"join a multi-process job. Call jaxcoll.init() first, before jax.devices(), "
@@ -405,10 +405,8 @@ def _connect(api, spec, cluster, init_t, beat_t, stop_t, bind) -> None:
             jax.distributed.shutdown()
         except Exception:  # noqa: BLE001 - best effort, the original error matters
             pass
-        from jax._src import distributed as _d
-
-        _d.global_state.service = None
-        _d.global_state.client = None
+        distributed_state().service = None
+        distributed_state().client = None
         raise ValueError(
             f"{api}: process {spec.process_id} of {spec.num_processes} could not join the job "
             f"at {where} (values from {spec.source}) within initialization_timeout={init_t}s: "

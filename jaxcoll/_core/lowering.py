@@ -17,9 +17,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core as _jcore
-from jax._src.interpreters import ad, batching, mlir
 
+from .._jax import (
+    Primitive,
+    deflinear2,
+    fancy_primitive_batchers,
+    instantiate_zeros,
+    lower_fun,
+    primitive_batchers,
+    primitive_jvps,
+    primitive_transposes,
+    register_lowering,
+)
 from .axis import Axis, is_rank, permute
 from .ops import ReduceOp, fold, rule
 from .packing import from_rows, split_leading, to_rows, unsplit_slice
@@ -166,7 +175,7 @@ def tree_broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
 # program exported for several platforms at once (``lax.platform_dependent`` cannot: it lowers
 # the GPU-only branch for the CPU too). Its result is typed invariant; its transpose hands the
 # (invariant) cotangent to ``src``, so no broken pbroadcast transpose rule is ever reached.
-broadcast_p = _jcore.Primitive("jaxcoll_broadcast")
+broadcast_p = Primitive("jaxcoll_broadcast")
 broadcast_p.def_abstract_eval(lambda aval, *, ax, src: _without(aval, names_of(ax)))
 
 
@@ -178,11 +187,11 @@ def _broadcast_tree(x, *, ax, src):
     return tree_broadcast(x, ax, src)
 
 
-mlir.register_lowering(broadcast_p, mlir.lower_fun(_broadcast_tree, multiple_results=False))
+register_lowering(broadcast_p, lower_fun(_broadcast_tree, multiple_results=False))
 for _platform in ("cuda", "rocm"):
-    mlir.register_lowering(broadcast_p, mlir.lower_fun(_broadcast_gpu, multiple_results=False),
+    register_lowering(broadcast_p, lower_fun(_broadcast_gpu, multiple_results=False),
                            platform=_platform)
-ad.deflinear2(broadcast_p, lambda ct, x, *, ax, src: [root_cotangent(ct, names_of(ax), src)])
+deflinear2(broadcast_p, lambda ct, x, *, ax, src: [root_cotangent(ct, names_of(ax), src)])
 
 
 @staged(1, 2)
@@ -259,7 +268,7 @@ def _broadcast_batcher(axis_data, vals_in, dims_in, *, ax, src):
     return jnp.broadcast_to(picked, v.shape), d
 
 
-batching.fancy_primitive_batchers[broadcast_p] = _broadcast_batcher
+fancy_primitive_batchers[broadcast_p] = _broadcast_batcher
 
 
 # ------------------------------------------------------------------------ ragged all-to-all
@@ -360,26 +369,26 @@ def _ragged_native(x, in_off, send, out_off, recv, recv_off, *, ax, out_size):
 # platform as broadcast_p is: XLA:CPU has no ragged-all-to-all ("not supported by XLA:CPU
 # ThunkEmitter" in jax 0.10) and vmap has no batching rule for it. Linear in the leaves; its
 # transpose is the ragged all-to-all back to where each row came from.
-ragged_p = _jcore.Primitive("jaxcoll_ragged_all_to_all")
+ragged_p = Primitive("jaxcoll_ragged_all_to_all")
 ragged_p.multiple_results = True
 ragged_p.def_abstract_eval(lambda *avals, ax, out_size, count: [
     a.update(shape=(out_size, *a.shape[1:])) for a in avals[:count]])
-mlir.register_lowering(ragged_p, mlir.lower_fun(_packed(_ragged_padded),
+register_lowering(ragged_p, lower_fun(_packed(_ragged_padded),
                                                 multiple_results=True))
 for _platform in ("cuda", "rocm"):
-    mlir.register_lowering(ragged_p, mlir.lower_fun(_packed(_ragged_native),
+    register_lowering(ragged_p, lower_fun(_packed(_ragged_native),
                                                     multiple_results=True), platform=_platform)
 
 
 def _ragged_jvp(primals, tangents, *, ax, out_size, count):
     out = ragged_p.bind(*primals, ax=ax, out_size=out_size, count=count)
-    ts = [ad.instantiate_zeros(t) for t in tangents[:count]]
+    ts = [instantiate_zeros(t) for t in tangents[:count]]
     return out, ragged_p.bind(*ts, *primals[count:], ax=ax, out_size=out_size, count=count)
 
 
 def _ragged_transpose(cts, *args, ax, out_size, count):
     leaves, (in_off, send, _, recv, recv_off) = args[:count], args[count:]
-    cts = [ensure_varying(ad.instantiate_zeros(ct), ax) for ct in cts]
+    cts = [ensure_varying(instantiate_zeros(ct), ax) for ct in cts]
     back = ragged_p.bind(*cts, recv_off, recv, _column(in_off, ax), send, in_off, ax=ax,
                          out_size=leaves[0].aval.shape[0], count=count)
     return [*back, None, None, None, None, None]
@@ -395,9 +404,9 @@ def _ragged_batcher(vals, dims, *, ax, out_size, count):
     return [jnp.stack(o) for o in zip(*outs)], [0] * count
 
 
-ad.primitive_jvps[ragged_p] = _ragged_jvp
-ad.primitive_transposes[ragged_p] = _ragged_transpose
-batching.primitive_batchers[ragged_p] = _ragged_batcher
+primitive_jvps[ragged_p] = _ragged_jvp
+primitive_transposes[ragged_p] = _ragged_transpose
+primitive_batchers[ragged_p] = _ragged_batcher
 
 
 def ragged_all_to_all(leaves: list[jax.Array], ax: Axis, plan: tuple[jax.Array, ...],
