@@ -23,6 +23,9 @@ Defining primitives (where jax has an extension API, it is used: ``jax.extend.co
   (``jax.interpreters.ad``): the primitives are linear; their transposes are collectives too.
 * ``primitive_batchers``, ``fancy_primitive_batchers`` (``jax.interpreters.batching``):
   ``jax.vmap``, also with ``axis_name=`` (the fancy rule sees the axis being mapped).
+* :func:`lowering_platforms`: ``ctx.module_context.platforms`` of a lowering rule's context,
+  every platform the module is lowered for (several under ``jax.export(platforms=...)``), so
+  that a GPU-only op is used only in a module no other platform compiles.
 
 shard_map's types (``jax.typeof(x)`` is public; what it carries of shard_map's types is not):
 
@@ -76,6 +79,7 @@ __all__ = [
     "fancy_primitive_batchers",
     "instantiate_zeros",
     "lower_fun",
+    "lowering_platforms",
     "primitive_batchers",
     "primitive_jvps",
     "primitive_transposes",
@@ -83,6 +87,15 @@ __all__ = [
     "varying_of",
     "with_varying",
 ]
+
+
+def lowering_platforms(ctx: Any) -> tuple[str, ...]:
+    """Every platform the module being lowered is for, e.g. ``("cuda", "cpu")``.
+
+    ``ctx`` is the context a lowering rule receives. A module lowered for several platforms
+    (``jax.export(..., platforms=...)``) is compiled whole by each platform's compiler.
+    """
+    return tuple(ctx.module_context.platforms)
 
 
 def varying_of(aval: Any) -> frozenset | None:
