@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 
+from ._jax import backends_are_initialized, distributed_state
 from ._xla_flags import with_xla_cpu_flags
 
 __all__ = ["initialize"]
@@ -354,9 +355,7 @@ def initialize(
             or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
             or _loopback_bind(spec.coordinator_address))
 
-    from jax._src import xla_bridge  # the only way to ask whether a backend exists yet
-
-    if not xla_bridge.backends_are_initialized():
+    if not backends_are_initialized():
         # XLA:CPU's rendezvous timeouts out of the way (read when JAX starts its devices).
         os.environ["XLA_FLAGS"] = with_xla_cpu_flags(os.environ.get("XLA_FLAGS", ""))
 
@@ -387,9 +386,7 @@ def initialize(
 
 
 def _connect(api, spec, cluster, init_t, beat_t, stop_t, bind) -> None:
-    from jax._src import xla_bridge  # the only way to ask whether a backend exists yet
-
-    if xla_bridge.backends_are_initialized():
+    if backends_are_initialized():
         raise RuntimeError(
             f"{api}: JAX has already started its devices in this process, so it can no longer "
             f"join a multi-process job. Call jaxcoll.init() first, before jax.devices(), "
@@ -433,10 +430,8 @@ def _connect(api, spec, cluster, init_t, beat_t, stop_t, bind) -> None:
             jax.distributed.shutdown()
         except Exception:  # noqa: BLE001 - best effort, the original error matters
             pass
-        from jax._src import distributed as _d
-
-        _d.global_state.service = None
-        _d.global_state.client = None
+        distributed_state().service = None
+        distributed_state().client = None
         raise ValueError(
             f"{api}: process {spec.process_id} of {spec.num_processes} could not join the job "
             f"at {where} (values from {spec.source}) within initialization_timeout={init_t}s: "

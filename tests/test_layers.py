@@ -1,13 +1,17 @@
 """The package's imports point down its layers, and never in a circle.
 
-Layers, lowest first (README "Architecture"): ``jaxcoll._core`` (ground) < ``algorithms`` <
-``primitives`` < ``groups`` < ``dist``, ``dp`` < ``bench`` < the top-level re-exports.
-``_init`` (joining a multi-process job), ``_watch`` (watchdog, mismatch detection, SIGTERM)
-and ``run`` (the launcher) stand apart and import nothing of jaxcoll outside themselves but
-the shared modules (``_xla_flags``), which import nothing of jaxcoll and serve every layer. A
-module may import modules of a lower layer and of its own package; every import counts, at
-module level or inside a function (a function-local import that dodges a circle is still a
-circle, so none are allowed).
+Layers, lowest first (README "Architecture"): the shared modules ``jaxcoll._jax`` (the one
+door to JAX internals) and ``jaxcoll._xla_flags`` (XLA:CPU's settings), which import nothing
+of jaxcoll, < ``jaxcoll._core`` (ground) < ``algorithms`` < ``primitives`` < ``groups`` <
+``dist``, ``dp`` < ``bench`` < the top-level re-exports. ``_init`` (joining a multi-process
+job), ``_watch`` (watchdog, mismatch detection, SIGTERM) and ``run`` (the launcher) stand apart
+and import nothing of jaxcoll outside themselves but the shared modules. A module may import
+modules of a lower layer and of its own package; every import counts, at module level or
+inside a function (a function-local import that dodges a circle is still a circle, so none
+are allowed).
+
+JAX internals (``jax._src``, ``jax.interpreters``, ``jax.extend``) are reached through
+``jaxcoll._jax`` alone, so a JAX release that moves one breaks one file.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxcoll"
 
 # (unit, layer): a module belongs to the longest unit that prefixes its name.
 UNITS = {
+    "jaxcoll._jax": -1,
     "jaxcoll._core": 0,
     "jaxcoll._init": 0,
     "jaxcoll._watch": 0,
@@ -39,7 +44,9 @@ UNITS = {
 APART = {"jaxcoll._init", "jaxcoll._watch", "jaxcoll.run"}
 # Modules that import nothing of jaxcoll and that every unit, those standing apart too, may
 # import.
-SHARED = {"jaxcoll._xla_flags"}
+SHARED = {"jaxcoll._jax", "jaxcoll._xla_flags"}
+DOOR = "jaxcoll._jax"  # the one module that reaches JAX internals
+INTERNAL = ("jax._src", "jax.interpreters", "jax.extend")
 
 
 def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -123,8 +130,38 @@ def violations(root: pathlib.Path) -> list[str]:
     return bad
 
 
+def jax_internals(root: pathlib.Path) -> list[str]:
+    """Every import of (or attribute path into) a JAX internal outside the door module."""
+    bad = []
+    for mod, path in sorted(modules(root).items()):
+        if mod == DOOR:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                names = [f"{node.value.id}.{node.attr}"]
+            else:
+                continue
+            hit = next((n for n in names for i in INTERNAL if n == i or n.startswith(i + ".")),
+                       None)
+            if hit:
+                bad.append(f"{path.relative_to(root.parent)}:{node.lineno}: {mod} reaches "
+                           f"{hit}, a JAX internal: import it from {DOOR}")
+    return bad
+
+
 def test_imports_point_down_the_layers():
     assert violations(ROOT) == []
+
+
+def test_only_the_door_reaches_jax_internals():
+    assert jax_internals(ROOT) == []
+    door = (ROOT / "_jax.py").read_text()
+    assert "from jax._src import" in door  # the check above has something to find
+    assert imports(DOOR, ROOT / "_jax.py", set(modules(ROOT))) == []  # nothing of jaxcoll
 
 
 def test_every_module_has_a_layer():
@@ -142,6 +179,12 @@ def test_every_module_has_a_layer():
         ("dp/__init__.py", "from ..dist import world\n", "imports jaxcoll.dist (layer 4)"),
         ("_init.py", "from ._core import ops\n", "stands apart but imports jaxcoll._core"),
         ("_xla_flags.py", "from . import _init\n", "is shared by every layer but imports"),
+        ("_jax.py", "from ._core import ops\n", "is shared by every layer but imports"),
+        ("_core/ops.py", "from jax._src import core\n", "reaches jax._src, a JAX internal"),
+        ("_watch/process.py", "import jax.interpreters.mlir\n",
+         "reaches jax.interpreters.mlir, a JAX internal"),
+        ("dist/_group.py", "from jax import _src\n", "reaches jax._src, a JAX internal"),
+        ("primitives/gather.py", "x = jax.extend.core\n", "reaches jax.extend"),
         ("primitives/gather.py", "def f():\n    from . import scatter\n", "inside a function"),
         ("dist/_work.py", "from . import _collectives\n", "import circle: "),
     ],
@@ -151,5 +194,14 @@ def test_the_check_fails_on_a_planted_import(tmp_path, file, line, expected):
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
     with open(copy / file, "a") as fh:
         fh.write("\n" + line)
-    found = violations(copy)
+    found = violations(copy) + jax_internals(copy)
     assert any(expected in v for v in found), found
+
+
+def test_standalone_units_may_import_the_door(tmp_path):
+    copy = tmp_path / "jaxcoll"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for file in ("_init.py", "run.py", "_watch/signals.py"):
+        with open(copy / file, "a") as fh:
+            fh.write("\nfrom jaxcoll import _jax\n")
+    assert violations(copy) == []

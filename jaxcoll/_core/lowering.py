@@ -6,6 +6,10 @@ these for ``algorithm="native"``. Where lax lacks an op (rooted ops, PRODUCT and
 reductions, a CPU broadcast) the pattern is built from differentiable lax ops, so ``jax.grad``
 of a pattern is the transpose of the pattern. Results equal on every rank are typed invariant
 (all_reduce, broadcast, all_gather), so ``shard_map``'s checking holds with ``out_specs=P()``.
+
+Two ops have a GPU-only HLO (collective-broadcast, ragged-all-to-all). Their primitives use it
+only when every platform the module is lowered for is a GPU, so a program exported for
+``("cuda", "cpu")`` also runs on the CPU (:func:`register_gpu_or_portable`).
 """
 
 from __future__ import annotations
@@ -17,9 +21,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core as _jcore
-from jax._src.interpreters import ad, batching, mlir
 
+from .._jax import (
+    Primitive,
+    deflinear2,
+    fancy_primitive_batchers,
+    instantiate_zeros,
+    lower_fun,
+    lowering_platforms,
+    primitive_batchers,
+    primitive_jvps,
+    primitive_transposes,
+    register_lowering,
+)
 from .axis import Axis, is_rank, permute
 from .ops import ReduceOp, fold, rule
 from .packing import from_rows, split_leading, to_rows, unsplit_slice
@@ -39,6 +53,33 @@ def staged(*static_argnums: int):
 def names_of(ax: Axis) -> tuple:
     """``ax.name`` as a tuple (some lax collectives iterate a plain string name)."""
     return ax.name if isinstance(ax.name, tuple) else (ax.name,)
+
+
+GPU_PLATFORMS = ("cuda", "rocm")
+"""Platforms whose XLA compiles HLO collective-broadcast and ragged-all-to-all."""
+
+
+def register_gpu_or_portable(prim: Primitive, gpu: Any, portable: Any, *,
+                             multiple_results: bool) -> None:
+    """Lower ``prim`` by ``gpu`` when every platform of the module is a GPU, else ``portable``.
+
+    One rule that looks at all the platforms the module is lowered for, not one rule per
+    platform: per-platform rules make a module exported for ``("cuda", "cpu")`` a ``case`` on
+    the platform index with the GPU op in one branch. JAX resolves that index before
+    compiling, but not inside a ``shard_map`` body (an ``sdy.manual_computation`` takes it as
+    an operand), so XLA:CPU compiles the GPU branch too and fails (``UNIMPLEMENTED: HLO opcode
+    collective-broadcast is not supported by XLA:CPU ThunkEmitter``, jax 0.10.2 and 0.11.2).
+    The cost: such a module runs the portable lowering on the GPU as well; a module lowered for
+    GPUs only (``jax.jit`` on a GPU, ``jax.export(..., platforms=("cuda",))``) gets ``gpu``.
+    """
+    rules = {True: lower_fun(gpu, multiple_results=multiple_results),
+             False: lower_fun(portable, multiple_results=multiple_results)}
+
+    def rule(ctx, *args, **params):
+        native = all(p in GPU_PLATFORMS for p in lowering_platforms(ctx))
+        return rules[native](ctx, *args, **params)
+
+    register_lowering(prim, rule)
 
 
 # ------------------------------------------------------------------------------ all-gather
@@ -162,11 +203,12 @@ def tree_broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
     return x
 
 
-# One primitive for the broadcast, so that each platform gets its own lowering, also in one
-# program exported for several platforms at once (``lax.platform_dependent`` cannot: it lowers
-# the GPU-only branch for the CPU too). Its result is typed invariant; its transpose hands the
-# (invariant) cotangent to ``src``, so no broken pbroadcast transpose rule is ever reached.
-broadcast_p = _jcore.Primitive("jaxcoll_broadcast")
+# One primitive for the broadcast, lowered by what every platform of the module can compile
+# (register_gpu_or_portable): NCCL's broadcast for GPUs alone, the tree otherwise. Not
+# ``lax.platform_dependent``: it lowers the GPU-only branch for the CPU too. Its result is
+# typed invariant; its transpose hands the (invariant) cotangent to ``src``, so no broken
+# pbroadcast transpose rule is ever reached.
+broadcast_p = Primitive("jaxcoll_broadcast")
 broadcast_p.def_abstract_eval(lambda aval, *, ax, src: _without(aval, names_of(ax)))
 
 
@@ -178,16 +220,14 @@ def _broadcast_tree(x, *, ax, src):
     return tree_broadcast(x, ax, src)
 
 
-mlir.register_lowering(broadcast_p, mlir.lower_fun(_broadcast_tree, multiple_results=False))
-for _platform in ("cuda", "rocm"):
-    mlir.register_lowering(broadcast_p, mlir.lower_fun(_broadcast_gpu, multiple_results=False),
-                           platform=_platform)
-ad.deflinear2(broadcast_p, lambda ct, x, *, ax, src: [root_cotangent(ct, names_of(ax), src)])
+register_gpu_or_portable(broadcast_p, _broadcast_gpu, _broadcast_tree, multiple_results=False)
+deflinear2(broadcast_p, lambda ct, x, *, ax, src: [root_cotangent(ct, names_of(ax), src)])
 
 
 @staged(1, 2)
 def broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
-    """Collective-broadcast (NCCL) on GPU; the ppermute tree where XLA has none (CPU, TPU)."""
+    """Collective-broadcast (NCCL) on GPU; the ppermute tree where XLA has none (CPU, TPU) and
+    in a module lowered for a GPU and such a platform at once."""
     if ax.size == 1:
         return x
     return broadcast_p.bind(ensure_varying(x, ax), ax=ax, src=src)
@@ -259,7 +299,7 @@ def _broadcast_batcher(axis_data, vals_in, dims_in, *, ax, src):
     return jnp.broadcast_to(picked, v.shape), d
 
 
-batching.fancy_primitive_batchers[broadcast_p] = _broadcast_batcher
+fancy_primitive_batchers[broadcast_p] = _broadcast_batcher
 
 
 # ------------------------------------------------------------------------ ragged all-to-all
@@ -356,30 +396,27 @@ def _ragged_native(x, in_off, send, out_off, recv, recv_off, *, ax, out_size):
     return lax.ragged_all_to_all(x, out, in_off, send, out_off, recv, axis_name=ax.name)
 
 
-# One primitive over all leaves of a pytree (packed as bytes: one transfer), lowered per
-# platform as broadcast_p is: XLA:CPU has no ragged-all-to-all ("not supported by XLA:CPU
-# ThunkEmitter" in jax 0.10) and vmap has no batching rule for it. Linear in the leaves; its
-# transpose is the ragged all-to-all back to where each row came from.
-ragged_p = _jcore.Primitive("jaxcoll_ragged_all_to_all")
+# One primitive over all leaves of a pytree (packed as bytes: one transfer), lowered as
+# broadcast_p is (native on GPU-only modules): XLA:CPU has no ragged-all-to-all ("not supported
+# by XLA:CPU ThunkEmitter" in jax 0.10) and vmap has no batching rule for it. Linear in the
+# leaves; its transpose is the ragged all-to-all back to where each row came from.
+ragged_p = Primitive("jaxcoll_ragged_all_to_all")
 ragged_p.multiple_results = True
 ragged_p.def_abstract_eval(lambda *avals, ax, out_size, count: [
     a.update(shape=(out_size, *a.shape[1:])) for a in avals[:count]])
-mlir.register_lowering(ragged_p, mlir.lower_fun(_packed(_ragged_padded),
-                                                multiple_results=True))
-for _platform in ("cuda", "rocm"):
-    mlir.register_lowering(ragged_p, mlir.lower_fun(_packed(_ragged_native),
-                                                    multiple_results=True), platform=_platform)
+register_gpu_or_portable(ragged_p, _packed(_ragged_native), _packed(_ragged_padded),
+                         multiple_results=True)
 
 
 def _ragged_jvp(primals, tangents, *, ax, out_size, count):
     out = ragged_p.bind(*primals, ax=ax, out_size=out_size, count=count)
-    ts = [ad.instantiate_zeros(t) for t in tangents[:count]]
+    ts = [instantiate_zeros(t) for t in tangents[:count]]
     return out, ragged_p.bind(*ts, *primals[count:], ax=ax, out_size=out_size, count=count)
 
 
 def _ragged_transpose(cts, *args, ax, out_size, count):
     leaves, (in_off, send, _, recv, recv_off) = args[:count], args[count:]
-    cts = [ensure_varying(ad.instantiate_zeros(ct), ax) for ct in cts]
+    cts = [ensure_varying(instantiate_zeros(ct), ax) for ct in cts]
     back = ragged_p.bind(*cts, recv_off, recv, _column(in_off, ax), send, in_off, ax=ax,
                          out_size=leaves[0].aval.shape[0], count=count)
     return [*back, None, None, None, None, None]
@@ -395,9 +432,9 @@ def _ragged_batcher(vals, dims, *, ax, out_size, count):
     return [jnp.stack(o) for o in zip(*outs)], [0] * count
 
 
-ad.primitive_jvps[ragged_p] = _ragged_jvp
-ad.primitive_transposes[ragged_p] = _ragged_transpose
-batching.primitive_batchers[ragged_p] = _ragged_batcher
+primitive_jvps[ragged_p] = _ragged_jvp
+primitive_transposes[ragged_p] = _ragged_transpose
+primitive_batchers[ragged_p] = _ragged_batcher
 
 
 def ragged_all_to_all(leaves: list[jax.Array], ax: Axis, plan: tuple[jax.Array, ...],
@@ -405,7 +442,8 @@ def ragged_all_to_all(leaves: list[jax.Array], ax: Axis, plan: tuple[jax.Array, 
     """Move the leaves (one leading row count) by ``plan`` (from :func:`ragged_plan`) into
     ``out_size`` rows each, all leaves in one transfer.
 
-    GPU: one ``lax.ragged_all_to_all``; elsewhere :func:`_ragged_padded` (also what a vmapped
+    GPU: one ``lax.ragged_all_to_all``; elsewhere, and in a module lowered for a GPU and a CPU
+    at once (see :func:`register_gpu_or_portable`), :func:`_ragged_padded` (also what a vmapped
     axis runs, called directly per leaf: vmap's all_to_all batches, ragged-all-to-all does
     not).
     """

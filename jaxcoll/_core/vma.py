@@ -19,18 +19,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core as _jcore
-from jax._src.interpreters import ad, batching, mlir
+
+from .._jax import (
+    Primitive,
+    deflinear2,
+    primitive_batchers,
+    register_lowering,
+    varying_of,
+    with_varying,
+)
 
 
 def varying_axes(x: Any) -> frozenset | None:
     """The mesh axes ``x`` varies over (shard_map's check_vma type), or None if untyped."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)  # jax >= 0.11
-    if vma is None:
-        mat = getattr(aval, "mat", None)  # jax 0.10
-        vma = getattr(mat, "varying", None)
-    return vma
+    return varying_of(jax.typeof(x))
 
 
 def _names(name: Any) -> tuple:
@@ -71,11 +73,7 @@ def ensure_varying(x: jax.Array, ax: Any) -> jax.Array:
 
 def _without(aval: Any, axes: tuple) -> Any:
     """``aval`` typed invariant over ``axes``."""
-    if hasattr(aval, "mat"):  # jax 0.10
-        keep = frozenset(a for a in aval.mat.varying if a not in axes)
-        return aval.update(manual_axis_type=aval.mat.update(varying=keep))
-    keep = frozenset(a for a in aval.vma if a not in axes)  # jax >= 0.11
-    return aval.update(vma=keep)
+    return with_varying(aval, frozenset(a for a in varying_of(aval) if a not in axes))
 
 
 def root_cotangent(ct: jax.Array, names: tuple, root: int) -> jax.Array:
@@ -95,12 +93,12 @@ def root_cotangent(ct: jax.Array, names: tuple, root: int) -> jax.Array:
 # The replicated cast: varying -> invariant, for values equal on every rank. Identity in the
 # program. Its transpose reads the value as "rank 0's copy" (equal to every other copy), so the
 # cotangent goes to rank 0 alone: exact, and what the algorithm's own transpose then spreads.
-replicated_p = _jcore.Primitive("jaxcoll_replicated")
+replicated_p = Primitive("jaxcoll_replicated")
 replicated_p.def_impl(lambda x, *, axes: x)
 replicated_p.def_abstract_eval(lambda aval, *, axes: _without(aval, axes))
-mlir.register_lowering(replicated_p, lambda ctx, x, *, axes: [x])
-ad.deflinear2(replicated_p, lambda ct, x, *, axes: [root_cotangent(ct, axes, 0)])
-batching.primitive_batchers[replicated_p] = (
+register_lowering(replicated_p, lambda ctx, x, *, axes: [x])
+deflinear2(replicated_p, lambda ct, x, *, axes: [root_cotangent(ct, axes, 0)])
+primitive_batchers[replicated_p] = (
     lambda vals, dims, *, axes: (replicated_p.bind(vals[0], axes=axes), dims[0]))
 
 

@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jax._src import distributed as _distributed  # the job's key-value store client
+import jax
+
+from .._jax import distributed_state  # the job's key-value store client
 
 DEFAULT_TIMEOUT = 600.0
 """Seconds a collective may wait in a multi-process job before the watchdog ends the process.
@@ -102,16 +104,16 @@ def collective_timeout() -> float | None:
 
 def client() -> Any:
     """``jax.distributed``'s client (its key-value store), or None outside a job."""
-    return _distributed.global_state.client
+    return distributed_state().client
 
 
 def hosts_coordinator() -> bool:
-    return _distributed.global_state.service is not None
+    return distributed_state().service is not None
 
 
 def me() -> tuple[int, int]:
     """(this process's index, the number of processes), without starting a backend."""
-    state = _distributed.global_state
+    state = distributed_state()
     return (state.process_id, state.num_processes) if state.client is not None else (0, 1)
 
 
@@ -268,7 +270,7 @@ def _join_shutdown() -> None:
 
 def _shutdown_quietly() -> None:
     try:
-        _distributed.shutdown()
+        jax.distributed.shutdown()
     except Exception:  # noqa: BLE001 - leaving anyway
         pass
 

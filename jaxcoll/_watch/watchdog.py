@@ -19,12 +19,8 @@ from typing import Any
 
 import jax
 
+from .._jax import ArrayImpl as _ArrayImpl  # None if JAX moved it: flatten every time
 from . import process
-
-try:  # the concrete array type, to skip flattening the common single-array output
-    from jax._src.array import ArrayImpl as _ArrayImpl
-except ImportError:  # pragma: no cover - a JAX that moved it: flatten every time
-    _ArrayImpl = None
 
 POLL_S = 0.25
 LEFT_GRACE_S = 1.5  # how long an entry may stay pending once a process it needs has exited

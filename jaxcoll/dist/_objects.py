@@ -18,10 +18,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import distributed as _distributed
 from jax.experimental import multihost_utils
 
 from .._core.checks import check_rank
+from .._jax import distributed_state
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -230,7 +230,7 @@ _RECEIVED: collections.Counter[tuple[int, int]] = collections.Counter()
 
 
 def _client(api: str) -> Any:
-    client = getattr(_distributed.global_state, "client", None)
+    client = getattr(distributed_state(), "client", None)
     if client is None:
         raise RuntimeError(f"{api}: JAX's distributed runtime is not initialized; call "
                            f"jaxcoll.init() first (and start the processes with jaxcoll-run).")

@@ -22,8 +22,10 @@ def broadcast(x: PyTree, axis_name: AxisName, src: int, *, algorithm: str = "aut
     Lowering: one jaxcoll primitive with a lowering per platform: on GPU a single
     collective-broadcast (``lax.pbroadcast``, NCCL broadcast); XLA has no collective-broadcast
     on CPU or TPU, so there a binomial tree of ceil(log2 n) ``ppermute`` steps from ``src``.
-    A program exported for several platforms (``jax.export``, ``platforms=("cuda", "cpu")``)
-    carries both. Bit-exact (no arithmetic), for every dtype including bool and complex. The
+    A program exported for a GPU and such a platform at once (``jax.export``,
+    ``platforms=("cuda", "cpu")``) takes the tree on every platform, the GPU included, since
+    XLA:CPU compiles the GPU's code of the module too; export for ``("cuda",)`` alone to keep
+    the NCCL broadcast. Bit-exact (no arithmetic), for every dtype including bool and complex. The
     result is typed invariant (the same on every rank), so ``out_specs=P()`` checks; ``jax.grad``
     gives ``src`` the cotangent and every other rank zeros.
 

@@ -9,6 +9,7 @@ import pickle
 import pytest
 
 from jaxcoll import dist
+from jaxcoll._jax import distributed_state
 from jaxcoll.dist import _objects
 
 
@@ -71,7 +72,7 @@ def test_send_recv_protocol_in_order_between_two_processes(monkeypatch):
     me = {"p": 0}
     monkeypatch.setattr(_objects.jax, "process_count", lambda: 2)
     monkeypatch.setattr(_objects.jax, "process_index", lambda: me["p"])
-    monkeypatch.setattr(_objects._distributed.global_state, "client", store)
+    monkeypatch.setattr(distributed_state(), "client", store)
     monkeypatch.setattr(_objects, "_SENT", type(_objects._SENT)())
     monkeypatch.setattr(_objects, "_RECEIVED", type(_objects._RECEIVED)())
     dist.send_object_list([{"step": 1}, "a"], dst=1)
@@ -93,7 +94,7 @@ def test_send_recv_protocol_in_order_between_two_processes(monkeypatch):
 def test_send_without_a_distributed_runtime_says_to_init(monkeypatch):
     monkeypatch.setattr(_objects.jax, "process_count", lambda: 2)
     monkeypatch.setattr(_objects.jax, "process_index", lambda: 0)
-    monkeypatch.setattr(_objects._distributed.global_state, "client", None)
+    monkeypatch.setattr(distributed_state(), "client", None)
     with pytest.raises(RuntimeError, match=r"call jaxcoll.init\(\) first"):
         dist.send_object_list([1], dst=1)
 
