@@ -262,7 +262,7 @@ def reduce_scatter_uneven(
 
     Lowering: whichever moves fewer bytes. When ``n * max(sizes) <= 2 * sum(sizes)`` (sizes
     roughly even): one :func:`reduce_scatter` (``lax.psum_scatter`` for SUM/AVG, an
-    ``all_to_all`` + local fold for the other ops) of the n parts, each zero-padded to
+    ``all_to_all`` + local fold for the other ops) of the n parts, each widened to
     ``max(sizes)`` rows. Otherwise (one part much longer than the rest): one
     :func:`all_reduce` of the ``sum(sizes)`` rows, then a slice at this rank's offset. Every op
     and dtype :func:`reduce_scatter` allows (float16 SUM/AVG accumulate in float32), pytrees
@@ -316,8 +316,7 @@ def _reduce_scatter_parts(leaves: list[jax.Array], ax: Axis, op: ReduceOp,
     starts = np.cumsum((0, *sizes[:-1])).tolist()
     r = ax.rank()
     if n * cap <= 2 * m:  # the n padded parts move no more than an all-reduce of m rows would
-        parts = [jnp.concatenate([_padded(leaf[a:a + k], cap) for a, k in zip(starts, sizes)])
-                 for leaf in leaves]
+        parts = [_windows(leaf, starts, cap) for leaf in leaves]
         out = reduce_scatter(parts, ax.name, op, tiled=True)
     else:
         total = all_reduce(leaves, ax.name, op)
@@ -325,6 +324,15 @@ def _reduce_scatter_parts(leaves: list[jax.Array], ax: Axis, op: ReduceOp,
         out = [jax.lax.dynamic_slice_in_dim(_padded(t, m + cap), start, cap) for t in total]
     size = jnp.asarray(sizes, jnp.int32)[r]
     return [_zero_from(o, size) for o in out], size
+
+
+def _windows(a: jax.Array, starts: list[int], rows: int) -> jax.Array:
+    """The ``rows`` rows of ``a`` from each of ``starts``, concatenated: a window longer than
+    its part runs on into the next part's rows, or zeros past ``a``'s end (the caller zeroes
+    them after the reduction)."""
+    # Not each part padded alone: jax 0.11.2's eager shard_map segfaults padding an empty part.
+    a = _padded(a, a.shape[0] + rows)
+    return jnp.concatenate([a[s:s + rows] for s in starts])
 
 
 def _padded(a: jax.Array, rows: int) -> jax.Array:
