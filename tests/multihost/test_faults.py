@@ -124,9 +124,9 @@ def test_a_taken_coordinator_port_is_named_before_jax_starts(tmp_path):
         for cmd in ([sys.executable, "-c", code],
                     [sys.executable, "-m", "jaxcoll.run", "--nprocs", "2", "--coordinator",
                      f"127.0.0.1:{port}", "--init-timeout", "20", str(script)]):
-            t0 = time.monotonic()
+            # Not timed (the machine may be loaded): the message is init's own, raised before
+            # JAX starts its service, and the exit code is 1, not a signal.
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
             assert proc.returncode == 1, (cmd, proc.returncode, proc.stderr[-2000:])
-            assert time.monotonic() - t0 < 15
             assert f"port {port} is already in use by another program" in proc.stderr, \
                 proc.stderr[-2000:]
