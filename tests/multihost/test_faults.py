@@ -130,3 +130,18 @@ def test_a_taken_coordinator_port_is_named_before_jax_starts(tmp_path):
             assert proc.returncode == 1, (cmd, proc.returncode, proc.stderr[-2000:])
             assert f"port {port} is already in use by another program" in proc.stderr, \
                 proc.stderr[-2000:]
+
+
+def test_the_launcher_drops_gloos_connection_reports_only():
+    from jaxcoll.run import _gloo_report
+
+    for line in ("[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected "
+                 "peer ranks is : 7\n",
+                 # two threads' reports interleaved mid-line, as seen in a 2 x 4 job
+                 "[Gloo] Rank 3[Gloo] Rank 2 is connected to  is connected to 77 peer ranks. "
+                 "Expected number of connected peer ranks is : 7\n",
+                 " peer ranks. Expected number of connected peer ranks is : 7\n"):
+        assert _gloo_report(line), line
+    for line in ("result [36. 36.]\n", "RuntimeError: Gloo connect timed out\n",
+                 "[Gloo] Rank 3 is connected to 5 peer ranks; giving up\n", "\n"):
+        assert not _gloo_report(line), line
