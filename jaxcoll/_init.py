@@ -303,7 +303,7 @@ def initialize(
 
     Returns:
         None. :func:`jaxcoll.init` (this function, from the layer that knows groups) returns
-        the world group, ``jaxcoll.dist.world()``: every device of every process.
+        the world group, ``jaxcoll.distributed.world()``: every device of every process.
 
     Raises:
         ValueError: a bad or incomplete address, count or id (from the arguments or the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
@@ -22,4 +23,14 @@ def test_import_has_no_side_effects():
     proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "'primitives'" in proc.stdout and "'dist'" in proc.stdout
+    assert "'primitives'" in proc.stdout and "'distributed'" in proc.stdout
+
+
+def test_dist_is_distributed_under_its_short_name():
+    import jaxcoll
+    from jaxcoll import dist, distributed
+
+    assert dist is distributed is jaxcoll.dist is jaxcoll.distributed
+    assert importlib.import_module("jaxcoll.dist") is distributed  # `import jaxcoll.dist`
+    assert dist.all_reduce is distributed.all_reduce
+    assert not [m for m in sys.modules if m.startswith("jaxcoll.dist.")]  # nothing loaded twice

@@ -1,6 +1,6 @@
 """Process groups as device groups: world, new_group, new_subgroups, hierarchy, and queries.
 
-In ``jaxcoll.dist`` a rank is a device: global rank ``i`` is ``jax.devices()[i]`` (in a
+In ``jaxcoll.distributed`` a rank is a device: global rank ``i`` is ``jax.devices()[i]`` (in a
 multi-process run the devices of every process, in JAX's global order).
 """
 

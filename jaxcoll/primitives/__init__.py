@@ -1,7 +1,8 @@
 """SPMD collectives: call them inside ``jax.shard_map`` over a device mesh.
 
 Each takes ``axis_name`` (a mesh axis or a tuple of them, as in ``jax.lax``, or a group from
-:mod:`jaxcoll.dist`) and a pytree, and returns new arrays. See each function for its lowering.
+:mod:`jaxcoll.distributed`) and a pytree, and returns new arrays. See each function for its
+lowering.
 Each public function is thin: it checks its arguments, chooses an algorithm
 (:mod:`jaxcoll.algorithms`) and calls the lowering (:mod:`jaxcoll._core.lowering`).
 """

@@ -37,7 +37,7 @@ def delegate(own: Any, primitive: Any, x: Any, **kwargs: Any) -> Any:
     except KeyError:
         raise NotImplementedError(
             f"{primitive.__name__}: a group that is not its whole mesh axis in order is not "
-            f"supported inside shard_map yet. Use jaxcoll.dist on the group (it runs on the "
+            f"supported inside shard_map yet. Use jaxcoll.distributed on the group (it runs on the "
             f"member devices), or a mesh axis of the members.") from None
 
 
