@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
 import numpy as np
+from jax.sharding import NamedSharding
 
 from ..groups import Group
 from ._group import group_sharding, resolve_group
