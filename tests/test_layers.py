@@ -175,8 +175,8 @@ def test_every_module_has_a_layer():
     [
         ("_core/ops.py", "from jaxcoll import distributed\n",
          "(layer 0) imports jaxcoll.distributed (layer 4)"),
-        ("algorithms/ring.py", "from ..primitives import all_reduce\n",
-         "imports jaxcoll.primitives.all_reduce (layer 2), which is not below it"),
+        ("algorithms/ring.py", "from ..primitives import _all_reduce\n",
+         "imports jaxcoll.primitives._all_reduce (layer 2), which is not below it"),
         ("dp/__init__.py", "from ..distributed import world\n",
          "imports jaxcoll.distributed (layer 4)"),
         ("_init.py", "from ._core import ops\n", "stands apart but imports jaxcoll._core"),
@@ -186,8 +186,8 @@ def test_every_module_has_a_layer():
         ("_watch/process.py", "import jax.interpreters.mlir\n",
          "reaches jax.interpreters.mlir, a JAX internal"),
         ("distributed/_group.py", "from jax import _src\n", "reaches jax._src, a JAX internal"),
-        ("primitives/gather.py", "x = jax.extend.core\n", "reaches jax.extend"),
-        ("primitives/gather.py", "def f():\n    from . import scatter\n", "inside a function"),
+        ("primitives/_gather.py", "x = jax.extend.core\n", "reaches jax.extend"),
+        ("primitives/_gather.py", "def f():\n    from . import _scatter\n", "inside a function"),
         ("distributed/_work.py", "from . import _collectives\n", "import circle: "),
     ],
 )

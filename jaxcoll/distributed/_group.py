@@ -36,7 +36,7 @@ def world(*, axis_name: str = "x") -> Group:
             primitive inside your own ``shard_map`` (and the name used on its own mesh).
 
     Returns:
-        A :class:`~jaxcoll.primitives._group.Group` with ranks ``0..jax.device_count()-1``.
+        A :class:`~jaxcoll.groups.Group` with ranks ``0..jax.device_count()-1``.
 
     Example (8 devices)::
 
