@@ -1,4 +1,4 @@
-"""jaxcoll.dist dispatch cost: first call, cached call, and a pre-jitted shard_map, per op.
+"""jaxcoll.distributed dispatch cost: first call, cached call, and a pre-jitted shard_map, per op.
 
 Every dist collective is a jitted shard_map cached on (op, group, options); jax.jit caches the
 compiled program per shape/dtype. For each op this prints the first call (trace + compile),
@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcoll.primitives as C  # noqa: E402
-from jaxcoll import dist  # noqa: E402
+from jaxcoll import distributed as dist  # noqa: E402
 
 
 def timed(fn) -> float:

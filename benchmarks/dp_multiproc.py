@@ -270,7 +270,8 @@ def jax_worker(a: argparse.Namespace) -> None:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxcoll import dist, dp
+    from jaxcoll import distributed as dist
+    from jaxcoll import dp
 
     def forward(params, x):
         for i in range(len(SIZES) - 1):

@@ -44,7 +44,7 @@ def main() -> None:
 
     import numpy as np
 
-    from jaxcoll import dist
+    from jaxcoll import distributed as dist
 
     burner = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass"
     burners = [subprocess.Popen([sys.executable, "-c", burner])  # end with this process
@@ -72,7 +72,7 @@ def main() -> None:
 def _check(item, elements: int) -> None:
     import numpy as np
 
-    from jaxcoll import dist
+    from jaxcoll import distributed as dist
 
     kind, work = item[0], item[1]
     got = dist.to_ranks(work.wait())

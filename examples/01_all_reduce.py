@@ -4,7 +4,7 @@ all_reduce *combines* every rank's value (SUM by default) and gives every rank t
 rank that started with 1.0 ends with the sum over all ranks. Three cases, as in the original:
 a scalar per rank, a 3x3 tensor per rank, and MAX instead of SUM. Two ranks, as in the seed.
 
-The same three cases follow in the ``jaxcoll.dist`` form (torch-style eager calls on per-rank
+The same three cases follow in the ``jaxcoll.distributed`` form (torch-style eager calls on per-rank
 arrays, no shard_map to write), printed as "dist: rank r ...".
 
 Run:  python examples/01_all_reduce.py        (simulates 2 CPU devices; takes a few seconds)
@@ -23,7 +23,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcoll.primitives as C  # noqa: E402
-from jaxcoll import ReduceOp, dist  # noqa: E402
+from jaxcoll import ReduceOp  # noqa: E402
+from jaxcoll import distributed as dist  # noqa: E402
 
 # A rank is a device position along the mesh axis "rank".
 mesh = jax.make_mesh((WORLD,), ("rank",))
@@ -71,7 +72,7 @@ show("all_reduce(MAX) - Tensor", "Before", maxes)
 show("all_reduce(MAX) - Tensor", "After", max_all(maxes))
 
 
-# The same with jaxcoll.dist: each call is torch's dist.all_reduce on a per-rank array (row r
+# The same with jaxcoll.distributed: each call is torch's dist.all_reduce on a per-rank array (row r
 # lives on rank r's device); it returns a new per-rank array instead of reducing in place.
 def show_dist(label, x):
     for r, row in enumerate(dist.to_ranks(x)):

@@ -7,7 +7,7 @@ own input back, and no other array (x itself, y derived from x) can change. JAX 
 immutable, so the seed's three failure modes (in-place update seen through a derived tensor,
 shared memory, a race with an async op) cannot happen; this script shows each case.
 
-The ``jaxcoll.dist`` form of the first and third cases follows (lines "dist: rank r ...").
+The ``jaxcoll.distributed`` form of the first and third cases follows (lines "dist: rank r ...").
 
 Run:  python examples/02_reduce.py        (simulates 2 CPU devices; takes a few seconds)
 """
@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcoll.primitives as C  # noqa: E402
-from jaxcoll import dist  # noqa: E402
+from jaxcoll import distributed as dist  # noqa: E402
 
 mesh = jax.make_mesh((WORLD,), ("rank",))
 
@@ -63,7 +63,7 @@ for r in range(WORLD):
     print(f"Rank {r}: after async reduce x = {np.asarray(x)[r].tolist()}, "
           f"y = {np.asarray(y)[r].tolist()}, reduce result = {np.asarray(pending)[r].tolist()}")
 
-# The same with jaxcoll.dist: torch's dist.reduce(x, dst=0), on a per-rank array.
+# The same with jaxcoll.distributed: torch's dist.reduce(x, dst=0), on a per-rank array.
 dx = dist.per_rank([np.array([1, 2, 3], np.int32), np.array([10, 20, 30], np.int32)])
 dy = dx + 1
 dres = dist.reduce(dx, dst=0, op=dist.ReduceOp.SUM)

@@ -4,8 +4,8 @@ broadcast, all_reduce, reduce, scatter, gather, all_gather and send/recv over 4 
 same data as the tutorial. Each is an SPMD function: one program, every rank runs it on its own
 row, and row r of the result is what rank r would hold after the torch call.
 
-The second half repeats them with ``jaxcoll.dist`` (torch-style eager calls on per-rank arrays,
-printed as "dist: rank r ..."), ending with the async all_reduce: issue it with
+The second half repeats them with ``jaxcoll.distributed`` (torch-style eager calls on per-rank
+arrays, printed as "dist: rank r ..."), ending with the async all_reduce: issue it with
 ``async_op=True``, compute something else, then ``wait()``.
 
 Run:  python examples/03_collectives.py        (simulates 4 CPU devices; takes a few seconds)
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcoll.primitives as C  # noqa: E402
-from jaxcoll import dist  # noqa: E402
+from jaxcoll import distributed as dist  # noqa: E402
 
 mesh = jax.make_mesh((WORLD,), ("rank",))
 
@@ -83,7 +83,8 @@ each("after all_reduce(BXOR) of rank+1 as int", spmd(
     lambda t: C.all_reduce(t.astype(jnp.int32), "rank", op="bxor"))(tensor))
 
 
-# ---- The same calls with jaxcoll.dist: no shard_map; row r of each array is rank r's tensor.
+# ---- The same calls with jaxcoll.distributed: no shard_map; row r of each array is rank r's
+# tensor.
 def show(label, x):
     for r, row in enumerate(dist.to_ranks(x)):
         print(f"dist: rank {r} {label}: {row.tolist()}")

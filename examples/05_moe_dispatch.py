@@ -10,7 +10,7 @@ input_split_sizes)``. Inside ``jax.shard_map`` that is ``jaxcoll.parallel.dispat
 received, and ``combine`` sends the outputs back. The result must equal the dense computation
 on one device: every token through its own expert, times its gate.
 
-The second half sends the same sorted tokens with ``jaxcoll.dist.all_to_all_single`` and
+The second half sends the same sorted tokens with ``jaxcoll.distributed.all_to_all_single`` and
 torch's split-size tables (row r = what rank r passes), and checks it delivers the same rows.
 """
 
@@ -28,7 +28,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxcoll import dist, parallel  # noqa: E402
+from jaxcoll import distributed as dist  # noqa: E402
+from jaxcoll import parallel  # noqa: E402
 
 RANKS = 4             # expert-parallel ranks (devices)
 PER_RANK = 2          # experts per rank -> 8 experts

@@ -241,84 +241,14 @@ def initialize(
     coordinator_bind_address: str | None = None,
     cluster_detection_method: str | None = None,
     fail_fast: bool = True,
-):
-    """Join the multi-process job this process belongs to (``jaxcoll.init`` returns the world).
+) -> None:
+    """Join the multi-process job this process belongs to: the joining half of jaxcoll.init.
 
-    Like ``torch.distributed.init_process_group()``: call it once at the start of every
-    process, before any other JAX call. It wraps ``jax.distributed.initialize`` (XLA's
-    coordination service; process 0 hosts it), so that afterwards ``jax.devices()`` lists the
-    devices of every process and one mesh spans them all. Roughly::
-
-        def init(coordinator_address, num_processes, process_id):
-            if num_processes == 1:
-                return dist.world()                  # nothing to join
-            if on_cpu:
-                jax.config.update("jax_cpu_collectives_implementation", "gloo")
-            jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                                       initialization_timeout=30, heartbeat_timeout_seconds=20)
-            return dist.world()
-
-    Where the values come from when not given (first match wins): jaxcoll's variables
-    (``JAXCOLL_COORDINATOR_ADDRESS``, ``JAXCOLL_NUM_PROCESSES``, ``JAXCOLL_PROCESS_ID``, set
-    by ``jaxcoll-run``), JAX's (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
-    ``JAX_PROCESS_ID``), torchrun's (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
-    ``RANK``, ``LOCAL_RANK``), then JAX's own detection of SLURM and Open MPI. With none of
-    them, or ``num_processes == 1``, it is a no-op: the single-process program runs unchanged.
-
-    Collectives across processes run over NCCL on GPUs and over gloo (TCP) on CPU; on CPU this
-    selects gloo unless ``jax_cpu_collectives_implementation`` was set otherwise.
-
-    After joining, :func:`jaxcoll.init` also starts jaxcoll's collective watchdog (``timeout``),
-    mismatch detection if asked (``debug``), records a normal exit in the job's key-value store
-    for the peers' watchdogs, and replaces JAX's SIGTERM handler, which only logs: SIGTERM then
-    ends the process at once with exit code 143, unless a loop claimed it with
-    :func:`jaxcoll.handle_preemption`.
-
-    Note:
-        A rank in jaxcoll is a device, not a process: with 2 processes x 4 devices there are
-        8 ranks, process ``p`` holding ranks ``4p .. 4p+3`` (JAX's global device order).
-
-    Args:
-        coordinator_address: ``"host:port"`` of process 0's coordination service.
-        num_processes: processes in the job.
-        process_id: this process's index, ``0 <= process_id < num_processes``.
-        local_device_ids: the local accelerators this process uses (default: all, or the
-            launcher's ``JAXCOLL_LOCAL_DEVICE_IDS``).
-        initialization_timeout: seconds to wait for every process to connect (default 30,
-            or ``JAXCOLL_INIT_TIMEOUT``). A peer that never starts fails the job after this.
-        heartbeat_timeout: seconds without a heartbeat after which a peer counts as dead
-            (default 20, or ``JAXCOLL_HEARTBEAT_TIMEOUT``).
-        shutdown_timeout: seconds a finished process waits for the others at exit (default 60,
-            or ``JAXCOLL_SHUTDOWN_TIMEOUT``).
-        coordinator_bind_address: where process 0's service listens (default: the
-            launcher's ``JAXCOLL_COORDINATOR_BIND_ADDRESS`` or ``JAX_COORDINATOR_BIND_ADDRESS``;
-            else the coordinator address itself when it is a loopback address, whichever
-            variables named it; else JAX's all-interfaces ``[::]:port``). The service has no
-            authentication: keep its port on a trusted network.
-        cluster_detection_method: passed to JAX (``"slurm"``, ``"ompi"``, ``"mpi4py"``,
-            ``"deactivate"``).
-        fail_fast: if True (the default), an uncaught exception in a multi-process job ends
-            this process right after its traceback (exit code 1), instead of waiting at JAX's
-            exit barrier for peers that may be blocked in a collective with it.
-
-    Returns:
-        None. :func:`jaxcoll.init` (this function, from the layer that knows groups) returns
-        the world group, ``jaxcoll.dist.world()``: every device of every process.
-
-    Raises:
-        ValueError: a bad or incomplete address, count or id (from the arguments or the
-            environment), a second call with a different job shape, or a failed connection
-            (coordinator unreachable, its port taken, a peer missing), reported within
-            ``initialization_timeout``.
-        RuntimeError: JAX has already started its backend in this process (call ``init``
-            before any other JAX call).
-
-    Example (run under ``jaxcoll-run --nprocs 2 --devices-per-proc 4 script.py``)::
-
-        >>> import jaxcoll
-        >>> world = jaxcoll.init()
-        >>> jax.process_count(), jax.device_count(), len(jax.local_devices())
-        (2, 8, 4)
+    :func:`jaxcoll.init` documents every argument, where each value comes from when not given,
+    and the errors; it passes all its arguments here but ``timeout`` and ``debug`` (the
+    watchdog's, which it starts after this returns) and returns the world group. This module
+    stands apart from the groups, so this returns None. The signatures are kept equal by
+    ``tests/distributed/test_init.py``.
     """
     api = "init"
     given = _Spec(coordinator_address, num_processes, process_id,

@@ -2,8 +2,8 @@
 
 A :class:`Group` is the one concept behind both layers:
 
-* ``jaxcoll.dist`` runs each collective as a jitted ``shard_map`` over the group's own devices
-  (:attr:`Group.mesh`), so a member-only collective costs what a world one does.
+* ``jaxcoll.distributed`` runs each collective as a jitted ``shard_map`` over the group's own
+  devices (:attr:`Group.mesh`), so a member-only collective costs what a world one does.
 * Inside a user's own ``jax.shard_map``, every primitive accepts a Group as ``axis_name``:
   members get the group's result, non-members keep their input. The primitive hands the call
   to the group (``Group.__jaxcoll_collective__``, see :mod:`jaxcoll._core.protocol`), so the
@@ -49,11 +49,11 @@ __all__ = ["Group"]
 
 @dataclass(frozen=True, eq=True)
 class Group:
-    """Ranks that run a collective together; build one with ``jaxcoll.dist``.
+    """Ranks that run a collective together; build one with ``jaxcoll.distributed``.
 
-    Use :func:`jaxcoll.dist.world`, :func:`~jaxcoll.dist.new_group`,
-    :func:`~jaxcoll.dist.new_subgroups` or :func:`~jaxcoll.dist.hierarchy` rather than this
-    constructor. Groups are immutable and hashable; equal groups share compiled programs.
+    Use :func:`jaxcoll.distributed.world`, :func:`~jaxcoll.distributed.new_group`,
+    :func:`~jaxcoll.distributed.new_subgroups` or :func:`~jaxcoll.distributed.hierarchy` rather
+    than this constructor. Groups are immutable and hashable; equal groups share compiled programs.
 
     Attributes:
         ranks: the global ranks (indices into ``jax.devices()``) of the rows of a per-rank

@@ -1,4 +1,7 @@
-"""Every test folder is collected by a plain `pytest` run (pytest skips some names by default).
+"""Every test folder is collected by a plain `pytest` run.
+
+pytest skips folders matching ``norecursedirs`` (``build``, ``dist``, ``venv`` and others by
+default), so a test folder given such a name would never run, and nothing would say so.
 
 Except ``tests/slurm``, on purpose: its jobs need root and a SLURM cluster, which
 ``make test-slurm`` sets up; ``make test`` must run without either.

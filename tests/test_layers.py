@@ -3,12 +3,12 @@
 Layers, lowest first (README "Architecture"): the shared modules ``jaxcoll._jax`` (the one
 door to JAX internals) and ``jaxcoll._xla_flags`` (XLA:CPU's settings), which import nothing
 of jaxcoll, < ``jaxcoll._core`` (ground) < ``algorithms`` < ``primitives`` < ``groups`` <
-``dist``, ``dp`` < ``bench`` < the top-level re-exports. ``_init`` (joining a multi-process
-job), ``_watch`` (watchdog, mismatch detection, SIGTERM) and ``run`` (the launcher) stand apart
-and import nothing of jaxcoll outside themselves but the shared modules. A module may import
-modules of a lower layer and of its own package; every import counts, at module level or
-inside a function (a function-local import that dodges a circle is still a circle, so none
-are allowed).
+``distributed``, ``dp`` < ``bench`` < the top-level re-exports. ``_init`` (joining a
+multi-process job), ``_watch`` (watchdog, mismatch detection, SIGTERM) and ``run`` (the
+launcher) stand apart and import nothing of jaxcoll outside themselves but the shared modules.
+A module may import modules of a lower layer and of its own package; every import counts, at
+module level or inside a function (a function-local import that dodges a circle is still a
+circle, so none are allowed).
 
 JAX internals (``jax._src``, ``jax.interpreters``, ``jax.extend``) are reached through
 ``jaxcoll._jax`` alone, so a JAX release that moves one breaks one file.
@@ -35,7 +35,7 @@ UNITS = {
     "jaxcoll.algorithms": 1,
     "jaxcoll.primitives": 2,
     "jaxcoll.groups": 3,
-    "jaxcoll.dist": 4,
+    "jaxcoll.distributed": 4,
     "jaxcoll.dp": 4,
     "jaxcoll.parallel": 4,
     "jaxcoll.bench": 5,
@@ -173,20 +173,22 @@ def test_every_module_has_a_layer():
 @pytest.mark.parametrize(
     "file, line, expected",
     [
-        ("_core/ops.py", "from jaxcoll import dist\n", "(layer 0) imports jaxcoll.dist (layer 4)"),
-        ("algorithms/ring.py", "from ..primitives import all_reduce\n",
-         "imports jaxcoll.primitives.all_reduce (layer 2), which is not below it"),
-        ("dp/__init__.py", "from ..dist import world\n", "imports jaxcoll.dist (layer 4)"),
+        ("_core/ops.py", "from jaxcoll import distributed\n",
+         "(layer 0) imports jaxcoll.distributed (layer 4)"),
+        ("algorithms/ring.py", "from ..primitives import _all_reduce\n",
+         "imports jaxcoll.primitives._all_reduce (layer 2), which is not below it"),
+        ("dp/__init__.py", "from ..distributed import world\n",
+         "imports jaxcoll.distributed (layer 4)"),
         ("_init.py", "from ._core import ops\n", "stands apart but imports jaxcoll._core"),
         ("_xla_flags.py", "from . import _init\n", "is shared by every layer but imports"),
         ("_jax.py", "from ._core import ops\n", "is shared by every layer but imports"),
         ("_core/ops.py", "from jax._src import core\n", "reaches jax._src, a JAX internal"),
         ("_watch/process.py", "import jax.interpreters.mlir\n",
          "reaches jax.interpreters.mlir, a JAX internal"),
-        ("dist/_group.py", "from jax import _src\n", "reaches jax._src, a JAX internal"),
-        ("primitives/gather.py", "x = jax.extend.core\n", "reaches jax.extend"),
-        ("primitives/gather.py", "def f():\n    from . import scatter\n", "inside a function"),
-        ("dist/_work.py", "from . import _collectives\n", "import circle: "),
+        ("distributed/_group.py", "from jax import _src\n", "reaches jax._src, a JAX internal"),
+        ("primitives/_gather.py", "x = jax.extend.core\n", "reaches jax.extend"),
+        ("primitives/_gather.py", "def f():\n    from . import _scatter\n", "inside a function"),
+        ("distributed/_work.py", "from . import _collectives\n", "import circle: "),
     ],
 )
 def test_the_check_fails_on_a_planted_import(tmp_path, file, line, expected):

@@ -1,8 +1,8 @@
 """No job hangs: a collective watchdog, mismatch detection, exit markers and SIGTERM handling.
 
 A process-level unit beside :mod:`jaxcoll._init` that imports nothing else of jaxcoll, so
-``dist``, ``dp`` and ``bench`` can all use it. :func:`jaxcoll.init` calls :func:`start` after
-joining the job; a single process uses the watchdog once ``JAXCOLL_TIMEOUT`` (or
+``distributed``, ``dp`` and ``bench`` can all use it. :func:`jaxcoll.init` calls :func:`start`
+after joining the job; a single process uses the watchdog once ``JAXCOLL_TIMEOUT`` (or
 ``init(timeout=...)``) sets a timeout.
 
 * :mod:`.watchdog`: every ``dist`` call, :func:`watch`-ed function and

@@ -141,7 +141,7 @@ def watch(fn: Callable[..., Any], name: str | None = None) -> Callable[..., Any]
     With ``JAXCOLL_DEBUG=detail`` the first call per input shapes also compares ``fn``'s
     fingerprint (name, shapes, dtypes and, when ``fn`` has ``.lower``, a hash of the lowered
     program) across the processes that own its inputs, and raises on every process when they
-    differ. ``jaxcoll.dist`` calls do both by themselves.
+    differ. ``jaxcoll.distributed`` calls do both by themselves.
 
     Args:
         fn: the function, usually ``jax.jit(jax.shard_map(...))``.

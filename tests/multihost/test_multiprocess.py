@@ -132,7 +132,7 @@ def test_init_is_a_noop_for_one_process(monkeypatch):
     first = jaxcoll.init()
     again = jaxcoll.init(num_processes=1, process_id=0, coordinator_address="127.0.0.1:1")
     assert first.ranks == again.ranks == tuple(range(N))
-    assert not jaxcoll.dist.is_initialized()
+    assert not jaxcoll.distributed.is_initialized()
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcoll.primitives as C
-from jaxcoll import dist
+from jaxcoll import distributed as dist
 from tests.helpers import mesh_1d, mesh_2d
 
 FLOATS = [jnp.float32, jnp.float16, jnp.bfloat16]

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcoll.primitives as C
-from jaxcoll import dist
+from jaxcoll import distributed as dist
 from tests.helpers import bind, mesh_1d, run_per_rank
 from tests.primitives import oracle
 from tests.primitives.test_collectives import (
@@ -165,7 +165,7 @@ def _run_rs(label: str):
 def test_reduce_scatter_uneven_matches_numpy_oracle(label):
     """Every op x dtype x both kinds of sizes (both lowerings, from 3 ranks on), on 1, 3 and 8
     ranks and a tuple of two mesh axes; 2 ranks and an axis of a 2-D mesh (subgroups) run in
-    tests/dist/test_ragged.py (the sub2 and local groups)."""
+    tests/distributed/test_ragged.py (the sub2 and local groups)."""
     xs, got = _run_rs(label)
     _, _, groups = _config(label)
     n = len(groups[0])

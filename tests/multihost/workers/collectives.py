@@ -14,7 +14,7 @@ import os
 import sys
 
 import jaxcoll
-from jaxcoll import dist
+from jaxcoll import distributed as dist
 
 WORLD = jaxcoll.init()  # before any other JAX call
 

@@ -29,7 +29,7 @@ import time
 OUT, MODE = sys.argv[1], sys.argv[2]
 
 import jaxcoll  # noqa: E402
-from jaxcoll import dist  # noqa: E402
+from jaxcoll import distributed as dist  # noqa: E402
 
 jaxcoll.init()
 
@@ -128,7 +128,7 @@ elif MODE == "bind":
     y = dist.all_reduce(x)
 elif MODE == "cost":
     from jaxcoll import _watch
-    from jaxcoll.dist import _collectives
+    from jaxcoll.distributed import _collectives
 
     spent = {"check": [], "agree": []}
 

@@ -21,8 +21,8 @@ from .._core.checks import as_array_leaves, check_rank, check_sizes, check_stati
 from .._core.ops import ReduceOp, check_op_dtype, coerce_op
 from .._core.protocol import handler
 from .._core.typing import AxisName, PyTree
-from .all_reduce import all_reduce
-from .reduce_scatter import reduce_scatter
+from ._all_reduce import all_reduce
+from ._reduce_scatter import reduce_scatter
 
 
 def delegate(own: Any, primitive: Any, x: Any, **kwargs: Any) -> Any:
@@ -37,7 +37,7 @@ def delegate(own: Any, primitive: Any, x: Any, **kwargs: Any) -> Any:
     except KeyError:
         raise NotImplementedError(
             f"{primitive.__name__}: a group that is not its whole mesh axis in order is not "
-            f"supported inside shard_map yet. Use jaxcoll.dist on the group (it runs on the "
+            f"supported inside shard_map yet. Use jaxcoll.distributed on the group (it runs on the "
             f"member devices), or a mesh axis of the members.") from None
 
 

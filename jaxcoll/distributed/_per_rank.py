@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
 import numpy as np
+from jax.sharding import NamedSharding
 
 from ..groups import Group
 from ._group import group_sharding, resolve_group
@@ -22,7 +21,8 @@ def per_rank(
 
     Equivalent to ``jnp.stack([values[r] for r in range(n)])`` placed so that row r lives on
     device ``jax.devices()[group.ranks[r]]``. This is how a torch script's "each rank has its
-    own tensor" is written in ``jaxcoll.dist``: every collective takes and returns such arrays.
+    own tensor" is written in ``jaxcoll.distributed``: every collective takes and returns such
+    arrays.
 
     Only the rows of devices this process drives are read (``values`` may be a function, so
     in a multi-process run each process builds only its own rows).

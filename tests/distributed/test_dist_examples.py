@@ -1,4 +1,4 @@
-"""The jaxcoll.dist half of the seed examples prints what the torch programs print."""
+"""The jaxcoll.distributed half of the seed examples prints what the torch programs print."""
 
 from __future__ import annotations
 

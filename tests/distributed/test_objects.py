@@ -8,9 +8,9 @@ import pickle
 
 import pytest
 
-from jaxcoll import dist
+from jaxcoll import distributed as dist
 from jaxcoll._jax import distributed_state
-from jaxcoll.dist import _objects
+from jaxcoll.distributed import _objects
 
 
 def test_single_process_object_collectives_copy_locally():

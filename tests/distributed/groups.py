@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from jaxcoll import dist
+from jaxcoll import distributed as dist
 
 EIGHT = list(range(8))
 

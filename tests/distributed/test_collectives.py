@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcoll import dist
-from tests.dist.groups import GROUPS, expected
+from jaxcoll import distributed as dist
+from tests.distributed.groups import GROUPS, expected
 from tests.primitives import oracle
 
 DTYPES = ["bool", "int32", "float32", "complex64"]

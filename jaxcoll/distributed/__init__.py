@@ -9,7 +9,7 @@ as ``axis_name`` by the primitives inside your own ``shard_map``.
 
 Example (8 devices)::
 
-    >>> from jaxcoll import dist
+    >>> from jaxcoll import distributed as dist
     >>> x = dist.per_rank(lambda r: np.float32(r + 1))
     >>> dist.to_ranks(dist.all_reduce(x, op=dist.ReduceOp.MAX))[0]
     array(8., dtype=float32)

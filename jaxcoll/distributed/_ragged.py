@@ -182,7 +182,7 @@ def all_to_all_single(
         input_split_sizes: n lists of n ints, or None (see above).
         group: the group; the world if None. For a partition (``new_subgroups``,
             ``hierarchy``) the tables have one list per row of ``x``, each of group-size ints.
-        async_op: return a :class:`~jaxcoll.dist.Work`.
+        async_op: return a :class:`~jaxcoll.distributed.Work`.
 
     Returns:
         A per-rank array of width ``max(sum(output_split_sizes[r]))``: torch's rank r output
@@ -282,7 +282,7 @@ def all_gather_uneven(
         sizes: one int per row of ``x``: the length of that rank's tensor (0..width). For a
             partition, a group rank must have the same size in every subgroup.
         group: the group; the world if None.
-        async_op: return a :class:`~jaxcoll.dist.Work` holding the list.
+        async_op: return a :class:`~jaxcoll.distributed.Work` holding the list.
 
     Returns:
         A list of n per-rank arrays (or a Work).
@@ -378,7 +378,7 @@ def reduce_scatter_uneven(
             the same way.
         op: a :class:`~jaxcoll.ReduceOp` or its name.
         group: the group; the world if None.
-        async_op: return a :class:`~jaxcoll.dist.Work`.
+        async_op: return a :class:`~jaxcoll.distributed.Work`.
 
     Returns:
         A per-rank array ``(n, max(sizes), ...)``: torch's rank r output is

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxcoll.primitives as C
-from jaxcoll import dist
+from jaxcoll import distributed as dist
 from tests.helpers import mesh_1d, mesh_2d, run_per_rank
 from tests.primitives import oracle
 

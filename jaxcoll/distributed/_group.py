@@ -1,6 +1,6 @@
 """Process groups as device groups: world, new_group, new_subgroups, hierarchy, and queries.
 
-In ``jaxcoll.dist`` a rank is a device: global rank ``i`` is ``jax.devices()[i]`` (in a
+In ``jaxcoll.distributed`` a rank is a device: global rank ``i`` is ``jax.devices()[i]`` (in a
 multi-process run the devices of every process, in JAX's global order).
 """
 
@@ -36,7 +36,7 @@ def world(*, axis_name: str = "x") -> Group:
             primitive inside your own ``shard_map`` (and the name used on its own mesh).
 
     Returns:
-        A :class:`~jaxcoll.primitives._group.Group` with ranks ``0..jax.device_count()-1``.
+        A :class:`~jaxcoll.groups.Group` with ranks ``0..jax.device_count()-1``.
 
     Example (8 devices)::
 

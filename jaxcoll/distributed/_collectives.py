@@ -1,6 +1,6 @@
 """The collectives on per-rank arrays: each one a cached, jitted shard_map over the group.
 
-Every function here takes per-rank arrays (see :func:`~jaxcoll.dist.per_rank`) and returns
+Every function here takes per-rank arrays (see :func:`~jaxcoll.distributed.per_rank`) and returns
 new ones: row r of the result is rank r's result. Each call runs a program built once per
 (op, group, options) by :func:`_program`: ``jax.jit(jax.shard_map(body, mesh=group.mesh))``
 where ``body`` calls the matching :mod:`jaxcoll.primitives` function on the group's mesh axis,

@@ -12,7 +12,7 @@ from .._core.checks import as_array_leaves
 from .._core.ops import ReduceOp, accumulator, check_op_dtype, coerce_op
 from .._core.protocol import handler
 from .._core.typing import AxisName, PyTree
-from .ragged import delegate
+from ._ragged import delegate
 
 
 def _prefix(api: str, x: Any, axis_name: Any, op: Any, exclusive: bool) -> PyTree:

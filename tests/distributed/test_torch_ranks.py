@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxcoll import dist
+from jaxcoll import distributed as dist
 
 
 def _values(group):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcoll import dist
+from jaxcoll import distributed as dist
 
 
 def test_per_rank_round_trip_and_row_order() -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxcoll import dist
-from jaxcoll.dist import _ragged
-from tests.dist.groups import GROUPS, expected
+from jaxcoll import distributed as dist
+from jaxcoll.distributed import _ragged
+from tests.distributed.groups import GROUPS, expected
 from tests.primitives import oracle
 
 

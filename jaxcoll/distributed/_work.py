@@ -37,7 +37,7 @@ class Work:
         """The result arrays, without waiting.
 
         JAX arrays are futures: passing them to further JAX calls orders those calls after the
-        collective; converting them to NumPy (e.g. :func:`~jaxcoll.dist.to_ranks`) waits.
+        collective; converting them to NumPy (e.g. :func:`~jaxcoll.distributed.to_ranks`) waits.
         Call :meth:`wait` to block here instead.
         """
         return self._result

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxcoll import dist
-from jaxcoll.dist import _collectives
+from jaxcoll import distributed as dist
+from jaxcoll.distributed import _collectives
 
 
 def test_async_all_reduce_returns_before_it_completes() -> None:
