@@ -8,14 +8,14 @@ from .adapters import Linen as Linen
 from .adapters import Model as Model
 from .adapters import Nnx as Nnx
 from .batchnorm import SyncBatchNorm as SyncBatchNorm
+from .buckets import mean_gradients as mean_gradients
+from .buckets import plan_buckets as plan_buckets
 from .callbacks import Callback as Callback
 from .callbacks import JsonlWriter as JsonlWriter
 from .checkpoint import Checkpointer as Checkpointer
 from .data import Batches as Batches
 from .extra import Extra as Extra
 from .extra import ema as ema
-from .grad_sync import mean_gradients as mean_gradients
-from .grad_sync import plan_buckets as plan_buckets
 from .state import TrainState as TrainState
 from .trainer import Trainer as Trainer
 

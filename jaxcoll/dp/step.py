@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import primitives
 from .._core.typing import AxisName, PyTree
-from ._vma import axis_names, to_varying
+from .._core.vma import axis_names, to_varying
 from .checks import float_params
 from .extra import Extra
 from .state import TrainState

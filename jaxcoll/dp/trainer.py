@@ -22,10 +22,11 @@ from jax.sharding import PartitionSpec as P
 from .. import primitives
 from .._core.checks import check_static_int
 from .._core.typing import AxisName, PyTree
+from .._core.vma import axis_names
 from .._watch import process, watchdog
 from . import loop
-from ._vma import axis_names
 from .adapters import Model, name_of
+from .buckets import check_grad_sync
 from .checks import (
     LossOutputError,
     accepts,
@@ -37,7 +38,6 @@ from .checks import (
 )
 from .data import leading_size
 from .extra import Extra
-from .grad_sync import check_grad_sync
 from .hooks.base import Compress, check_hook, is_elementwise
 from .state import TrainState
 from .step import build_eval, build_step
@@ -64,7 +64,7 @@ class Trainer:
     (``lax.pcast``), so ``jax.grad`` inserts no reduction of its own; the local gradients are
     then averaged exactly once by the gradient-sync strategy: :class:`~jaxcoll.dp.sync.AllReduce`
     (one collective per bucket of about ``bucket_mb`` MiB,
-    :func:`~jaxcoll.dp.grad_sync.mean_gradients`; every rank applies the same update) or,
+    :func:`~jaxcoll.dp.buckets.mean_gradients`; every rank applies the same update) or,
     with ``shard_optimizer=True``, :class:`~jaxcoll.dp.sync.Zero1`. The model state
     (BatchNorm statistics) is averaged over the ranks every step, so it stays identical on
     every device even for a plain (unsynchronised) BatchNorm.

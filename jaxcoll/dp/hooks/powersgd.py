@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..._core.typing import PyTree
-from .._vma import axis_names, to_varying
+from ..._core.vma import axis_names, to_varying
 from .base import Bucket
 
 API = "dp.hooks.PowerSGD"

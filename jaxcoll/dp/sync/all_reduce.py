@@ -9,7 +9,7 @@ import jax
 import optax
 
 from ..._core.typing import PyTree
-from ..grad_sync import plan_buckets, sync_buckets
+from ..buckets import plan_buckets, sync_buckets
 from .base import GradSync
 
 
@@ -23,7 +23,7 @@ class AllReduce(GradSync):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
 
-    :meth:`reduce` is :func:`~jaxcoll.dp.grad_sync.sync_buckets` (buckets of
+    :meth:`reduce` is :func:`~jaxcoll.dp.buckets.sync_buckets` (buckets of
     ``bucket_bytes``, each through ``comm_hook``, ``algorithm`` for its collectives); the
     params, the gradients and the optimizer state are replicated, so :meth:`update` is plain
     optax, which each device computes on its own copy (no communication).

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..._core.typing import AxisName, PyTree
-from ..grad_sync import plan_buckets
+from ..buckets import plan_buckets
 from ..hooks.base import AllReduceHook, init_state
 
 

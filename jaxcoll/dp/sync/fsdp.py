@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ... import primitives
 from ..._core.typing import AxisName, PyTree
-from .._vma import axis_names, to_varying
+from ..._core.vma import axis_names, to_varying
 from ..hooks.base import wire_dtype as hook_wire_dtype
 from .zero1 import Zero1
 

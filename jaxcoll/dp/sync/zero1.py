@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from ... import primitives
 from ..._core.typing import PyTree
-from ..grad_sync import mean_gradients
+from ..buckets import mean_gradients
 from ..hooks.base import wire_dtype as hook_wire_dtype
 from .base import GradSync, specs_like
 

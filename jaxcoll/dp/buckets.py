@@ -1,4 +1,8 @@
-"""Gradient synchronisation: the exact global mean, one jaxcoll collective per bucket.
+"""Gradient buckets: the exact global mean of the local gradients, one collective per bucket.
+
+:func:`plan_buckets` groups the gradient leaves as DDP does, :func:`sync_buckets` sends each
+bucket through a communication hook (:mod:`jaxcoll.dp.hooks`), :func:`mean_gradients` is the
+plain mean with the default hook.
 
 Everything here runs inside ``jax.shard_map`` on *local* gradients: gradients of the local
 per-example-mean loss taken with respect to params made varying over the data axis (see the
