@@ -1,9 +1,13 @@
 """jaxcoll.dp: data-parallel training (DDP for JAX) on jaxcoll's collectives, flax and optax.
 
 Needs the ``dp`` extra (flax, optax, orbax-checkpoint, tqdm): ``pip install jaxcoll[dp]``.
+The gradient-sync strategy is a value (:mod:`jaxcoll.dp.sync`):
+``dp.Trainer(loss_fn, optimizer, sync=dp.sync.FSDP())``; communication hooks are in
+:mod:`jaxcoll.dp.hooks`.
 """
 
 from . import hooks as hooks
+from . import sync as sync
 from .adapters import Linen as Linen
 from .adapters import Model as Model
 from .adapters import Nnx as Nnx
@@ -35,4 +39,5 @@ __all__ = [
     "hooks",
     "mean_gradients",
     "plan_buckets",
+    "sync",
 ]
