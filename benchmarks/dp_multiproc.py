@@ -12,10 +12,11 @@ batch every step), global batch 64, SGD lr 0.02 momentum 0.9, everything float32
 
 * jaxcoll, started with ``jaxcoll-run --nprocs 2 --devices-per-proc 4`` (8 simulated CPU
   devices, gloo between them; every process calls ``jaxcoll.init()``): ``dp.Trainer`` plain
-  (DDP all-reduce, 25 MiB buckets), bf16 gradients (``grad_dtype=jnp.bfloat16``), PowerSGD
-  rank 4 (``comm_hook=dp.hooks.PowerSGD(rank=4, start_iter=2)``), ZeRO-1
-  (``shard_optimizer=True``) and FSDP (``shard_params=True``). A row whose feature the
-  installed jaxcoll lacks is skipped with a note.
+  (``sync=dp.sync.DDP()``: all-reduce, 25 MiB buckets), bf16 gradients
+  (``dp.sync.DDP(hook=dp.hooks.Compress(jnp.bfloat16))``), PowerSGD rank 4
+  (``dp.sync.DDP(hook=dp.hooks.PowerSGD(rank=4, start_iter=2))``), ZeRO-1
+  (``dp.sync.ZeRO1()``) and FSDP (``dp.sync.FSDP()``). An installed jaxcoll without
+  ``Trainer(sync=...)`` skips the jaxcoll rows with a note.
 * torch DDP, gloo, 8 processes on 127.0.0.1 (``torch.set_num_threads(1)`` each), the same
   model, initial weights, batches (8 examples per rank) and optimizer: plain, with
   ``bf16_compress_hook``, and with ``powerSGD_hook`` (``PowerSGDState(process_group=None,
@@ -261,8 +262,6 @@ def jax_worker(a: argparse.Namespace) -> None:
 
     jaxcoll.init()  # first: joins the job jaxcoll-run describes
 
-    import inspect
-
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -316,18 +315,17 @@ def jax_worker(a: argparse.Namespace) -> None:
         program = (lambda st, b: (step, (st, b))) if a.hlo else None
         held = state
     else:
-        kw = {
-            "jax-plain": {},
-            "jax-bf16": {"grad_dtype": jnp.bfloat16},
-            "jax-zero1": {"shard_optimizer": True},
-            "jax-fsdp": {"shard_params": True},
+        sync = {
+            "jax-plain": dp.sync.DDP(),
+            "jax-bf16": dp.sync.DDP(hook=dp.hooks.Compress(jnp.bfloat16)),
+            "jax-zero1": dp.sync.ZeRO1(),
+            "jax-fsdp": dp.sync.FSDP(),
         }.get(a.config)
         if a.config in ("jax-powersgd", "jax-powersgd-s0"):
             start = 0 if a.config == "jax-powersgd-s0" else 2
-            kw = {"comm_hook": dp.hooks.PowerSGD(rank=4, start_iter=start)}
-        assert kw is not None, a.config
-        assert set(kw) <= set(inspect.signature(dp.Trainer).parameters), kw
-        trainer = dp.Trainer(loss_fn, optimizer, mesh=mesh, **kw)
+            sync = dp.sync.DDP(hook=dp.hooks.PowerSGD(rank=4, start_iter=start))
+        assert sync is not None, a.config
+        trainer = dp.Trainer(loss_fn, optimizer, mesh=mesh, sync=sync)
         state = trainer.init(params, jax.random.key(0))
         run = trainer.step
         program = trainer.step_program if a.hlo else None
@@ -528,10 +526,8 @@ def available(configs: list[str], no_torch: bool) -> tuple[list[str], list[str]]
 
         from jaxcoll import dp
 
-        params = inspect.signature(dp.Trainer).parameters
-        jax_ok["jax-powersgd"] = jax_ok["jax-powersgd-s0"] = (
-            "comm_hook" in params and hasattr(getattr(dp, "hooks", None), "PowerSGD"))
-        jax_ok["jax-fsdp"] = "shard_params" in params
+        if "sync" not in inspect.signature(dp.Trainer).parameters:
+            jax_ok = {c: c == "jax-nosync" for c in JAX_CONFIGS}
     torch_ok = not no_torch
     if not no_torch and any(c.startswith("torch") for c in configs):
         import importlib.util
@@ -544,9 +540,7 @@ def available(configs: list[str], no_torch: bool) -> tuple[list[str], list[str]]
         if c not in LABELS:
             raise SystemExit(f"unknown config {c!r}; choose from {', '.join(LABELS)}")
         if c.startswith("jax") and not jax_ok[c]:
-            what = ("dp.hooks.PowerSGD / Trainer(comm_hook=...)" if "powersgd" in c
-                    else "Trainer(shard_params=True)")
-            notes.append(f"{c}: the installed jaxcoll has no {what}; row skipped.")
+            notes.append(f"{c}: the installed jaxcoll has no Trainer(sync=...); row skipped.")
         elif c.startswith("torch") and not torch_ok:
             continue
         else:

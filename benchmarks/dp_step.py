@@ -157,8 +157,8 @@ def row_handwritten(batch, mode="pmean"):
     return timed(step, state, jax.device_put(batch, NamedSharding(mesh, P("data"))))
 
 
-def row_trainer(batch, **kw):
-    trainer = dp.Trainer(loss_fn, optax.adam(LR), **kw)
+def row_trainer(batch, sync):
+    trainer = dp.Trainer(loss_fn, optax.adam(LR), sync=sync)
     state = trainer.init(init_params(), jax.random.key(0))
     placed = trainer.shard_batch(batch)
 
@@ -262,10 +262,11 @@ def main() -> int:
                     *row_handwritten(batch, "nosync")))
     pending.append((f"(b1) {n} dev, (b0) minus the optimizer",
                     *row_handwritten(batch, "gradonly")))
-    for name, kw in [("default (25 MiB buckets)", {}), ("bucketing off", {"bucket_mb": None}),
-                     ("bf16 gradients", {"grad_dtype": jnp.bfloat16}),
-                     ("ZeRO-1", {"shard_optimizer": True})]:
-        pending.append((f"(c) {n} dev, dp.Trainer, {name}", *row_trainer(batch, **kw)))
+    for name, sync in [("default (25 MiB buckets)", dp.sync.DDP()),
+                       ("bucketing off", dp.sync.DDP(bucket_mb=None)),
+                       ("bf16 gradients", dp.sync.DDP(hook=dp.hooks.Compress(jnp.bfloat16))),
+                       ("ZeRO-1", dp.sync.ZeRO1())]:
+        pending.append((f"(c) {n} dev, dp.Trainer, {name}", *row_trainer(batch, sync=sync)))
     pending.append((f"(e) {n} dev, Trainer.fit, host batches, serial", *row_fit(False)))
     pending.append((f"(f) {n} dev, Trainer.fit, host batches, prefetch", *row_fit(True)))
     medians = interleaved([run for _, _, run in pending])

@@ -65,8 +65,9 @@ params = {"w": rng.standard_normal((4, 32)).astype(np.float32) * 0.5,
           "v": rng.standard_normal((32, 1)).astype(np.float32) * 0.2}
 state = trainer.init(jax.tree_util.tree_map(jnp.asarray, params), jax.random.key(0))
 # Gradients cross devices (and processes) inside trainer.step: one averaged all-reduce.
-state, history = trainer.fit(state, batches(), steps=STEPS, checkpoint_dir=CKPT_DIR, every=10,
-                             progress=False)
+# Saving a checkpoint is collective: every process passes a Checkpointer on the same directory.
+state, history = trainer.fit(state, batches(), steps=STEPS,
+                             checkpoint=dp.Checkpointer(CKPT_DIR, every=10), progress=False)
 if ME == 0 and history:
     print(f"{jax.process_count()} process(es) x {jax.local_device_count()} devices: "
           f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} "

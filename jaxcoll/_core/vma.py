@@ -35,8 +35,9 @@ def varying_axes(x: Any) -> frozenset | None:
     return varying_of(jax.typeof(x))
 
 
-def _names(name: Any) -> tuple:
-    return tuple(name) if isinstance(name, (tuple, list)) else (name,)
+def axis_names(axis_name: Any) -> tuple:
+    """The mesh axis names of ``axis_name`` (one name, or a tuple or list of them), as a tuple."""
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
 def _lax_name(names: tuple) -> Any:
@@ -66,9 +67,18 @@ def cast_varying(x: jax.Array, names: tuple) -> jax.Array:
     return lax.pcast(x, missing, to="varying")
 
 
+def to_varying(tree: Any, names: tuple) -> Any:
+    """:func:`cast_varying` on every leaf of the pytree ``tree``.
+
+    The data-parallel step marks its params varying with it before ``jax.grad``, so the
+    gradient is each rank's own and no reduction is inserted behind the strategy's back.
+    """
+    return jax.tree_util.tree_map(lambda x: cast_varying(x, names), tree)
+
+
 def ensure_varying(x: jax.Array, ax: Any) -> jax.Array:
     """:func:`cast_varying` over every name of a resolved axis ``ax``."""
-    return cast_varying(x, _names(ax.name))
+    return cast_varying(x, axis_names(ax.name))
 
 
 def _without(aval: Any, axes: tuple) -> Any:
@@ -109,7 +119,7 @@ def replicated(x: jax.Array, ax: Any) -> jax.Array:
     rank the same bits: the tree all-reduce, tree/ring broadcast, Bruck and ring all-gather.
     No communication and no op in the compiled program; a no-op when types are not tracked.
     """
-    names = _names(ax.name)
+    names = axis_names(ax.name)
     vma = varying_axes(x)
     if not vma or not set(names) & set(vma) or not types_tracked(names):
         return x

@@ -1,21 +1,25 @@
 """jaxcoll.dp: data-parallel training (DDP for JAX) on jaxcoll's collectives, flax and optax.
 
 Needs the ``dp`` extra (flax, optax, orbax-checkpoint, tqdm): ``pip install jaxcoll[dp]``.
+The gradient-sync strategy is a value (:mod:`jaxcoll.dp.sync`):
+``dp.Trainer(loss_fn, optimizer, sync=dp.sync.FSDP())``; communication hooks are in
+:mod:`jaxcoll.dp.hooks`.
 """
 
 from . import hooks as hooks
+from . import sync as sync
 from .adapters import Linen as Linen
 from .adapters import Model as Model
 from .adapters import Nnx as Nnx
 from .batchnorm import SyncBatchNorm as SyncBatchNorm
+from .buckets import mean_gradients as mean_gradients
+from .buckets import plan_buckets as plan_buckets
 from .callbacks import Callback as Callback
 from .callbacks import JsonlWriter as JsonlWriter
 from .checkpoint import Checkpointer as Checkpointer
 from .data import Batches as Batches
 from .extra import Extra as Extra
 from .extra import ema as ema
-from .grad_sync import mean_gradients as mean_gradients
-from .grad_sync import plan_buckets as plan_buckets
 from .state import TrainState as TrainState
 from .trainer import Trainer as Trainer
 
@@ -35,4 +39,5 @@ __all__ = [
     "hooks",
     "mean_gradients",
     "plan_buckets",
+    "sync",
 ]

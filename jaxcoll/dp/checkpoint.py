@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import warnings
 
@@ -37,34 +38,59 @@ def check_directory(api: str, argname: str, path: str | os.PathLike) -> str:
 
 class Checkpointer:
     """Save and restore a :class:`TrainState` (params, optimizer state, model state, step,
-    rng, extra; the step is also the data position) under one directory, keyed by step.
+    rng, extra, hook state; the step is also the data position) under one directory, keyed
+    by step.
+
+    ``trainer.fit(state, data, steps=..., checkpoint=Checkpointer(directory, every=100))``
+    restores the newest checkpoint there first, saves every ``every`` steps and at the end.
+    Saving is collective in a multi-process job: every process builds its Checkpointer on
+    the same directory (a filesystem they all see) and calls :meth:`save`, as ``fit`` does.
 
     Args:
-        directory: where checkpoints live (created if missing).
-        every: :meth:`Trainer.fit` saves when ``step % every == 0``; the manager keeps the
-            last ``max_to_keep``.
-        max_to_keep: how many checkpoints to keep.
+        directory: where checkpoints live (checked at once: created if missing, and it must
+            be a writable directory).
+        every: steps between saves in :meth:`Trainer.fit` (it saves when
+            ``step % every == 0``).
+        max_to_keep: how many checkpoints to keep (the newest).
 
     A checkpoint that cannot be read back (a file truncated, emptied or deleted, e.g. by a
     crash during the write or a full disk) is skipped on restore with a warning naming its
     step, and the newest good one is restored; a later save of the same step replaces it.
+    :meth:`close` waits for pending saves and releases the orbax manager (``fit`` closes it
+    when it ends); a closed Checkpointer opens a new manager when it is used again.
 
     Example::
 
         >>> ckpt = Checkpointer("/tmp/run1", every=50)
-        >>> ckpt.save(state); ckpt.close()
+        >>> state, history = trainer.fit(state, data, steps=1000, checkpoint=ckpt)
         >>> state = Checkpointer("/tmp/run1").restore_latest(template_state)
     """
 
     def __init__(self, directory: str | os.PathLike, *, every: int = 100,
                  max_to_keep: int = 2) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"Checkpointer: every={every!r} must be a positive int (steps "
-                             f"between saves).")
+        for name, value, what in (("every", every, "steps between saves"),
+                                  ("max_to_keep", max_to_keep, "checkpoints kept")):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"Checkpointer: {name} must be an int ({what}), got {value!r} "
+                                f"of type {type(value).__name__} instead.")
+            if value < 1:
+                raise ValueError(f"Checkpointer: {name}={value!r} must be a positive int "
+                                 f"({what}).")
         self.directory = check_directory("Checkpointer", "directory", directory)
-        self.options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=self.options)
+        self.every = int(every)
+        self.options = ocp.CheckpointManagerOptions(max_to_keep=int(max_to_keep), create=True)
+        self._manager: ocp.CheckpointManager | None = None
         self.damaged: set[int] = set()
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        """The orbax ``CheckpointManager`` (opened on first use, again after :meth:`close`)."""
+        if self._manager is None:
+            self._manager = ocp.CheckpointManager(self.directory, options=self.options)
+        return self._manager
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.directory!r}, every={self.every})"
 
     def save(self, state: TrainState) -> None:
         """Save ``state`` under its step (a no-op if that step is saved already and good)."""
@@ -96,7 +122,7 @@ class Checkpointer:
                 # A fresh manager for the next try: a failed restore can leave the manager
                 # with wrong ideas about the checkpoints' layout.
                 self.manager.close()
-                self.manager = ocp.CheckpointManager(self.directory, options=self.options)
+                self._manager = None
                 warnings.warn(f"Checkpointer: the checkpoint of step {step} in "
                               f"{self.directory} cannot be restored ({reason}); skipping it "
                               f"for an older one.", RuntimeWarning, stacklevel=2)
@@ -108,6 +134,8 @@ class Checkpointer:
         return template
 
     def close(self) -> None:
-        """Wait for pending saves and release the manager."""
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for pending saves and release the manager (a later use opens a new one)."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self._manager = None

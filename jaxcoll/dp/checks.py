@@ -8,7 +8,7 @@ Four kinds of check, each raised where the mistake is made:
 * params that cannot be trained (:func:`float_params`): an integer or boolean leaf, checked
   by ``Trainer.init`` and when the step is traced, instead of failing inside ``jax.grad``
   with a message that names no leaf;
-* a state whose buffers were donated to an earlier step (:func:`check_live`), checked before
+* a state whose buffers were donated to an earlier step (:func:`check_state`), checked before
   dispatch: calling a jitted program with donated buffers can kill the process;
 * a collective over an axis the Trainer does not have (:func:`unbound_axis`): a BatchNorm
   built with ``axis_name="batch"`` under a Trainer over ``"data"``.
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core.typing import PyTree
+from .state import TrainState
 
 RETURN_HINT = ("return (loss, metrics): the per-example mean loss, a scalar, and a dict of "
                "scalar metrics (per-example means too), e.g. `return loss, {}`")
@@ -149,6 +150,14 @@ def float_params(api: str, params: PyTree, grad_route: str) -> None:
                 f"a constant in loss_fn's closure, or model state with a dp.Model (a linen "
                 f"collection other than 'params', an nnx Variable that is not an nnx.Param)."
             )
+
+
+def check_state(api: str, state: Any) -> None:
+    """``state`` must be a live :class:`~jaxcoll.dp.TrainState` (see :func:`check_live`)."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"{api}: state must be the TrainState that Trainer.init returned, got "
+                        f"{type(state).__name__} instead.")
+    check_live(api, state)
 
 
 def check_live(api: str, state: PyTree) -> None:

@@ -1,18 +1,20 @@
 """The host loop: :func:`fit` (steps, prefetch, evaluation, checkpoints, callbacks) and
 :func:`evaluate` (exact means over any number of examples).
 
-Host-side Python around the jitted programs of :mod:`jaxcoll.dp.step`; ``Trainer.fit`` and
-``Trainer.evaluate`` call these with their own step, placement and evaluation.
+Host-side Python around the jitted programs of :mod:`jaxcoll.dp.step`. :func:`fit` *is*
+``Trainer.fit`` (one signature and one list of options, here); ``Trainer.evaluate`` calls
+:func:`evaluate` with its own evaluation program.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -21,11 +23,23 @@ from .._core.checks import check_static_int
 from .._core.typing import PyTree
 from .._watch import handle_preemption, preemption_point
 from .callbacks import as_callbacks
-from .checkpoint import Checkpointer, check_directory
+from .checkpoint import Checkpointer
+from .checks import check_state
 from .data import Batches, leading_size
 from .state import TrainState
 
-StepFn = Callable[[TrainState, PyTree], tuple[TrainState, dict[str, jax.Array]]]
+
+class Steps(Protocol):
+    """What :func:`fit` uses of a :class:`~jaxcoll.dp.Trainer`."""
+
+    def step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
+        ...
+
+    def shard_batch(self, batch: PyTree) -> PyTree:
+        ...
+
+    def evaluate(self, state: TrainState, data: Any) -> dict[str, float]:
+        ...
 
 
 def total_steps(data: Any, steps: int | None, epochs: int | None) -> int:
@@ -117,34 +131,70 @@ class Pending(NamedTuple):
 
 
 def fit(
-    step: StepFn,
-    place: Callable[[PyTree], PyTree],
+    trainer: Steps,
     state: TrainState,
     data: Any,
     *,
-    steps: int | None,
-    epochs: int | None,
-    evaluate_fn: Callable[[TrainState, Any], dict[str, float]],
+    steps: int | None = None,
+    epochs: int | None = None,
     eval_data: Any = None,
     eval_every: int | None = None,
     callbacks: Any = None,
-    checkpoint_dir: str | None = None,
-    every: int = 100,
+    checkpoint: Checkpointer | None = None,
     progress: bool | None = None,
     log_every: int = 10,
     prefetch: bool = True,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
-    """Run ``step`` until ``state.step`` reaches the total; see :meth:`Trainer.fit`.
+    """``Trainer.fit(state, data, ...)``: train until ``state.step`` reaches ``steps`` (or
+    ``epochs`` epochs of ``data``).
 
-    ``place(host_batch)`` checks a global batch and starts its transfer to the devices;
-    ``step(state, placed_batch)`` dispatches one step. With ``prefetch``, step s is
-    dispatched, then batch s+1 is built and placed (its host work and transfer overlap step
-    s), then the loop waits for step s-1: at most two steps are in flight (XLA:CPU's
-    in-process rendezvous can stall with many queued collective programs on few cores).
+    ``data`` is a :class:`~jaxcoll.dp.Batches` (batch s is ``data[s]``, so a resumed run
+    sees exactly the batches it would have) or any iterable of global batches (a resumed
+    run skips the first ``state.step`` of them). With ``checkpoint``, the newest checkpoint
+    in its directory that reads back is restored first (a damaged one is skipped with a
+    warning), and the state is saved every ``checkpoint.every`` steps and at the end
+    (orbax-checkpoint): a run stopped at any point and started again with the same
+    arguments ends bit-identical to one that was never stopped. With a checkpoint, SIGTERM
+    (a preemption) stops every process after the same step, which is saved, and exits with
+    code 143.
+
+    Args:
+        trainer: the :class:`~jaxcoll.dp.Trainer` (``self``: this function is its ``fit``).
+        state: the state :meth:`Trainer.init` returned (or a later step's).
+        data: the global batches, as above.
+        steps: the total step count to reach (``state.step`` included: a resumed run takes
+            the rest).
+        epochs: the same in epochs of ``data`` (``epochs * len(data)`` steps); pass exactly
+            one of ``steps`` and ``epochs``.
+        eval_data: evaluated (:meth:`Trainer.evaluate`) every ``eval_every`` steps and at
+            the end.
+        eval_every: steps between evaluations (``len(data)``: once per epoch); None: at the
+            end only.
+        callbacks: :class:`~jaxcoll.dp.Callback` objects, metric writers with
+            ``write_scalars(step, scalars)`` (``dp.JsonlWriter``, clu's) or functions
+            ``fn(step, metrics)``: each gets every step's metrics and every evaluation's
+            results as they happen (see :mod:`jaxcoll.dp.callbacks`).
+        checkpoint: a :class:`~jaxcoll.dp.Checkpointer` (``dp.Checkpointer(directory,
+            every=100)``); None: no checkpoints.
+        progress: a tqdm bar; None (default): only when stderr is a terminal.
+        log_every: steps between updates of the bar's loss.
+        prefetch: build and place batch s+1 while step s runs (at most two steps in
+            flight); False: one step at a time, each waited for before the next batch.
+
+    Returns:
+        The final state and a history: one dict per step taken in this call with the step,
+        the metrics and ``examples_per_s``; at each evaluation, that step's dict also has
+        ``eval_<metric>`` for each metric of :meth:`Trainer.evaluate`.
+
+    With ``prefetch``, step s is dispatched, then batch s+1 is built and placed (its host
+    work and transfer overlap step s), then the loop waits for step s-1: at most two steps
+    are in flight (XLA:CPU's in-process rendezvous can stall with many queued collective
+    programs on few cores).
     """
     from tqdm.auto import tqdm
 
     api = "Trainer.fit"
+    check_state(api, state)
     check_data(api, "data", data)
     if eval_data is not None:
         check_data(api, "eval_data", eval_data)
@@ -154,19 +204,19 @@ def fit(
         if eval_every < 1:
             raise ValueError(f"{api}: eval_every={eval_every} must be a positive number of "
                              f"steps (len(train_batches) for once per epoch), or None.")
-    every = check_static_int(api, "every", every)
     cbs = as_callbacks(api, callbacks)
+    if checkpoint is not None and not isinstance(checkpoint, Checkpointer):
+        hint = (f" (a path: pass dp.Checkpointer({os.fspath(checkpoint)!r}, every=100))"
+                if isinstance(checkpoint, (str, os.PathLike)) else "")
+        raise TypeError(f"{api}: checkpoint must be a dp.Checkpointer(directory, every=...) "
+                        f"or None, got {type(checkpoint).__name__} instead{hint}.")
     if progress is None:  # a bar only where someone watches it; not in logs or CI
         progress = sys.stderr.isatty()
-    ckpt = None
-    if checkpoint_dir is not None:
-        check_directory(api, "checkpoint_dir", checkpoint_dir)
-        ckpt = Checkpointer(checkpoint_dir, every=every)
     history: list[dict[str, Any]] = []
     bar = None
     try:
-        if ckpt is not None:
-            state = ckpt.restore_latest(state)
+        if checkpoint is not None:
+            state = checkpoint.restore_latest(state)
         start = int(jax.device_get(state.step))
         source = batch_source(data, start)
         bar = tqdm(total=total, initial=start, disable=not progress, unit="step",
@@ -189,7 +239,7 @@ def fit(
         evaluated = [-1]
 
         def run_eval(at: int) -> None:
-            results = evaluate_fn(state, eval_data)
+            results = trainer.evaluate(state, eval_data)
             evaluated[0] = at
             if history and history[-1]["step"] == at:
                 history[-1].update({f"eval_{k}": v for k, v in results.items()})
@@ -200,19 +250,19 @@ def fit(
 
         def fetch(s: int) -> tuple[PyTree, int]:
             batch = source(s)
-            return place(batch), leading_size("Trainer.step", batch)
+            return trainer.shard_batch(batch), leading_size("Trainer.step", batch)
 
         upcoming = fetch(start) if start < total else None
         pending: Pending | None = None
         # With checkpoints, SIGTERM (a preemption) stops every process after the same step,
         # which is saved; without, it ends the process at once (jaxcoll's default).
-        preemptible = handle_preemption() if ckpt is not None else contextlib.nullcontext()
+        preemptible = handle_preemption() if checkpoint is not None else contextlib.nullcontext()
         with preemptible:
             for s in range(start, total):
                 batch, size = upcoming if upcoming is not None else fetch(s)
-                state, metrics = step(state, batch)  # each step is dispatched here
-                if ckpt is not None and preemption_point(s + 1):
-                    _preempted(api, ckpt, state, s + 1)
+                state, metrics = trainer.step(state, batch)  # each step is dispatched here
+                if checkpoint is not None and preemption_point(s + 1):
+                    _preempted(api, checkpoint, state, s + 1)
                 upcoming = fetch(s + 1) if prefetch and s + 1 < total else None
                 if pending is not None:
                     complete(pending)  # waits for the step before: at most 2 in flight
@@ -220,8 +270,8 @@ def fit(
                 if not prefetch:  # one step at a time: wait for it before building the next batch
                     complete(pending)
                     pending = None
-                if ckpt is not None and (s + 1) % every == 0:
-                    ckpt.save(state)
+                if checkpoint is not None and (s + 1) % checkpoint.every == 0:
+                    checkpoint.save(state)
                 if eval_data is not None and eval_every and (s + 1) % eval_every == 0:
                     if pending is not None:
                         complete(pending)
@@ -229,15 +279,15 @@ def fit(
                     run_eval(s + 1)
         if pending is not None:
             complete(pending)
-        if ckpt is not None:
-            ckpt.save(state)
+        if checkpoint is not None:
+            checkpoint.save(state)
         if eval_data is not None and evaluated[0] != max(start, total):
             run_eval(max(start, total))
     finally:  # a crash keeps only the periodic checkpoints, as a killed process would
         if bar is not None:
             bar.close()
-        if ckpt is not None:
-            ckpt.close()
+        if checkpoint is not None:
+            checkpoint.close()
     return state, history
 
 

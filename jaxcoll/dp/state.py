@@ -14,11 +14,11 @@ class TrainState(struct.PyTreeNode):
 
     Attributes:
         params: the model's trainable parameters, replicated on every device; with
-            ``Trainer(shard_params=True)`` (FSDP) each leaf with a dimension divisible by n
+            ``sync=dp.sync.FSDP()`` each leaf with a dimension divisible by n
             is split along it (each device holds 1/n), as global ``jax.Array`` s with the
             leaf's real shape.
         opt_state: the optax state, with optax's own structure and shapes. Replicated, or
-            with ``Trainer(shard_optimizer=True)`` (ZeRO-1) split like the params it mirrors:
+            with ``sync=dp.sync.ZeRO1()`` or ``dp.sync.FSDP()`` split like the params it mirrors:
             each leaf that mirrors a split param leaf is sharded along the same dimension
             (each device holds 1/n of it), the rest (step counts) replicated. Either way it
             is what an unsharded optax run would hold.
@@ -32,7 +32,7 @@ class TrainState(struct.PyTreeNode):
         extra: state the step carries besides the optimizer's, updated once per step by the
             Trainer's ``extra=`` (:class:`~jaxcoll.dp.Extra`; e.g. :func:`~jaxcoll.dp.ema`
             keeps an exponential moving average of the params here), replicated; ``{}``
-            without one. With ``shard_params=True`` the leaves that mirror params are
+            without one. With ``dp.sync.FSDP()`` the leaves that mirror params are
             split like them.
         comm_state: the communication hook's state (:mod:`jaxcoll.dp.hooks`; e.g.
             PowerSGD's low-rank factors and error feedback): one pytree per bucket, each leaf

@@ -17,11 +17,11 @@ from jax.sharding import PartitionSpec as P
 
 from .. import primitives
 from .._core.typing import AxisName, PyTree
-from ._vma import axis_names, to_varying
+from .._core.vma import axis_names, to_varying
 from .checks import float_params
 from .extra import Extra
 from .state import TrainState
-from .sync.base import GradSync, specs_like
+from .sync.base import Strategy, specs_like
 
 # loss(params, model_state, batch, rng, step) -> (loss, (aux, new_model_state)), its output
 # already checked (the Trainer wraps the user's loss_fn or dp.Model into this form).
@@ -30,7 +30,7 @@ StateLoss = Callable[..., tuple[jax.Array, tuple[dict[str, jax.Array], PyTree]]]
 
 def local_grads(loss: StateLoss, params: PyTree, model_state: PyTree, batch: PyTree,
                 key: jax.Array, step: jax.Array, axis_name: AxisName, accum_steps: int,
-                strategy: GradSync | None = None, like: PyTree = None):
+                strategy: Strategy | None = None, like: PyTree = None):
     """This rank's mean gradient over ``accum_steps`` micro-batches of its share of the batch.
 
     ``params`` are as the train state holds them; the loss sees ``strategy.materialize``'s
@@ -111,7 +111,7 @@ def sync_model_state(model_state: PyTree, axis_name: AxisName, algorithm: str) -
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def state_shardings(strategy: GradSync, state: TrainState) -> TrainState:
+def state_shardings(strategy: Strategy, state: TrainState) -> TrainState:
     """Where every leaf of the TrainState lives: as the strategy places the params, the
     optimizer state and the extra state; the model state, step and rng replicated; the hook
     state split per rank."""
@@ -151,7 +151,7 @@ def all_finite(*trees: PyTree) -> jax.Array:
     return ok
 
 
-def build_step(loss: StateLoss, strategy: GradSync, state: TrainState, *, accum_steps: int,
+def build_step(loss: StateLoss, strategy: Strategy, state: TrainState, *, accum_steps: int,
                donate: bool, extra: Extra | None = None, skip_nonfinite: bool = False):
     """The jitted step ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
 
@@ -213,7 +213,7 @@ def build_step(loss: StateLoss, strategy: GradSync, state: TrainState, *, accum_
     return jax.jit(step, donate_argnums=(0,) if donate else (), out_shardings=out)
 
 
-def build_eval(loss: StateLoss, strategy: GradSync, params: PyTree):
+def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree):
     """The jitted evaluation ``(params, model_state, step, batch) -> metrics`` (global means)
     for params shaped and placed like ``params``.
 

@@ -1,13 +1,12 @@
 """dp.Trainer: DDP for JAX. Replicate the model, split the global batch, average once.
 
-A thin facade: it checks its arguments, picks the gradient-sync strategy
-(:mod:`jaxcoll.dp.sync`), builds the jitted programs (:mod:`jaxcoll.dp.step`) and hands the
-host loop to :mod:`jaxcoll.dp.loop`.
+A thin facade: it checks its arguments, binds the gradient-sync strategy it is given
+(``sync=``, :mod:`jaxcoll.dp.sync`), builds the jitted programs (:mod:`jaxcoll.dp.step`) and
+takes its host loop from :mod:`jaxcoll.dp.loop` (``Trainer.fit`` is :func:`loop.fit`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -22,14 +21,14 @@ from jax.sharding import PartitionSpec as P
 from .. import primitives
 from .._core.checks import check_static_int
 from .._core.typing import AxisName, PyTree
+from .._core.vma import axis_names
 from .._watch import process, watchdog
 from . import loop
-from ._vma import axis_names
 from .adapters import Model, name_of
 from .checks import (
     LossOutputError,
     accepts,
-    check_live,
+    check_state,
     float_params,
     loss_output,
     model_output,
@@ -37,11 +36,12 @@ from .checks import (
 )
 from .data import leading_size
 from .extra import Extra
-from .grad_sync import check_grad_sync
-from .hooks.base import Compress, check_hook, is_elementwise
 from .state import TrainState
 from .step import build_eval, build_step
-from .sync import AllReduce, Fsdp, GradSync, Zero1
+from .sync import DDP, Strategy
+
+# The default strategy: a frozen value, safe to share between Trainers.
+_DDP = DDP()
 
 # loss_fn(params, batch, rng) -> (loss, metrics); it may take a keyword argument ``step``.
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
@@ -58,14 +58,14 @@ class Trainer:
             return state.replace(params=optax.apply_updates(state.params, updates), ...)
 
     It runs as one jitted, buffer-donating program: a ``jax.shard_map`` (checking on,
-    ``check_vma=True``, for every ``grad_sync``) with params replicated (``P()``) and the
-    batch split over ``axis_name`` (``P(axis_name)``), then the optimizer update. Each rank
-    takes the gradient of its local mean loss with respect to params made *varying*
-    (``lax.pcast``), so ``jax.grad`` inserts no reduction of its own; the local gradients are
-    then averaged exactly once by the gradient-sync strategy: :class:`~jaxcoll.dp.sync.AllReduce`
-    (one collective per bucket of about ``bucket_mb`` MiB,
-    :func:`~jaxcoll.dp.grad_sync.mean_gradients`; every rank applies the same update) or,
-    with ``shard_optimizer=True``, :class:`~jaxcoll.dp.sync.Zero1`. The model state
+    ``check_vma=True``, for every strategy and algorithm) with the batch split over
+    ``axis_name`` (``P(axis_name)``), then the optimizer update. Each rank takes the gradient
+    of its local mean loss with respect to params made *varying* (``lax.pcast``), so
+    ``jax.grad`` inserts no reduction of its own; the local gradients are then synchronised
+    exactly once by the gradient-sync strategy ``sync`` (:mod:`jaxcoll.dp.sync`):
+    :class:`~jaxcoll.dp.sync.DDP` (the default: one all-reduce per bucket, every rank applies
+    the same update), :class:`~jaxcoll.dp.sync.ZeRO1` (1/n of the optimizer state per
+    device) or :class:`~jaxcoll.dp.sync.FSDP` (1/n of the params too). The model state
     (BatchNorm statistics) is averaged over the ranks every step, so it stays identical on
     every device even for a plain (unsynchronised) BatchNorm.
 
@@ -83,22 +83,13 @@ class Trainer:
             cheaper way when the k micro-batches come in one global batch.
         mesh: the device mesh; default: every device on one axis named ``axis_name``.
         axis_name: the mesh axis (or tuple of axes) the batch is split over.
-        grad_sync: the collective algorithm, passed through to jaxcoll's primitives:
-            ``"auto"``, ``"native"`` (one lax collective), ``"ring"``, ``"tree"`` or
-            ``"hierarchical"`` (a tuple ``axis_name``).
-        bucket_mb: bucket size in MiB (DDP's ``bucket_cap_mb``); None: one collective per
-            leaf (bucketing off). With ``shard_optimizer=True`` it buckets the all-reduce of
-            the leaves that stay replicated; each split leaf is one reduce-scatter.
-        grad_dtype: the dtype gradients travel in (``jnp.bfloat16``: DDP's bf16 compression
-            hook); the update itself stays in the params' dtype. None: the params' dtype.
-            The same as ``comm_hook=dp.hooks.Compress(grad_dtype)``.
-        comm_hook: how each bucket of gradients is averaged (DDP's ``register_comm_hook``,
-            :mod:`jaxcoll.dp.hooks`): ``dp.hooks.Compress(jnp.bfloat16)``,
-            ``dp.hooks.PowerSGD(rank=4)``, or your own ``hook(state, bucket) -> (grads,
-            state)``; its state is carried in ``state.comm_state``. None: the exact mean.
-            With ``shard_optimizer`` or ``shard_params`` only the default and ``Compress``
-            (a reduce-scatter gives each device a slice, which a hook that needs whole
-            gradients cannot produce; torch's FSDP has the same limit).
+        sync: the gradient-sync strategy, a value that carries its own options:
+            ``dp.sync.DDP(bucket_mb=25.0, algorithm="auto", hook=None)`` (torch's
+            ``DistributedDataParallel``; ``hook`` is ``register_comm_hook``: e.g.
+            ``dp.hooks.Compress(jnp.bfloat16)``, ``dp.hooks.PowerSGD(rank=4)``),
+            ``dp.sync.ZeRO1()`` (``ZeroRedundancyOptimizer``) or ``dp.sync.FSDP()``
+            (``FullyShardedDataParallel``). The Trainer binds it to ``optimizer``, the mesh
+            and ``axis_name`` (``trainer.sync`` is the bound copy).
         accum_steps: split each rank's share of the batch into this many micro-batches whose
             gradients are averaged locally and synchronised once (DDP's ``no_sync``), with
             ``accum_steps`` times smaller activations. Without batch-dependent layers this is
@@ -108,33 +99,22 @@ class Trainer:
             per device with a plain BatchNorm), and the running statistics are updated
             ``accum_steps`` times per step, micro-batch after micro-batch: what torch gives
             for k forward/backward passes under ``no_sync``.
-        donate: donate the state's buffers to the step (the caller's old state is consumed).
-        shard_optimizer: ZeRO-1 (:class:`~jaxcoll.dp.sync.Zero1`). Every param leaf with a
-            dimension divisible by n is split along it, its gradient is reduce-scattered,
-            and each device keeps and updates only its slice of that leaf's optimizer state;
-            the updated slices are all-gathered. The optimizer runs on the real params tree
-            (sharded by XLA), so any optax transformation gives the unsharded result,
-            ``clip_by_global_norm``, masks, ``multi_transform`` and lamb included.
-        shard_params: FSDP / ZeRO-3 (:class:`~jaxcoll.dp.sync.Fsdp`, torch's
-            ``FullyShardedDataParallel``): the params, gradients and optimizer state of every
-            leaf with a dimension divisible by n are held 1/n per device (``state.params``
-            is split); each step all-gathers the params leaf by leaf for the loss (again in
-            the backward: they are not kept whole) and reduce-scatters the gradients.
-            Implies ``shard_optimizer``.
         extra: state carried and updated once per step besides the optimizer's
             (:class:`~jaxcoll.dp.Extra`), in ``state.extra``; e.g. ``dp.ema(0.999)``, an
             exponential moving average of the params.
         skip_nonfinite: a step whose loss or synchronised gradients hold an inf or NaN
-            changes nothing (params, optimizer state, model state, extra) but the step count,
-            and reports ``skipped=1.0`` in its metrics (0.0 otherwise). ``optax.apply_if_finite``
-            works too; it guards only the params and the optimizer state.
+            changes nothing (params, optimizer state, model state, extra, hook state) but
+            the step count, and reports ``skipped=1.0`` in its metrics (0.0 otherwise).
+            ``optax.apply_if_finite`` works too; it guards only the params and the optimizer
+            state.
+        donate: donate the state's buffers to the step (the caller's old state is consumed).
 
     Example (8 devices)::
 
         >>> def loss_fn(w, batch, rng):
         ...     err = batch["x"] @ w - batch["y"]
         ...     return jnp.mean(err ** 2), {}
-        >>> trainer = Trainer(loss_fn, optax.sgd(0.1))
+        >>> trainer = Trainer(loss_fn, optax.sgd(0.1), sync=dp.sync.ZeRO1())
         >>> state = trainer.init(jnp.zeros(3), jax.random.key(0))
         >>> state, metrics = trainer.step(state, {"x": np.ones((16, 3)), "y": np.ones(16)})
     """
@@ -146,16 +126,11 @@ class Trainer:
         *,
         mesh: Mesh | None = None,
         axis_name: AxisName = "data",
-        grad_sync: str = "auto",
-        bucket_mb: float | None = 25.0,
-        grad_dtype: Any = None,
+        sync: Strategy = _DDP,
         accum_steps: int = 1,
-        donate: bool = True,
-        shard_optimizer: bool = False,
-        shard_params: bool = False,
-        comm_hook: Any = None,
         extra: Extra | None = None,
         skip_nonfinite: bool = False,
+        donate: bool = True,
     ) -> None:
         api = "Trainer"
         if isinstance(loss_fn, Model):
@@ -168,6 +143,7 @@ class Trainer:
             raise TypeError(f"{api}: loss_fn must be a callable loss_fn(params, batch, rng) or a "
                             f"dp.Model adapter, got {type(loss_fn).__name__} instead.")
         optimizer = _check_optimizer(api, optimizer)
+        sync = _check_sync(api, sync)
         if extra is not None and not isinstance(extra, Extra):
             raise TypeError(f"{api}: extra must be a dp.Extra(init, update) (e.g. dp.ema(0.999)), "
                             f"got {type(extra).__name__} instead.")
@@ -181,46 +157,18 @@ class Trainer:
         if missing:
             raise ValueError(f"{api}: axis_name={axis_name!r} is not an axis of the mesh "
                              f"(axes {mesh.axis_names}). Pass one of them.")
-        if bucket_mb is not None and not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-            raise ValueError(f"{api}: bucket_mb={bucket_mb!r} must be a positive number of MiB, "
-                             f"or None to turn bucketing off.")
         accum_steps = check_static_int(api, "accum_steps", accum_steps)
         if accum_steps < 1:
             raise ValueError(f"{api}: accum_steps={accum_steps} must be at least 1.")
-        if grad_dtype is not None and not jnp.issubdtype(grad_dtype, jnp.floating):
-            raise TypeError(f"{api}: grad_dtype must be a floating dtype such as jnp.bfloat16, "
-                            f"got {grad_dtype!r} instead.")
-        comm_hook = check_hook(api, comm_hook)
-        if grad_dtype is not None:
-            if comm_hook is not None:
-                raise ValueError(f"{api}: grad_dtype={grad_dtype!r} and comm_hook={comm_hook!r} "
-                                 f"both say how gradients travel; grad_dtype=d is "
-                                 f"comm_hook=dp.hooks.Compress(d): pass one of them.")
-            comm_hook = Compress(grad_dtype)
-        if (shard_optimizer or shard_params) and not is_elementwise(comm_hook):
-            which = "shard_params" if shard_params else "shard_optimizer"
-            raise ValueError(
-                f"{api}: comm_hook={comm_hook!r} cannot be used with {which}=True: the sharded "
-                f"strategies reduce-scatter each gradient, so each device receives a slice, "
-                f"and only the default hook and dp.hooks.Compress work on slices. Use the hook "
-                f"with plain data parallelism (shard_optimizer=False, shard_params=False).")
         self.optimizer = optimizer
         self.mesh = mesh
         self.axis_name = names[0] if len(names) == 1 else names
         self.n = int(np.prod([mesh.shape[a] for a in names]))
-        self.grad_sync = check_grad_sync(api, grad_sync)
-        self.bucket_bytes = None if bucket_mb is None else float(bucket_mb) * 2**20
-        self.grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
+        self.sync = sync.bind(optimizer, mesh, self.axis_name)
         self.accum_steps = accum_steps
-        self.donate = bool(donate)
-        self.shard_params = bool(shard_params)
-        self.shard_optimizer = bool(shard_optimizer) or self.shard_params
-        self.comm_hook = comm_hook
         self.extra = extra
         self.skip_nonfinite = bool(skip_nonfinite)
-        kind = Fsdp if self.shard_params else Zero1 if self.shard_optimizer else AllReduce
-        self.strategy: GradSync = kind(optimizer, mesh, self.axis_name, self.grad_sync,
-                                       self.bucket_bytes, comm_hook)
+        self.donate = bool(donate)
         self._step_fns: dict[Any, Any] = {}
         self._known_step: tuple[Any, int] | None = None
         self._eval_fn = None
@@ -259,9 +207,10 @@ class Trainer:
         """Replicate params (and model state) from rank 0 and build the optimizer state.
 
         Like DDP's constructor, which broadcasts rank 0's parameters and buffers, so ranks
-        that started from different values train one model. The optimizer state is placed
-        by the strategy: replicated, or with ``shard_optimizer=True`` split like the params
-        (each device holds 1/n of every split leaf's state).
+        that started from different values train one model. The params and the optimizer
+        state are placed by the strategy: replicated (``dp.sync.DDP``), the optimizer state
+        split like the params (``dp.sync.ZeRO1``: each device holds 1/n of every split
+        leaf's state), or both split (``dp.sync.FSDP``).
 
         Args:
             params: the initial params. With ``per_rank=True`` every leaf has a leading axis
@@ -281,7 +230,7 @@ class Trainer:
                 param is differentiated and updated; the message names the leaf and where
                 such a value belongs instead.
         """
-        float_params("Trainer.init", params, self.strategy.grad_route)
+        float_params("Trainer.init", params, self.sync.grad_route)
         model_state = {} if model_state is None else model_state
         if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
             rng = jax.random.key_data(rng)
@@ -292,20 +241,20 @@ class Trainer:
         replicated = self._sharding(P())
         if per_rank:
             params, model_state = self._broadcast_from_rank0((params, model_state))
-        placed = self.strategy.named(self.strategy.state_param_specs(params))
+        placed = self.sync.named(self.sync.state_param_specs(params))
         # A copy: the step donates the state's buffers, and the caller's arrays must survive.
         copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t),
                        out_shardings=(placed, replicated))
         params, model_state = copy((params, model_state))
-        opt_state = self.strategy.init(params)
+        opt_state = self.sync.init(params)
         extra = {}
         if self.extra is not None:
             shapes = jax.eval_shape(self.extra.init, params)
-            extra = jax.jit(self.extra.init, out_shardings=self.strategy.named(
-                self.strategy.extra_specs(shapes, params)))(params)
+            extra = jax.jit(self.extra.init, out_shardings=self.sync.named(
+                self.sync.extra_specs(shapes, params)))(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
         return TrainState(params, opt_state, model_state, step, jax.device_put(rng, replicated),
-                          extra, self.strategy.init_comm(params))
+                          extra, self.sync.init_comm(params))
 
     def _broadcast_from_rank0(self, tree: PyTree) -> PyTree:
         for leaf in jax.tree_util.tree_leaves(tree):
@@ -339,28 +288,25 @@ class Trainer:
             asynchronous until you read them).
         """
         api = "Trainer.step"
-        _check_state(api, state)
+        check_state(api, state)
         batch = self.shard_batch(batch)
-        phased = hasattr(self.strategy.hook, "phase")
-        host = self._host_step(state) if phased else 0
-        new, metrics = self._run(api, self._step_program(state, host if phased else None),
-                                 state, batch)
+        phased = self.sync.phased
+        host = self._host_step(state) if phased else None
+        new, metrics = self._run(api, self._step_program(state, host), state, batch)
         if phased:
             self._known_step = (new.step, host + 1)
         return new, metrics
 
     def _step_program(self, state: TrainState, host_step: int | None = None):
-        """The step program for ``state``: one per phase of a hook that has phases
-        (``hook.phase(step)``, e.g. PowerSGD before and after ``start_iter``), chosen from
-        the step number on the host (``host_step``, or :meth:`_host_step`)."""
-        phase_of = getattr(self.strategy.hook, "phase", None)
-        if phase_of is not None and host_step is None:
-            host_step = self._host_step(state)
-        key = None if phase_of is None else phase_of(host_step)
+        """The step program for ``state``: one per phase of the strategy
+        (:meth:`~jaxcoll.dp.sync.Strategy.phase`; a strategy that is not ``phased`` has
+        one), chosen from the step number on the host (``host_step``, or
+        :meth:`_host_step`, read only for a phased strategy)."""
+        sync, key = self.sync, None
+        if sync.phased:
+            sync = key = sync.phase(self._host_step(state) if host_step is None else host_step)
         if key not in self._step_fns:
-            strategy = self.strategy if key is None else dataclasses.replace(
-                self.strategy, comm_hook=key)
-            self._step_fns[key] = build_step(self._loss, strategy, state,
+            self._step_fns[key] = build_step(self._loss, sync, state,
                                              accum_steps=self.accum_steps, donate=self.donate,
                                              extra=self.extra,
                                              skip_nonfinite=self.skip_nonfinite)
@@ -406,7 +352,7 @@ class Trainer:
             ``jax.export.export(step, platforms=("cuda",))(*args)`` or
             ``step.lower(*args).compile()``. Nothing is run or transferred.
         """
-        _check_state("Trainer.step_program", state)
+        check_state("Trainer.step_program", state)
         self._check_batch(batch, "Trainer.step")
         batch_sharding = self._sharding(P(self.axis_name))
 
@@ -435,65 +381,17 @@ class Trainer:
         with ``evaluate(state.replace(params=...), data)``.
         """
         api = "Trainer.evaluate"
-        _check_state(api, state)
+        check_state(api, state)
         if self._eval_fn is None:
-            self._eval_fn = build_eval(self._loss, self.strategy, state.params)
+            self._eval_fn = build_eval(self._loss, self.sync, state.params)
         eval_fn = self._eval_fn
         return loop.evaluate(
             lambda b: self._run(api, eval_fn, state.params, state.model_state, state.step,
                                 self.shard_batch(b, api)), data, self.n)
 
     # ----------------------------------------------------------------------------------- fit
-    def fit(
-        self,
-        state: TrainState,
-        data: Any,
-        *,
-        steps: int | None = None,
-        epochs: int | None = None,
-        eval_data: Any = None,
-        eval_every: int | None = None,
-        callbacks: Any = None,
-        checkpoint_dir: str | None = None,
-        every: int = 100,
-        progress: bool | None = None,
-        log_every: int = 10,
-        prefetch: bool = True,
-    ) -> tuple[TrainState, list[dict[str, float]]]:
-        """Train until ``state.step`` reaches ``steps`` (or ``epochs`` epochs of ``data``).
-
-        ``data`` is a :class:`~jaxcoll.dp.Batches` (batch s is ``data[s]``, so a resumed run
-        sees exactly the batches it would have) or any iterable of global batches (a resumed
-        run skips the first ``state.step`` of them). With ``checkpoint_dir`` (checked at the
-        start: a directory, created if missing), the newest checkpoint there that reads back
-        is restored first (a damaged one is skipped with a warning), and the state is saved
-        every ``every`` steps and at the end (orbax-checkpoint): a run stopped at any point
-        and started again with the same arguments ends bit-identical to one that was never
-        stopped.
-
-        Args:
-            eval_data: evaluated (:meth:`evaluate`) every ``eval_every`` steps and at the end.
-            eval_every: steps between evaluations (``len(data)``: once per epoch); None: at
-                the end only.
-            callbacks: :class:`~jaxcoll.dp.Callback` objects, metric writers with
-                ``write_scalars(step, scalars)`` (``dp.JsonlWriter``, clu's) or functions
-                ``fn(step, metrics)``: each gets every step's metrics and every evaluation's
-                results as they happen (see :mod:`jaxcoll.dp.callbacks`).
-            progress: a tqdm bar; None (default): only when stderr is a terminal.
-            log_every: steps between updates of the bar's loss.
-            prefetch: build and place batch s+1 while step s runs (at most two steps in
-                flight); False: one step at a time, each waited for before the next batch.
-
-        Returns:
-            The final state and a history: one dict per step taken in this call with the step,
-            the metrics and ``examples_per_s``; at each evaluation, that step's dict also has
-            ``eval_<metric>`` for each metric of :meth:`evaluate`.
-        """
-        _check_state("Trainer.fit", state)
-        return loop.fit(self.step, self.shard_batch, state, data, steps=steps, epochs=epochs,
-                        evaluate_fn=self.evaluate, eval_data=eval_data, eval_every=eval_every,
-                        callbacks=callbacks, checkpoint_dir=checkpoint_dir, every=every,
-                        progress=progress, log_every=log_every, prefetch=prefetch)
+    # The host loop: its signature, options and docstring are written once, in dp/loop.py.
+    fit = loop.fit
 
     # ----------------------------------------------------------------------------- to_module
     def to_module(self, state: TrainState) -> Any:
@@ -505,19 +403,12 @@ class Trainer:
         module bound to the trained variables (``bound(x, train=False)``).
         """
         api = "Trainer.to_module"
-        _check_state(api, state)
+        check_state(api, state)
         if self.model is None:
             raise TypeError(f"{api}: this Trainer trains a plain loss_fn, which has no module; "
                             f"its trained params are state.params.")
         params, model_state = jax.device_put(jax.device_get((state.params, state.model_state)))
         return self.model.to_module(params, model_state)
-
-
-def _check_state(api: str, state: Any) -> None:
-    if not isinstance(state, TrainState):
-        raise TypeError(f"{api}: state must be the TrainState that Trainer.init returned, got "
-                        f"{type(state).__name__} instead.")
-    check_live(api, state)
 
 
 def _check_optimizer(api: str, optimizer: Any) -> optax.GradientTransformation:
@@ -532,6 +423,17 @@ def _check_optimizer(api: str, optimizer: Any) -> optax.GradientTransformation:
     raise TypeError(f"{api}: optimizer must be an optax.GradientTransformation (e.g. "
                     f"optax.adam(1e-3)) or an optax.MultiSteps, got "
                     f"{type(optimizer).__name__} instead{hint}.")
+
+
+def _check_sync(api: str, sync: Any) -> Strategy:
+    if isinstance(sync, Strategy):
+        return sync
+    if isinstance(sync, type) and issubclass(sync, Strategy):
+        raise TypeError(f"{api}: sync=dp.sync.{sync.__name__} is a class: pass a value, e.g. "
+                        f"sync=dp.sync.{sync.__name__}().")
+    raise TypeError(f"{api}: sync must be a gradient-sync strategy (dp.sync.DDP(), "
+                    f"dp.sync.ZeRO1() or dp.sync.FSDP()), got {sync!r} of type "
+                    f"{type(sync).__name__} instead.")
 
 
 def _stateless(loss_fn: LossFn):

@@ -78,8 +78,8 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
     trainer, fresh, data = _setup()
     ref, _ = trainer.fit(fresh(), data, steps=15)  # never stopped
     pristine = tmp_path / "pristine"
-    step10 = jax.device_get(trainer.fit(fresh(), data, steps=10, checkpoint_dir=pristine,
-                                        every=5)[0])
+    step10 = jax.device_get(trainer.fit(fresh(), data, steps=10,
+                                        checkpoint=dp.Checkpointer(pristine, every=5))[0])
     ckpt = dp.Checkpointer(pristine)
     assert ckpt.manager.all_steps() == [5, 10]
     step5 = _read(ckpt, 5, fresh())
@@ -105,7 +105,8 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
     shutil.copytree(pristine, run)
     _damage(run / "10", "default/_METADATA", "truncate")
     with pytest.warns(RuntimeWarning, match=r"step 10"):
-        resumed, hist = trainer.fit(fresh(), data, steps=15, checkpoint_dir=run, every=5)
+        resumed, hist = trainer.fit(fresh(), data, steps=15,
+                                    checkpoint=dp.Checkpointer(run, every=5))
     assert [h["step"] for h in hist] == list(range(6, 16))
     assert _same(resumed, ref)
     ckpt = dp.Checkpointer(run)
@@ -125,7 +126,7 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
     with pytest.warns(RuntimeWarning), pytest.raises(
             RuntimeError, match=r"no checkpoint in .* can be restored into this state:\n"
                                 r"  step 15: .*\n  step 10: .*\nIf the model or optimizer"):
-        trainer.fit(fresh(), data, steps=20, checkpoint_dir=run, every=5)
+        trainer.fit(fresh(), data, steps=20, checkpoint=dp.Checkpointer(run, every=5))
 
 
 # The preempted run, in a process of its own (its SIGTERM and exit are its own): this file's
@@ -136,6 +137,7 @@ PREEMPTED = f"""
 import os, signal, sys, time
 import tests.conftest  # 8 simulated CPU devices, as here
 import jaxcoll
+from jaxcoll import dp
 from tests.dp.test_checkpoint import _setup
 
 def preempt(step, metrics):
@@ -145,7 +147,7 @@ def preempt(step, metrics):
             time.sleep(0.01)
 
 trainer, fresh, data = _setup()
-trainer.fit(fresh(), data, steps={STEPS}, checkpoint_dir=sys.argv[1], every={EVERY},
+trainer.fit(fresh(), data, steps={STEPS}, checkpoint=dp.Checkpointer(sys.argv[1], every={EVERY}),
             callbacks=[preempt])
 """
 
@@ -171,7 +173,8 @@ def test_sigterm_saves_the_step_it_stopped_at_and_the_restart_resumes_there(tmp_
     want, _ = trainer.fit(fresh(), data, steps=stop)  # never stopped
     assert int(got.step) == stop and _same(got, want)
     # The restart: the same call again resumes at the preempted step, not at step EVERY.
-    resumed, hist = trainer.fit(fresh(), data, steps=STEPS, checkpoint_dir=run, every=EVERY)
+    resumed, hist = trainer.fit(fresh(), data, steps=STEPS,
+                                checkpoint=dp.Checkpointer(run, every=EVERY))
     assert [h["step"] for h in hist] == list(range(stop + 1, STEPS + 1))
     ref, _ = trainer.fit(want, data, steps=STEPS)
     assert _same(resumed, ref)

@@ -1,7 +1,8 @@
 """Trainer.step on 8 devices == plain single-device optax on the same global batches.
 
 K = 20 steps, max relative difference of the params <= 1e-5 in float32, for an MLP and a
-small CNN with SyncBatchNorm, over bucketing, accum_steps, ZeRO-1, FSDP and every grad_sync. Each
+small CNN with SyncBatchNorm, over every dp.sync strategy (DDP, ZeRO1, FSDP), bucketing,
+accum_steps and every collective algorithm. Each
 model is a twin (tests/dp/_models.Twin): one copy trained by Adam, one by plain SGD, in the
 same program, each compared with the oracle on its own. SGD's params are linear in the
 gradient, so a constant gradient-scale error (n, n/(n-1)) that Adam hides fails the SGD copy.
@@ -39,20 +40,20 @@ K = 20
 TOL = 1e-5
 OPT = twin_optimizer()
 
+DDP, ZERO1, FSDP = dp.sync.DDP, dp.sync.ZeRO1, dp.sync.FSDP
 VARIANTS = {
-    "bucketed": {},
-    "bucketing-off": {"bucket_mb": None},
-    "small-buckets": {"bucket_mb": 0.001},
+    "bucketed": {"sync": DDP()},
+    "bucketing-off": {"sync": DDP(bucket_mb=None)},
+    "small-buckets": {"sync": DDP(bucket_mb=0.001)},
     "accum4": {"accum_steps": 4},
-    "zero1": {"shard_optimizer": True},
-    "zero1-accum4": {"shard_optimizer": True, "accum_steps": 4, "bucket_mb": 0.001},
-    "fsdp": {"shard_params": True},
-    "fsdp-accum4-ring": {"shard_params": True, "accum_steps": 4, "grad_sync": "ring",
-                         "bucket_mb": 0.001},
+    "zero1": {"sync": ZERO1()},
+    "zero1-accum4": {"sync": ZERO1(bucket_mb=0.001), "accum_steps": 4},
+    "fsdp": {"sync": FSDP()},
+    "fsdp-accum4-ring": {"sync": FSDP(algorithm="ring", bucket_mb=0.001), "accum_steps": 4},
     # "auto" picks "native" on CPU at these sizes: "bucketed" is the native variant
-    "ring": {"grad_sync": "ring", "bucket_mb": 0.001},
-    "tree": {"grad_sync": "tree"},
-    "hierarchical": {"grad_sync": "hierarchical", "axis_name": ("node", "local")},
+    "ring": {"sync": DDP(algorithm="ring", bucket_mb=0.001)},
+    "tree": {"sync": DDP(algorithm="tree")},
+    "hierarchical": {"sync": DDP(algorithm="hierarchical"), "axis_name": ("node", "local")},
 }
 
 CNN_VARIANTS = ("bucketed", "bucketing-off", "accum4", "zero1", "fsdp")
@@ -112,7 +113,8 @@ def test_bf16_gradients_stay_close_and_update_in_float32():
     params, model_state = model.init(jax.random.key(0), data[0])
     sgd = optax.sgd(0.05)  # Adam would magnify the rounding of near-zero gradients
     want, _ = oracle(model, sgd, params, model_state, data)
-    trainer = dp.Trainer(model, sgd, mesh=mesh, grad_dtype=jnp.bfloat16)
+    trainer = dp.Trainer(model, sgd, mesh=mesh,
+                         sync=dp.sync.DDP(hook=dp.hooks.Compress(jnp.bfloat16)))
     state = trainer.init(params, jax.random.key(1), model_state=model_state)
     for batch in data:
         state, _ = trainer.step(state, batch)

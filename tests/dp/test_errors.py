@@ -148,12 +148,21 @@ def test_empty_batches_and_bad_fit_arguments_fail_before_training(tmp_path):
 
     a_file = tmp_path / "ckpt"
     a_file.write_text("not a directory")
-    with pytest.raises(ValueError, match=r"Trainer.fit: checkpoint_dir='.*ckpt' is a file, "
+    with pytest.raises(ValueError, match=r"Checkpointer: directory='.*ckpt' is a file, "
                                          r"not a directory"):
-        trainer.fit(state, Untouchable(), steps=5, checkpoint_dir=a_file)
-    with pytest.raises(ValueError, match=r"Trainer.fit: checkpoint_dir='.*' cannot be "
-                                         r"created"):
-        trainer.fit(state, Untouchable(), steps=5, checkpoint_dir=a_file / "sub")
+        dp.Checkpointer(a_file)
+    with pytest.raises(ValueError, match=r"Checkpointer: directory='.*' cannot be created"):
+        dp.Checkpointer(a_file / "sub")
+    with pytest.raises(ValueError, match=r"Checkpointer: every=0 must be a positive int "
+                                         r"\(steps between saves\)"):
+        dp.Checkpointer(tmp_path, every=0)
+    with pytest.raises(TypeError, match=r"Checkpointer: max_to_keep must be an int"):
+        dp.Checkpointer(tmp_path, max_to_keep=2.5)
+    with pytest.raises(TypeError, match=r"Trainer.fit: checkpoint must be a "
+                                        r"dp.Checkpointer\(directory, every=...\) or None, got "
+                                        r"str instead \(a path: pass dp.Checkpointer\('ckpt', "
+                                        r"every=100\)\)"):
+        trainer.fit(state, Untouchable(), steps=5, checkpoint="ckpt")
     with pytest.raises(ValueError, match=r"eval_every=0 must be a positive number"):
         trainer.fit(state, Untouchable(), steps=5, eval_every=0)
     with pytest.raises(TypeError, match=r"callbacks must hold dp.Callback objects"):
@@ -185,8 +194,8 @@ def test_constructor_errors_name_the_fix():
 
 @pytest.mark.parametrize("kw, route", [
     ({}, r"averaged over the devices by all-reduce \(DDP\)"),
-    ({"shard_optimizer": True}, r"reduce-scattered .*\(ZeRO-1, shard_optimizer=True\)"),
-    ({"shard_params": True}, r"reduce-scattered .*\(FSDP, shard_params=True\)"),
+    ({"sync": dp.sync.ZeRO1()}, r"reduce-scattered .*\(ZeRO-1, sync=dp.sync.ZeRO1\(\)\)"),
+    ({"sync": dp.sync.FSDP()}, r"reduce-scattered .*\(FSDP, sync=dp.sync.FSDP\(\)\)"),
 ])
 def test_an_integer_param_is_named_with_its_path_dtype_and_the_fix(kw, route):
     # Before: every strategy failed inside jax.grad on the first step ("grad requires real- or

@@ -1,7 +1,7 @@
 """The Trainer's step exported for GPU (and CPU) on this CPU-only machine: its all-reduces.
 
 ``jax.export`` only lowers, so a program for ``platforms=("cuda",)`` can be checked without a
-GPU. What the StableHLO shows, counted per category (native grad_sync):
+GPU. What the StableHLO shows, counted per category (``dp.sync.DDP(algorithm="native")``):
 
 * gradients: jax 0.10 lowers ``lax.psum`` of a bucket's leaves to one ``stablehlo.all_reduce``
   per leaf. No gradient all-reduce depends on any other collective's result (each bucket's
@@ -79,8 +79,8 @@ def _trainer(kind):
     model = dp.Linen(MLP() if kind == "mlp" else CNN(None), cross_entropy)  # CNN: plain BN
     data = batches(kind, 1, 32)
     params, ms = model.init(jax.random.key(0), data[0])
-    trainer = dp.Trainer(model, optax.adam(1e-2), mesh=mesh_1d(8, "data"), grad_sync="native",
-                         bucket_mb=BUCKET_MB)
+    trainer = dp.Trainer(model, optax.adam(1e-2), mesh=mesh_1d(8, "data"),
+                         sync=dp.sync.DDP(algorithm="native", bucket_mb=BUCKET_MB))
     state = trainer.init(params, jax.random.key(1), model_state=ms)
     return trainer, state, data[0], params, ms
 

@@ -101,12 +101,12 @@ def test_linen_loss_with_weight_decay_on_params_and_a_step_schedule_matches_one_
     assert max_rel_diff(state.params, without) > 100 * TOL  # the penalty really acts
 
 
-@pytest.mark.parametrize("shard_optimizer", [False, True])
-def test_ema_extra_state_follows_the_params_every_step(shard_optimizer):
+@pytest.mark.parametrize("sync", [dp.sync.DDP(), dp.sync.ZeRO1()], ids=["ddp", "zero1"])
+def test_ema_extra_state_follows_the_params_every_step(sync):
     sgd = optax.sgd(0.1)
     decay = lambda step: 1.0 - 1.0 / (1.0 + step)  # noqa: E731 - a running mean of params
     trainer = dp.Trainer(_linear, sgd, mesh=mesh_1d(8, "data"), extra=dp.ema(decay),
-                         shard_optimizer=shard_optimizer)
+                         sync=sync)
     state = trainer.init(W0, jax.random.key(0))
     np.testing.assert_array_equal(state.extra["w"], W0["w"])
     data = _data(4)
@@ -155,21 +155,21 @@ def test_skip_nonfinite_keeps_params_optimizer_and_extra_state_on_a_bad_step():
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("shard_optimizer", [False, True])
-def test_optax_apply_if_finite_works(shard_optimizer):
+@pytest.mark.parametrize("sync", [dp.sync.DDP(), dp.sync.ZeRO1()], ids=["ddp", "zero1"])
+def test_optax_apply_if_finite_works(sync):
     trainer = dp.Trainer(_linear, optax.apply_if_finite(optax.sgd(0.1), 3),
-                         mesh=mesh_1d(8, "data"), shard_optimizer=shard_optimizer)
+                         mesh=mesh_1d(8, "data"), sync=sync)
     _bad_step_keeps_the_state("apply_if_finite", trainer)
 
 
-@pytest.mark.parametrize("shard_optimizer", [False, True])
-def test_optax_multisteps_is_accepted_and_matches_one_device(shard_optimizer):
+@pytest.mark.parametrize("sync", [dp.sync.DDP(), dp.sync.ZeRO1()], ids=["ddp", "zero1"])
+def test_optax_multisteps_is_accepted_and_matches_one_device(sync):
     def make():
         return optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
 
     data = _data(4)
     trainer = dp.Trainer(_linear, make(), mesh=mesh_1d(8, "data"),
-                         shard_optimizer=shard_optimizer)
+                         sync=sync)
     state = trainer.init(W0, jax.random.key(0))
     params = []
     for batch in data:

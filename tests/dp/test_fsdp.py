@@ -1,4 +1,4 @@
-"""FSDP (``shard_params=True``): what each device holds, what the step gathers, and the
+"""FSDP (``sync=dp.sync.FSDP()``): what each device holds, what the step gathers, and the
 state around it (EMA, evaluate, to_module, checkpoints), and plain SGD against one device
 (a gradient scale error fails here on its own). Its full equivalence with one device (SGD
 and Adam, MLP and BatchNorm CNN, accum, ring) is in test_equivalence.py; over two processes
@@ -7,13 +7,9 @@ in tests/multihost/test_trainer.py.
 
 from __future__ import annotations
 
-import dataclasses
-import re
-
 import jax
 import numpy as np
 import optax
-import pytest
 
 from jaxcoll import dp
 from tests.dp._models import MLP, batches, cross_entropy, max_rel_diff, oracle
@@ -45,7 +41,7 @@ def test_sgd_steps_move_the_params_as_one_device_does():
     # would divide the factor away. The moves are compared, not the params, whose size would
     # hide a small factor.
     sgd = optax.sgd(0.1)
-    trainer, params, data = _setup(sgd, shard_params=True)
+    trainer, params, data = _setup(sgd, sync=dp.sync.FSDP())
     state = trainer.init(params, jax.random.key(1))
     for batch in data:
         state, _ = trainer.step(state, batch)
@@ -60,9 +56,9 @@ def test_sgd_steps_move_the_params_as_one_device_does():
 
 def test_each_device_holds_one_nth_of_params_and_optimizer_state():
     rows = {}
-    for name, kw in {"ddp": {}, "zero1": {"shard_optimizer": True},
-                     "fsdp": {"shard_params": True}}.items():
-        trainer, params, _ = _setup(**kw)
+    for name, sync in {"ddp": dp.sync.DDP(), "zero1": dp.sync.ZeRO1(),
+                       "fsdp": dp.sync.FSDP()}.items():
+        trainer, params, _ = _setup(sync=sync)
         state = trainer.init(params, jax.random.key(1))
         rows[name] = (_resident(state.params), _resident(state.opt_state))
         print(f"{name}: params {rows[name][0]} B, optimizer state {rows[name][1]} B per device")
@@ -81,14 +77,13 @@ def _gathers(trainer, state, batch) -> int:
 
 
 def test_the_backward_gathers_the_params_again_instead_of_keeping_them():
-    trainer, params, data = _setup(shard_params=True)
+    trainer, params, data = _setup(sync=dp.sync.FSDP())
     state = trainer.init(params, jax.random.key(1))
-    split = sum(d is not None for d in trainer.strategy.shard_dims(params))
+    split = sum(d is not None for d in trainer.sync.shard_dims(params))
     assert split == len(jax.tree_util.tree_leaves(params)) - 1  # all but the last bias
     again = _gathers(trainer, state, data[0])
-    trainer.strategy = dataclasses.replace(trainer.strategy, regather=False)
-    trainer._step_fns.clear()
-    kept = _gathers(trainer, state, data[0])
+    keeping, _, _ = _setup(sync=dp.sync.FSDP(reshard_after_forward=False))
+    kept = _gathers(keeping, state, data[0])  # the same state: FSDP places it alike
     # Kept whole: one gather per split leaf. Regathered: the backward needs the kernels of
     # Dense_1 and Dense_2 again (for the gradient of their inputs) and gathers them anew;
     # the biases and the first kernel are not needed by the backward.
@@ -96,13 +91,14 @@ def test_the_backward_gathers_the_params_again_instead_of_keeping_them():
 
 
 def test_ema_evaluate_to_module_and_resume_with_sharded_params(tmp_path):
-    trainer, params, data = _setup(shard_params=True, extra=dp.ema(0.5))
+    trainer, params, data = _setup(sync=dp.sync.FSDP(), extra=dp.ema(0.5))
     ddp, _, _ = _setup(extra=dp.ema(0.5))
     state = trainer.init(params, jax.random.key(1))
     kernel = state.params["Dense_0"]["kernel"]
     assert kernel.shape == (16, 32) and not kernel.is_fully_replicated
     assert state.extra["Dense_0"]["kernel"].sharding == kernel.sharding  # the EMA too
-    full, _ = trainer.fit(state, data, steps=4, checkpoint_dir=tmp_path / "a", every=2)
+    full, _ = trainer.fit(state, data, steps=4,
+                          checkpoint=dp.Checkpointer(tmp_path / "a", every=2))
     ref = ddp.init(params, jax.random.key(1))
     for b in data:
         ref, _ = ddp.step(ref, b)
@@ -115,21 +111,11 @@ def test_ema_evaluate_to_module_and_resume_with_sharded_params(tmp_path):
                                   np.asarray(full.params["Dense_0"]["kernel"]))
     # Stopped after step 2 (its checkpoint), resumed by a new Trainer: bit-identical.
     trainer.fit(trainer.init(params, jax.random.key(1)), data, steps=2,
-                checkpoint_dir=tmp_path / "b", every=2)
-    again = _setup(shard_params=True, extra=dp.ema(0.5))[0]
+                checkpoint=dp.Checkpointer(tmp_path / "b", every=2))
+    again = _setup(sync=dp.sync.FSDP(), extra=dp.ema(0.5))[0]
     resumed, _ = again.fit(again.init(params, jax.random.key(1)), data, steps=4,
-                           checkpoint_dir=tmp_path / "b", every=2)
+                           checkpoint=dp.Checkpointer(tmp_path / "b", every=2))
     for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(resumed)),
                     jax.tree_util.tree_leaves(jax.device_get(full)), strict=True):
         np.testing.assert_array_equal(a, b)
     assert resumed.params["Dense_0"]["kernel"].sharding == kernel.sharding
-
-
-@pytest.mark.parametrize("kw", [{"shard_params": True}, {"shard_optimizer": True}])
-def test_a_hook_that_needs_whole_gradients_is_refused_by_the_sharded_strategies(kw):
-    def hook(state, bucket):
-        return bucket.mean(), state
-
-    with pytest.raises(ValueError, match=re.escape("cannot be used with")):
-        _setup(comm_hook=hook, **kw)
-    _setup(comm_hook=dp.hooks.Compress(np.dtype("float16")), **kw)  # a slice can be cast

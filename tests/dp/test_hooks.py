@@ -42,8 +42,8 @@ def mlp_run():
     data = batches("mlp", K, 64)
     model = dp.Linen(MLP(), cross_entropy)
     params, model_state = model.init(jax.random.key(0), data[0])
-    trainer = dp.Trainer(model, optax.sgd(LR), mesh=mesh_1d(N, "data"), comm_hook=EXACT,
-                         bucket_mb=0.002)
+    trainer = dp.Trainer(model, optax.sgd(LR), mesh=mesh_1d(N, "data"),
+                         sync=dp.sync.DDP(hook=EXACT, bucket_mb=0.002))
     state = trainer.init(params, jax.random.key(1), model_state=model_state)
     first = jax.device_get(state)
     for s, batch in enumerate(data):
@@ -55,7 +55,8 @@ def mlp_run():
 
 def test_powersgd_before_start_iter_is_plain_ddp_bit_for_bit(mlp_run):
     model, params, model_state, data, before, _, _ = mlp_run
-    trainer = dp.Trainer(model, optax.sgd(LR), mesh=mesh_1d(N, "data"), bucket_mb=0.002)
+    trainer = dp.Trainer(model, optax.sgd(LR), mesh=mesh_1d(N, "data"),
+                         sync=dp.sync.DDP(bucket_mb=0.002))
     state = trainer.init(params, jax.random.key(1), model_state=model_state)
     for batch in data[:EXACT.start_iter]:
         state, _ = trainer.step(state, batch)
@@ -78,6 +79,7 @@ def test_powersgd_at_full_rank_equals_single_device_sgd(mlp_run):
 
 # ------------------------------------------- low rank: a NumPy PowerSGD, rank by rank, and resume
 LOW = PowerSGD(rank=2, start_iter=2, min_compression_rate=0)
+LOW_RING = dp.sync.DDP(hook=LOW, algorithm="ring")
 
 
 def _loss(p, batch, rng):
@@ -100,10 +102,8 @@ def _data():
 
 @pytest.fixture(scope="module")
 def low_trainer():
-    # grad_sync="ring": the bucket's sums go through jaxcoll's packed all-reduce, inside the
-    # lax.cond that switches compression on.
-    return dp.Trainer(_loss, optax.sgd(LR), mesh=mesh_1d(N, "data"), comm_hook=LOW,
-                      grad_sync="ring")
+    # algorithm="ring": the bucket's sums go through jaxcoll's packed all-reduce.
+    return dp.Trainer(_loss, optax.sgd(LR), mesh=mesh_1d(N, "data"), sync=LOW_RING)
 
 
 def _local_grads(p, batch):
@@ -175,11 +175,12 @@ def test_powersgd_state_resumes_bit_identically_from_a_checkpoint(low_trainer, t
     data = _data()
     fresh = lambda trainer: trainer.init(_params(), jax.random.key(0))  # noqa: E731
     ref, _ = low_trainer.fit(fresh(low_trainer), data, steps=8)  # never stopped
-    low_trainer.fit(fresh(low_trainer), data, steps=4, checkpoint_dir=tmp_path, every=4)
+    low_trainer.fit(fresh(low_trainer), data, steps=4,
+                    checkpoint=dp.Checkpointer(tmp_path, every=4))
     # A new process would build a new Trainer: its state comes from the checkpoint at step 4.
-    again = dp.Trainer(_loss, optax.sgd(LR), mesh=mesh_1d(N, "data"), comm_hook=LOW,
-                       grad_sync="ring")
-    resumed, hist = again.fit(fresh(again), data, steps=8, checkpoint_dir=tmp_path, every=4)
+    again = dp.Trainer(_loss, optax.sgd(LR), mesh=mesh_1d(N, "data"), sync=LOW_RING)
+    resumed, hist = again.fit(fresh(again), data, steps=8,
+                              checkpoint=dp.Checkpointer(tmp_path, every=4))
     assert [h["step"] for h in hist] == [5, 6, 7, 8]
     assert _same(resumed.params, ref.params)
     assert _same(resumed.comm_state, ref.comm_state)
@@ -239,7 +240,8 @@ def test_powersgd_rank4_trains_digits_above_95_percent():
     hook = PowerSGD(rank=4, start_iter=20)  # both kernels compressed (64x128, 128x10)
     assert hook.ranks([jax.ShapeDtypeStruct((64, 128), jnp.float32),
                        jax.ShapeDtypeStruct((128, 10), jnp.float32)]) == [4, 4]
-    trainer = dp.Trainer(model, optax.adam(3e-3), mesh=mesh_1d(N, "data"), comm_hook=hook)
+    trainer = dp.Trainer(model, optax.adam(3e-3), mesh=mesh_1d(N, "data"),
+                         sync=dp.sync.DDP(hook=hook))
     params, model_state = model.init(jax.random.key(0), train[0])
     state = trainer.init(params, jax.random.key(1), model_state=model_state)
     state, hist = trainer.fit(state, train, steps=STEPS_DIGITS,
@@ -258,10 +260,11 @@ def _docstring_example() -> str:
 def test_user_hook_from_the_docstring_counts_nonfinite_means():
     namespace = {"dp": dp, "optax": optax, "loss_fn": _loss}
     exec(_docstring_example(), namespace)
-    hook = namespace["trainer"].comm_hook
+    hook = namespace["trainer"].sync.hook
     assert type(hook).__name__ == "CountNonFinite"
-    trainer = dp.Trainer(_loss, optax.sgd(LR), mesh=mesh_1d(N, "data"), comm_hook=hook,
-                         bucket_mb=None)  # a bucket per leaf
+    assert isinstance(hook, dp.hooks.StatefulHook)  # the typed interface: __call__ and init
+    trainer = dp.Trainer(_loss, optax.sgd(LR), mesh=mesh_1d(N, "data"),
+                         sync=dp.sync.DDP(hook=hook, bucket_mb=None))  # a bucket per leaf
     state = trainer.init(_params(), jax.random.key(0))
     data = _data()
     for s in range(2):
@@ -282,21 +285,21 @@ def test_a_hook_returning_a_wrong_shape_is_named():
     def bad(state, bucket):
         return [g[:1] for g in bucket.grads], state
 
-    trainer = dp.Trainer(_loss, optax.sgd(LR), mesh=mesh_1d(N, "data"), comm_hook=bad)
+    trainer = dp.Trainer(_loss, optax.sgd(LR), mesh=mesh_1d(N, "data"),
+                         sync=dp.sync.DDP(hook=bad))
     state = trainer.init(_params(), jax.random.key(0))
     with pytest.raises(ValueError, match=r"returned a gradient of float32\[1, 3\] for one of "
                                          r"float32\[5, 3\]; it must return each gradient's mean"):
         trainer.step(state, _data()[0])
 
 
-def test_powersgd_with_a_sharded_optimizer_is_refused():
-    with pytest.raises(ValueError, match=r"comm_hook=PowerSGD\(rank=4.*cannot be used with "
-                                         r"shard_optimizer=True"):
-        dp.Trainer(_loss, optax.sgd(LR), mesh=mesh_1d(N, "data"), comm_hook=PowerSGD(rank=4),
-                   shard_optimizer=True)
-    with pytest.raises(ValueError, match=r"shard_params=True"):
-        dp.Trainer(_loss, optax.sgd(LR), mesh=mesh_1d(N, "data"), comm_hook=PowerSGD(rank=4),
-                   shard_params=True)
+def test_powersgd_with_a_sharded_strategy_is_refused():
+    with pytest.raises(ValueError, match=r"dp\.sync\.ZeRO1: hook=PowerSGD\(rank=4.*cannot be "
+                                         r"used with a sharded strategy"):
+        dp.sync.ZeRO1(hook=PowerSGD(rank=4))
+    with pytest.raises(ValueError, match=r"dp\.sync\.FSDP: hook=PowerSGD"):
+        dp.sync.FSDP(hook=PowerSGD(rank=4))
+    assert isinstance(PowerSGD(rank=4), dp.hooks.PhasedHook)
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -330,8 +333,8 @@ def test_powersgd_switches_program_at_start_iter_with_no_cond_inside(mlp_run):
     # The Trainer compiles one program per phase (exact, compressed) and picks it on the
     # host: no lax.cond in either (on XLA:CPU a cond copies every gradient into its branch).
     model, params, model_state, data, _, _, _ = mlp_run
-    trainer = dp.Trainer(model, optax.sgd(LR), mesh=mesh_1d(N, "data"), comm_hook=EXACT,
-                         bucket_mb=0.002)
+    trainer = dp.Trainer(model, optax.sgd(LR), mesh=mesh_1d(N, "data"),
+                         sync=dp.sync.DDP(hook=EXACT, bucket_mb=0.002))
     state = trainer.init(params, jax.random.key(1), model_state=model_state)
     kinds = []
     for batch in data[:EXACT.start_iter + 1]:

@@ -1,4 +1,4 @@
-"""Model state (BatchNorm statistics) stays identical on every device, for every grad_sync.
+"""Model state (BatchNorm statistics) stays identical on every device, for every algorithm.
 
 A plain ``nn.BatchNorm`` (no axis_name) computes running statistics from each rank's own
 examples; the Trainer averages them over the data axis every step, so every device holds the
@@ -25,9 +25,9 @@ def _copies(tree):
             for leaf in jax.tree_util.tree_leaves(tree)]
 
 
-@pytest.mark.parametrize("grad_sync", ["native", "ring", "tree", "auto", "hierarchical"])
-def test_plain_batchnorm_stats_are_bit_identical_on_every_device(grad_sync):
-    if grad_sync == "hierarchical":
+@pytest.mark.parametrize("algorithm", ["native", "ring", "tree", "auto", "hierarchical"])
+def test_plain_batchnorm_stats_are_bit_identical_on_every_device(algorithm):
+    if algorithm == "hierarchical":
         mesh, axis = mesh_2d(2, 4), ("node", "local")
     else:
         mesh, axis = mesh_1d(8, "data"), "data"
@@ -35,7 +35,7 @@ def test_plain_batchnorm_stats_are_bit_identical_on_every_device(grad_sync):
     data = batches("cnn", K, 32)
     params, ms = model.init(jax.random.key(0), data[0])
     trainer = dp.Trainer(model, optax.adam(1e-2), mesh=mesh, axis_name=axis,
-                         grad_sync=grad_sync)
+                         sync=dp.sync.DDP(algorithm=algorithm))
     state = trainer.init(params, jax.random.key(1), model_state=ms)
     for batch in data:
         state, _ = trainer.step(state, batch)
@@ -43,7 +43,7 @@ def test_plain_batchnorm_stats_are_bit_identical_on_every_device(grad_sync):
     assert len(stats) == 2 and all(len(copies) == 8 for copies in stats)  # mean, var
     for copies in stats:
         different = [d for d, c in enumerate(copies) if not np.array_equal(c, copies[0])]
-        assert different == [], (grad_sync, "devices whose running stats differ from 0's",
+        assert different == [], (algorithm, "devices whose running stats differ from 0's",
                                  different, float(np.max(np.abs(copies[-1] - copies[0]))))
     for copies in _copies(state.params):
         assert all(np.array_equal(c, copies[0]) for c in copies)

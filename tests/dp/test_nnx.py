@@ -46,7 +46,7 @@ def test_nnx_with_rngs_matches_single_device_adam_and_sgd_and_round_trips():
     params, ms = model.init()
     single = dp.Nnx(NetTwin(nnx.Rngs(0), axis_name=None), twin_loss)
     opt = twin_optimizer()
-    for kw in ({}, {"shard_optimizer": True, "accum_steps": 2}):
+    for kw in ({}, {"sync": dp.sync.ZeRO1(), "accum_steps": 2}):
         trainer = dp.Trainer(model, opt, mesh=mesh_1d(8, "data"), **kw)
         state = trainer.init(params, jax.random.key(1), model_state=ms)
         for b in data:

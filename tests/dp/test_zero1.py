@@ -1,4 +1,4 @@
-"""ZeRO-1 (shard_optimizer=True) gives the unsharded result for any optax transformation.
+"""ZeRO-1 (``sync=dp.sync.ZeRO1()``) gives the unsharded result for any optax transformation.
 
 The optimizer runs on the real params tree, sharded per leaf, so a global norm, masks,
 multi_transform labels and lamb's trust ratio see every param. 20 steps on 8 devices against
@@ -62,8 +62,8 @@ def _single_device(model, optimizer, params, data):
     return params, norms
 
 
-def _train(model, optimizer, params, data, **kw):
-    trainer = dp.Trainer(model, optimizer, shard_optimizer=True, **kw)
+def _train(model, optimizer, params, data, algorithm="auto", **kw):
+    trainer = dp.Trainer(model, optimizer, sync=dp.sync.ZeRO1(algorithm=algorithm), **kw)
     state = trainer.init(params, jax.random.key(1))
     for batch in data:
         state, _ = trainer.step(state, batch)
@@ -89,7 +89,7 @@ def test_zero1_over_two_axes_with_hierarchical_collectives():
     params, _ = model.init(jax.random.key(0), data[0])
     want, _ = _single_device(model, OPTIMIZERS["clip+adamw(mask)"](), params, data)
     _, state = _train(model, OPTIMIZERS["clip+adamw(mask)"](), params, data, mesh=mesh_2d(2, 4),
-                      axis_name=("node", "local"), grad_sync="hierarchical")
+                      axis_name=("node", "local"), algorithm="hierarchical")
     assert max_rel_diff(state.params, want) <= TOL
 
 

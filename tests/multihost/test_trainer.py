@@ -69,7 +69,7 @@ def test_trainer_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path, single):
 
 @pytest.mark.timeout(300)
 def test_fsdp_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path, single):
-    # shard_params=True: every leaf split over the 8 devices, i.e. over both processes; the
+    # sync=dp.sync.FSDP(): every leaf split over the 8 devices, i.e. over both processes; the
     # result is the plain 1 x 8 run's up to float rounding.
     job, resumed = _train(tmp_path, "2x4_killed",
                           ["--nprocs", "2", "--devices-per-proc", "4", "--max-restarts", "1"],

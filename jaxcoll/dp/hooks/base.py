@@ -1,18 +1,22 @@
 """The communication-hook interface: one bucket of local gradients in, their mean out.
 
-DDP's ``register_comm_hook(state, hook)`` is the model. A hook is called once per bucket per
-step, per rank, inside the step's ``jax.shard_map``; it receives a :class:`Bucket` (this
-rank's local gradients of the bucket's leaves, the data axis, the step) and its own state
-for that bucket, and returns the bucket's gradients averaged over the ranks, equal on every
-rank, and its new state. The state is carried in the train state
-(:attr:`TrainState.comm_state <jaxcoll.dp.TrainState.comm_state>`): one pytree per bucket
-and per rank, checkpointed with the rest, so a resumed run continues bit-identically.
+DDP's ``register_comm_hook(state, hook)`` is the model; ``sync=dp.sync.DDP(hook=hook)`` is how
+a hook is given. A hook is called once per bucket per step, per rank, inside the step's
+``jax.shard_map``; it receives a :class:`Bucket` (this rank's local gradients of the bucket's
+leaves, the data axis, the step) and its own state for that bucket, and returns the bucket's
+gradients averaged over the ranks, equal on every rank, and its new state. The state is
+carried in the train state (:attr:`TrainState.comm_state <jaxcoll.dp.TrainState.comm_state>`):
+one pytree per bucket and per rank, checkpointed with the rest, so a resumed run continues
+bit-identically.
 
-Any callable ``hook(state, bucket) -> (grads, state)`` is a hook; one that keeps state also
-has ``init(shapes, index) -> state`` (the bucket's gradient shapes as
-``jax.ShapeDtypeStruct``; the same initial state on every rank). :class:`AllReduceHook`
-(DDP's default ``allreduce_hook``) and :class:`Compress` (``bf16_compress_hook`` /
-``fp16_compress_hook``) are the built-ins besides :class:`~jaxcoll.dp.hooks.PowerSGD`.
+The interface is typed (:class:`CommHook`): any callable ``hook(state, bucket) -> (grads,
+state)`` is a hook; one that keeps state also has ``init(shapes, index) -> state``
+(:class:`StatefulHook`: the bucket's gradient shapes as ``jax.ShapeDtypeStruct``; the same
+initial state on every rank); one whose program changes with the step number has
+``phase(step) -> hook`` (:class:`PhasedHook`; the strategy compiles one program per phase).
+:class:`AllReduceHook` (DDP's default ``allreduce_hook``) and :class:`Compress`
+(``bf16_compress_hook`` / ``fp16_compress_hook``) are the built-ins besides
+:class:`~jaxcoll.dp.hooks.PowerSGD`.
 
 Writing a hook: this one averages as DDP does and counts, per bucket and per rank, the steps
 whose mean held an inf or a NaN (``state.comm_state[k]`` after training; with
@@ -33,7 +37,7 @@ arrives typed varying (one copy per rank)::
             finite = jnp.stack([jnp.isfinite(m).all() for m in means]).all()
             return means, count + (~finite).astype(jnp.int32)
 
-    trainer = dp.Trainer(loss_fn, optax.sgd(0.1), comm_hook=CountNonFinite())
+    trainer = dp.Trainer(loss_fn, optax.sgd(0.1), sync=dp.sync.DDP(hook=CountNonFinite()))
 
 ``tests/dp/test_hooks.py`` runs this example.
 """
@@ -42,11 +46,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from ... import primitives
 from ..._core.packing import pack, unpack
@@ -65,7 +70,7 @@ class Bucket:
         index: the bucket's position in DDP's order (0 holds the last leaves of the params).
         axis_name: the data axis (or tuple of axes) to reduce over.
         n: the number of ranks.
-        algorithm: the collective algorithm the Trainer was given (``grad_sync``).
+        algorithm: the collective algorithm of the strategy (``dp.sync.DDP(algorithm=...)``).
         step: the number of optimizer steps taken before this one (an int32 scalar, the same
             on every rank).
     """
@@ -111,6 +116,43 @@ def sum_together(parts: list[jax.Array], axis_name: AxisName, n: int,
     return unpack(total, parts)
 
 
+@runtime_checkable
+class CommHook(Protocol):
+    """A communication hook: ``hook(state, bucket) -> (means, state)`` (DDP's
+    ``register_comm_hook``), given as ``dp.sync.DDP(hook=...)``.
+
+    Called once per bucket per step, per rank, inside the step's ``shard_map``, with the
+    hook's state for that bucket (``()`` for a hook without :meth:`~StatefulHook.init`) and
+    the :class:`Bucket`. Returns one mean per gradient of the bucket, each in that gradient's
+    shape and dtype and typed invariant (equal on every rank), and the bucket's new state.
+    """
+
+    def __call__(self, state: PyTree, bucket: Bucket) -> tuple[Sequence[jax.Array], PyTree]:
+        ...
+
+
+@runtime_checkable
+class StatefulHook(CommHook, Protocol):
+    """A hook that keeps state between steps (:class:`~jaxcoll.dp.hooks.PowerSGD`)."""
+
+    def init(self, shapes: Sequence[jax.ShapeDtypeStruct], index: int) -> PyTree:
+        """The initial state of bucket ``index`` whose gradients have ``shapes`` (called
+        outside ``shard_map``: the same on every rank)."""
+        ...
+
+
+@runtime_checkable
+class PhasedHook(CommHook, Protocol):
+    """A hook whose program depends on the step number, known on the host (PowerSGD: exact
+    before ``start_iter``, compressed after). The strategy compiles one step program per
+    phase and picks it before each step, so no ``lax.cond`` switches inside the program."""
+
+    def phase(self, step: int) -> CommHook:
+        """The hook (a hashable value: it keys the compiled programs) that runs step
+        ``step``; it shares this hook's state."""
+        ...
+
+
 class AllReduceHook:
     """DDP's default (``allreduce_hook``): the exact mean, in the gradients' own dtype."""
 
@@ -132,12 +174,12 @@ class Compress:
     ``fp16_compress_hook`` with ``jnp.float16``): each divided by n, cast, summed over the
     ranks, cast back; the update itself stays in the params' dtype. Stateless.
 
-    ``Trainer(grad_dtype=d)`` is ``Trainer(comm_hook=Compress(d))``. The only hook that
-    ``shard_optimizer=True`` and ``shard_params=True`` accept besides the default: their
-    reduce-scatters travel in ``dtype`` too.
+    ``sync=dp.sync.DDP(hook=Compress(jnp.bfloat16))``. The only hook that
+    :class:`~jaxcoll.dp.sync.ZeRO1` and :class:`~jaxcoll.dp.sync.FSDP` accept besides the
+    default: their reduce-scatters travel in ``dtype`` too.
     """
 
-    dtype: Any
+    dtype: DTypeLike
 
     def __post_init__(self) -> None:
         if not jnp.issubdtype(self.dtype, jnp.floating):
@@ -156,26 +198,26 @@ class Compress:
         return bucket.mean(self.dtype), state
 
 
-def init_state(hook: Any, shapes: Sequence[jax.ShapeDtypeStruct], index: int) -> PyTree:
+def init_state(hook: CommHook, shapes: Sequence[jax.ShapeDtypeStruct], index: int) -> PyTree:
     """``hook.init(shapes, index)``, or ``()`` for a hook without state."""
-    init = getattr(hook, "init", None)
-    return () if init is None else init(tuple(shapes), index)
+    return hook.init(tuple(shapes), index) if isinstance(hook, StatefulHook) else ()
 
 
-def wire_dtype(hook: Any) -> Any:
+def wire_dtype(hook: CommHook) -> Any:
     """The dtype a reduce-scatter travels in for ``hook``, for the sharded strategies, which
     accept only the default hook and :class:`Compress`; None: the gradients' own."""
     return getattr(hook, "wire_dtype", None)
 
 
-def is_elementwise(hook: Any) -> bool:
+def is_elementwise(hook: CommHook | None) -> bool:
     """Whether ``hook`` is the default or :class:`Compress` (what a reduce-scatter can do)."""
     return hook is None or isinstance(hook, (AllReduceHook, Compress))
 
 
-def check_hook(api: str, hook: Any) -> Any:
-    if hook is not None and not callable(hook):
-        raise TypeError(f"{api}: comm_hook must be a hook (a callable hook(state, bucket) -> "
-                        f"(grads, state), e.g. dp.hooks.PowerSGD(rank=4)), got "
-                        f"{type(hook).__name__} instead.")
+def check_hook(api: str, hook: Any) -> CommHook | None:
+    """``hook`` must be None or a :class:`CommHook` (a callable)."""
+    if hook is not None and not isinstance(hook, CommHook):
+        raise TypeError(f"{api}: hook must be a communication hook (a callable hook(state, "
+                        f"bucket) -> (grads, state), e.g. dp.hooks.PowerSGD(rank=4)) or None, "
+                        f"got {hook!r} of type {type(hook).__name__} instead.")
     return hook

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..._core.typing import PyTree
-from .._vma import axis_names, to_varying
+from ..._core.vma import axis_names, to_varying
 from .base import Bucket
 
 API = "dp.hooks.PowerSGD"
@@ -29,7 +29,7 @@ API = "dp.hooks.PowerSGD"
 class PowerSGD:
     """Average each bucket's gradient matrices as rank-``rank`` factors (torch's PowerSGD).
 
-    ``Trainer(..., comm_hook=dp.hooks.PowerSGD(rank=4))`` is DDP's
+    ``Trainer(..., sync=dp.sync.DDP(hook=dp.hooks.PowerSGD(rank=4)))`` is DDP's
     ``register_comm_hook(PowerSGDState(None, matrix_approximation_rank=4), powerSGD_hook)``.
     For the first ``start_iter`` steps each bucket is averaged exactly (DDP's default hook);
     from then on, per bucket and per rank, equivalent to::
@@ -95,8 +95,8 @@ class PowerSGD:
 
     Example (8 devices)::
 
-        >>> trainer = dp.Trainer(model, optax.adam(1e-3),
-        ...                      comm_hook=dp.hooks.PowerSGD(rank=4, start_iter=100))
+        >>> hook = dp.hooks.PowerSGD(rank=4, start_iter=100)
+        >>> trainer = dp.Trainer(model, optax.adam(1e-3), sync=dp.sync.DDP(hook=hook))
         >>> state = trainer.init(params, jax.random.key(0))   # state.comm_state: q, error
     """
 
@@ -157,10 +157,10 @@ class PowerSGD:
         return jax.random.normal(key, (_matrix(tuple(shape.shape))[1], r), shape.dtype)
 
     # ------------------------------------------------------------------------------ the hook
-    def phase(self, step: int) -> Any:
+    def phase(self, step: int) -> _Fixed:
         """The hook for a step whose number the host knows: exact before ``start_iter``,
-        compressed from then on, with no switch inside the program. The Trainer compiles
-        one step program per phase and picks it when it dispatches a step: a ``lax.cond``
+        compressed from then on, with no switch inside the program. The strategy compiles
+        one step program per phase, picked when the step is dispatched: a ``lax.cond``
         in the step copies every gradient and error buffer into its branch on XLA:CPU
         (measured: +600-700 ms on an 80 MB MLP step over 8 devices)."""
         return _Fixed(self, compress=step >= self.start_iter)

@@ -1,20 +1,28 @@
 """Gradient-sync strategies: how per-rank local gradients become one optimizer step.
 
-Each is an optax-like pair behind one small interface (:class:`GradSync`): ``init(params)``
-builds the placed optimizer state, ``materialize(params)`` and ``reduce(grads, comm_state,
-step)`` run per rank inside the step's ``shard_map``, ``update(grads, opt_state, params)``
-runs in the global view of the same jit. :class:`AllReduce` is DDP, :class:`Zero1` ZeRO-1
-(torch's ZeroRedundancyOptimizer), :class:`Fsdp` ZeRO-3 (FullyShardedDataParallel).
+``dp.Trainer(loss_fn, optimizer, sync=...)`` takes one of these values; each checks its own
+fields when it is constructed:
+
+* :class:`DDP` (the default): torch's ``DistributedDataParallel``, a bucketed all-reduce with
+  an optional communication hook (``register_comm_hook``: ``hook=dp.hooks.PowerSGD(...)``);
+* :class:`ZeRO1`: torch's ``ZeroRedundancyOptimizer``, 1/n of the optimizer state per device;
+* :class:`FSDP`: torch's ``FullyShardedDataParallel`` (ZeRO-3), 1/n of the params, gradients
+  and optimizer state per device.
+
+Each is one class behind one small interface (:class:`Strategy`): ``init(params)`` builds
+the placed optimizer state, ``materialize(params)`` and ``reduce(grads, comm_state, step)``
+run per rank inside the step's ``shard_map``, ``update(grads, opt_state, params)`` runs in
+the global view of the same jit. A new strategy is a new subclass, nothing else.
 """
 
-from .all_reduce import AllReduce as AllReduce
-from .base import GradSync as GradSync
-from .fsdp import Fsdp as Fsdp
-from .zero1 import Zero1 as Zero1
+from .base import Strategy as Strategy
+from .ddp import DDP as DDP
+from .fsdp import FSDP as FSDP
+from .zero1 import ZeRO1 as ZeRO1
 
 __all__ = [
-    "AllReduce",
-    "Fsdp",
-    "GradSync",
-    "Zero1",
+    "DDP",
+    "FSDP",
+    "Strategy",
+    "ZeRO1",
 ]

@@ -1,30 +1,42 @@
-"""The interface every gradient-sync strategy offers the step builder (optax-like).
+"""The interface every gradient-sync strategy offers: a configuration value, bound once, then
+called by the step builder (optax-like).
 
-A strategy turns per-rank *local* gradients into one optimizer step, in two halves around
-the step's ``jax.shard_map``, plus the placement both halves need:
+A strategy is a value the user writes: ``dp.Trainer(..., sync=dp.sync.FSDP())``. Its fields
+are its configuration, checked when it is constructed; it holds no state (state lives in
+pytrees: the optimizer state, the hook state), so one is safe to share and to rebuild.
+:meth:`Strategy.bind` returns a copy bound to the optimizer, the mesh and the data axis (the
+Trainer binds its ``sync`` once); the step builder (:mod:`jaxcoll.dp.step`) calls the bound
+copy. A strategy turns per-rank *local* gradients into one optimizer step, in two halves
+around the step's ``jax.shard_map``, plus the placement both halves need:
 
-* :meth:`GradSync.init` builds the optimizer state, placed on the mesh (its placement is the
-  strategy's: replicated for :class:`~jaxcoll.dp.sync.AllReduce`, 1/n per device for
-  :class:`~jaxcoll.dp.sync.Zero1` and :class:`~jaxcoll.dp.sync.Fsdp`);
-  :meth:`GradSync.init_comm` the communication hook's state (one per bucket and rank);
-* :meth:`GradSync.materialize` runs per rank inside ``shard_map`` and gives the loss the
+* :meth:`Strategy.init` builds the optimizer state, placed on the mesh (its placement is the
+  strategy's: replicated for :class:`~jaxcoll.dp.sync.DDP`, 1/n per device for
+  :class:`~jaxcoll.dp.sync.ZeRO1` and :class:`~jaxcoll.dp.sync.FSDP`);
+  :meth:`Strategy.init_comm` the communication hook's state (one per bucket and rank);
+* :meth:`Strategy.materialize` runs per rank inside ``shard_map`` and gives the loss the
   whole params from the params as the train state holds them (:meth:`state_param_specs`:
   replicated, or 1/n per device for FSDP);
-* :meth:`GradSync.reduce` runs per rank inside ``shard_map`` (checking on) and returns the
-  synchronised gradients, laid out as :meth:`GradSync.grad_specs` says (the shard_map's
+* :meth:`Strategy.reduce` runs per rank inside ``shard_map`` (checking on) and returns the
+  synchronised gradients, laid out as :meth:`Strategy.grad_specs` says (the shard_map's
   ``out_specs``), and the hook's new state;
-* :meth:`GradSync.update` runs in ``jax.jit``'s global view, after the shard_map and inside
+* :meth:`Strategy.update` runs in ``jax.jit``'s global view, after the shard_map and inside
   the same program: ``update(grads, opt_state, params) -> (params, opt_state)``, the params
-  placed as :meth:`state_param_specs` says.
+  placed as :meth:`state_param_specs` says;
+* :meth:`Strategy.phase` gives the strategy that runs a given step, for a hook whose program
+  changes with the step (:class:`~jaxcoll.dp.hooks.PhasedHook`); the Trainer compiles one
+  program per phase and knows nothing of hooks.
 
-State lives in pytrees (the optimizer state); a strategy object holds only configuration,
-so one is safe to share and to rebuild.
+A new strategy is one subclass here: a frozen dataclass with its own fields (checked in
+``__post_init__``) that overrides the methods whose behaviour it changes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+import copy
+import dataclasses
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +46,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..._core.typing import AxisName, PyTree
-from ..grad_sync import plan_buckets
-from ..hooks.base import AllReduceHook, init_state
+from ..._core.vma import axis_names
+from ...algorithms.registry import check_algorithm
+from ..buckets import plan_buckets
+from ..hooks.base import AllReduceHook, CommHook, PhasedHook, check_hook, init_state
 
 
 def is_spec(x: Any) -> bool:
@@ -47,41 +61,124 @@ def specs_like(tree: PyTree, spec: P) -> PyTree:
     return jax.tree_util.tree_map(lambda _: spec, tree)
 
 
-@dataclass(frozen=True)
-class GradSync:
-    """Base of the gradient-sync strategies: configuration plus the shared placement code.
+class Binding(NamedTuple):
+    """What :meth:`Strategy.bind` fixes: the optimizer, the mesh and its data axis."""
+
+    optimizer: optax.GradientTransformation
+    mesh: Mesh
+    axis_name: AxisName
+
+
+@dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """Base of the gradient-sync strategies: the shared configuration, the binding and the
+    placement code.
 
     Attributes:
-        optimizer: the ``optax.GradientTransformation`` the strategy steps.
-        mesh: the device mesh.
-        axis_name: the data axis (or tuple of axes) of ``mesh``.
-        algorithm: the collective algorithm (:data:`jaxcoll.algorithms.ALGORITHMS`).
-        bucket_bytes: bucket size in bytes for the all-reduced gradients; None: one
-            collective per leaf.
-        comm_hook: the communication hook each bucket goes through (:mod:`jaxcoll.dp.hooks`);
-            None: DDP's default, the exact mean in the gradients' own dtype.
+        bucket_mb: bucket size in MiB for the all-reduced gradients (DDP's
+            ``bucket_cap_mb``); None: one collective per leaf (bucketing off).
+        algorithm: the collective algorithm, passed through to jaxcoll's primitives:
+            ``"auto"``, ``"native"`` (one lax collective), ``"ring"``, ``"tree"`` or
+            ``"hierarchical"`` (with a tuple ``axis_name``).
+        hook: the communication hook each bucket goes through (:mod:`jaxcoll.dp.hooks`,
+            DDP's ``register_comm_hook``); None: DDP's default, the exact mean in the
+            gradients' own dtype.
+
+    Raises:
+        TypeError, ValueError: a field has a wrong type or value (at construction); the
+            message names the class, the field, the value and the fix.
     """
 
     #: How a param's gradient crosses the devices, as error messages say it.
     grad_route: ClassVar[str] = "synchronised over the devices"
 
-    optimizer: optax.GradientTransformation
-    mesh: Mesh
-    axis_name: AxisName
+    bucket_mb: float | None = 25.0
     algorithm: str = "auto"
-    bucket_bytes: float | None = 25.0 * 2**20
-    comm_hook: Any = None
+    hook: CommHook | None = None
+    _binding: Binding | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        api = self.api
+        mb = self.bucket_mb
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, numbers.Real)):
+            raise TypeError(f"{api}: bucket_mb must be a number of MiB or None, got {mb!r} of "
+                            f"type {type(mb).__name__} instead.")
+        if mb is not None and not (mb > 0 and np.isfinite(mb)):
+            raise ValueError(f"{api}: bucket_mb={mb!r} must be a positive number of MiB, or "
+                             f"None to turn bucketing off.")
+        check_algorithm(api, self.algorithm)
+        check_hook(api, self.hook)
 
     @property
-    def hook(self) -> Any:
-        """The communication hook (DDP's default when none was given)."""
-        return AllReduceHook() if self.comm_hook is None else self.comm_hook
+    def api(self) -> str:
+        """The strategy's name in messages: ``dp.sync.DDP``, ..."""
+        return f"dp.sync.{type(self).__name__}"
+
+    # ------------------------------------------------------------------------------ binding
+    def bind(self, optimizer: optax.GradientTransformation, mesh: Mesh,
+             axis_name: AxisName) -> Strategy:
+        """A copy of this strategy bound to ``optimizer`` and the data axis ``axis_name`` of
+        ``mesh`` (checked by the caller): what the step builder calls. ``dp.Trainer`` binds
+        its ``sync`` once, when it is built."""
+        bound = copy.copy(self)
+        object.__setattr__(bound, "_binding", Binding(optimizer, mesh, axis_name))
+        return bound
+
+    def _bound(self) -> Binding:
+        if self._binding is None:
+            raise RuntimeError(f"{self.api}: this strategy is not bound to an optimizer and a "
+                               f"mesh yet; pass it to dp.Trainer(..., sync=...), or call "
+                               f".bind(optimizer, mesh, axis_name) for a bound copy.")
+        return self._binding
+
+    @property
+    def optimizer(self) -> optax.GradientTransformation:
+        """The ``optax.GradientTransformation`` the strategy steps (bound)."""
+        return self._bound().optimizer
+
+    @property
+    def mesh(self) -> Mesh:
+        """The device mesh (bound)."""
+        return self._bound().mesh
+
+    @property
+    def axis_name(self) -> AxisName:
+        """The data axis (or tuple of axes) of :attr:`mesh` (bound)."""
+        return self._bound().axis_name
 
     @property
     def n(self) -> int:
-        """The number of ranks the batch is split over."""
-        names = self.axis_name if isinstance(self.axis_name, tuple) else (self.axis_name,)
-        return int(np.prod([self.mesh.shape[a] for a in names]))
+        """The number of ranks the batch is split over (bound)."""
+        return int(np.prod([self.mesh.shape[a] for a in axis_names(self.axis_name)]))
+
+    @property
+    def bucket_bytes(self) -> float | None:
+        """:attr:`bucket_mb` in bytes."""
+        return None if self.bucket_mb is None else float(self.bucket_mb) * 2**20
+
+    @property
+    def bucket_hook(self) -> CommHook:
+        """The hook each bucket goes through: :attr:`hook`, or DDP's default."""
+        return AllReduceHook() if self.hook is None else self.hook
+
+    # ------------------------------------------------------------------------------- phases
+    @property
+    def phased(self) -> bool:
+        """Whether the step program depends on the step number (a hook with phases)."""
+        return isinstance(self.hook, PhasedHook)
+
+    def phase(self, step: int) -> Strategy:
+        """The strategy that runs step ``step`` (known on the host), bound as this one is: a
+        hashable value, one compiled program each. Itself when not :attr:`phased`."""
+        if not self.phased:
+            return self
+        return self.replace(hook=self.hook.phase(step))
+
+    def replace(self, **changes: Any) -> Strategy:
+        """A copy with ``changes`` to its fields (checked again), bound as this one is."""
+        new = dataclasses.replace(self, **changes)
+        object.__setattr__(new, "_binding", self._binding)
+        return new
 
     def named(self, specs: PyTree) -> PyTree:
         """``NamedSharding`` on the strategy's mesh for every ``PartitionSpec`` in ``specs``."""
@@ -132,7 +229,7 @@ class GradSync:
         of n, split over the data axis: each device holds its own rank's state)."""
         leaves = jax.tree_util.tree_leaves(params)
         shapes = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
-        states = [init_state(self.hook, [shapes[i] for i in bucket], k)
+        states = [init_state(self.bucket_hook, [shapes[i] for i in bucket], k)
                   for k, bucket in enumerate(plan_buckets(shapes, self.bucket_bytes))]
         if not jax.tree_util.tree_leaves(states):
             return {}
@@ -163,5 +260,6 @@ class GradSync:
 
     def update(self, grads: PyTree, opt_state: PyTree,
                params: PyTree) -> tuple[PyTree, PyTree]:  # pragma: no cover - interface
-        """Global view, inside the step's jit: ``(new replicated params, new opt_state)``."""
+        """Global view, inside the step's jit: ``(new params, new opt_state)``, the params
+        placed as :meth:`state_param_specs` says."""
         raise NotImplementedError

@@ -1,7 +1,7 @@
-"""Fsdp: ZeRO stage 3 (torch's FullyShardedDataParallel). Params, gradients and optimizer
+"""FSDP: ZeRO stage 3 (torch's FullyShardedDataParallel). Params, gradients and optimizer
 state are all held 1/n per device; each step gathers the params leaf by leaf for the loss.
 
-The split is :class:`~jaxcoll.dp.sync.Zero1`'s: every leaf with a dimension divisible by n is
+The split is :class:`~jaxcoll.dp.sync.ZeRO1`'s: every leaf with a dimension divisible by n is
 split along the first such dimension (each device's slice contiguous), the others stay
 replicated; the params keep their pytree structure and shapes, so the optimizer sees the
 real tree and every optax transformation gives the unsharded result.
@@ -20,22 +20,24 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ... import primitives
 from ..._core.typing import AxisName, PyTree
-from .._vma import axis_names, to_varying
+from ..._core.vma import axis_names, to_varying
 from ..hooks.base import wire_dtype as hook_wire_dtype
-from .zero1 import Zero1
+from .zero1 import ZeRO1
 
 #: The name the gathered params carry in the loss (``jax.ad_checkpoint.checkpoint_name``): the
-#: rematerialisation policy of :meth:`Fsdp.wrap_loss` never saves them for the backward.
+#: rematerialisation policy of :meth:`FSDP.wrap_loss` never saves them for the backward.
 GATHERED = "jaxcoll_fsdp_params"
 
 
-@dataclass(frozen=True)
-class Fsdp(Zero1):
+@dataclass(frozen=True, kw_only=True)
+class FSDP(ZeRO1):
     """Gather the params for the loss, reduce-scatter the gradients, update 1/n everywhere.
 
-    Equivalent to :class:`~jaxcoll.dp.sync.AllReduce` (every optax transformation gives the
-    unsharded result, up to float rounding), with each device holding only its slice of
-    every split leaf's params, gradients and optimizer state between steps. Per step:
+    torch's ``FullyShardedDataParallel`` (ZeRO-3). Equivalent to
+    :class:`~jaxcoll.dp.sync.DDP` (every optax transformation gives the unsharded result, up
+    to float rounding), with each device holding only its slice of every split leaf's
+    params, gradients and optimizer state between steps (``state.params`` is split). Per
+    step:
 
     1. per rank, inside ``shard_map``: each split leaf is all-gathered
        (:func:`~jaxcoll.primitives.all_gather`, ``tiled=True``, one collective per leaf) into
@@ -43,26 +45,39 @@ class Fsdp(Zero1):
        local gradient divided by n (:func:`~jaxcoll.primitives.reduce_scatter`, in the
        hook's wire dtype), so ``jax.grad`` returns each device its slice of the mean, leaf by
        leaf as the backward pass reaches it; the replicated leaves are all-reduced by buckets;
-    2. with ``regather`` (default), the loss is rematerialised (``jax.checkpoint``) with a
-       policy that saves everything but the gathered params: the backward gathers each leaf
-       again where it needs it instead of keeping the whole params alive from the forward
-       (torch FSDP's reshard-after-forward); the activations are saved as usual;
+    2. with ``reshard_after_forward`` (default), the loss is rematerialised
+       (``jax.checkpoint``) with a policy that saves everything but the gathered params: the
+       backward gathers each leaf again where it needs it instead of keeping the whole
+       params alive from the forward (torch FSDP's option of the same name); the
+       activations are saved as usual;
     3. in the global view: ``optimizer.update`` and ``optax.apply_updates`` on the sharded
        tree; the params stay sharded (no all-gather after the update).
 
-    Leaves with no dimension divisible by n (a bias of 10 on 8 devices) stay replicated;
-    :meth:`resident_bytes` tells how much each device holds.
+    Leaves with no dimension divisible by n (a bias of 10 on 8 devices) stay replicated.
+
+    Args:
+        bucket_mb, algorithm, hook: as :class:`~jaxcoll.dp.sync.ZeRO1`'s (``hook``: None or
+            :class:`~jaxcoll.dp.hooks.Compress`).
+        reshard_after_forward: gather the params again in the backward instead of keeping
+            them whole from the forward (less memory, one more all-gather per leaf the
+            backward needs); False: keep them (torch's ``reshard_after_forward=False``).
 
     Example (8 devices)::
 
-        >>> sync = Fsdp(optax.adamw(1e-3), mesh, "data")
-        >>> trainer = dp.Trainer(loss_fn, optax.adamw(1e-3), shard_params=True)  # the same
+        >>> trainer = dp.Trainer(loss_fn, optax.adamw(1e-3), sync=dp.sync.FSDP())
+        >>> state = trainer.init(params, rng)   # state.params: 1/8 of each split leaf
     """
 
     grad_route: ClassVar[str] = ("reduce-scattered (all-reduced where no dimension splits) "
-                                 "over the devices (FSDP, shard_params=True)")
+                                 "over the devices (FSDP, sync=dp.sync.FSDP())")
 
-    regather: bool = True
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(f"{self.api}: reshard_after_forward must be True or False, got "
+                            f"{self.reshard_after_forward!r} instead.")
 
     def state_param_specs(self, params: PyTree) -> PyTree:
         return self.param_specs(params)
@@ -73,14 +88,14 @@ class Fsdp(Zero1):
 
     def materialize(self, params: PyTree, like: PyTree) -> PyTree:
         dims = self.shard_dims(like)
-        wire = hook_wire_dtype(self.hook)
+        wire = hook_wire_dtype(self.bucket_hook)
         leaves, treedef = jax.tree_util.tree_flatten(params)
         out = [x if d is None else _gather(x, d, self.axis_name, self.n, self.algorithm, wire)
                for x, d in zip(leaves, dims, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def wrap_loss(self, fn: Any) -> Any:
-        if not self.regather:
+        if not self.reshard_after_forward:
             return fn
         return jax.checkpoint(fn, policy=_not_gathered)
 

@@ -1,4 +1,5 @@
-"""Zero1: ZeRO stage 1. Each device keeps and updates 1/n of the optimizer state, per leaf.
+"""ZeRO1: ZeRO stage 1 (torch's ZeroRedundancyOptimizer). Each device keeps and updates 1/n
+of the optimizer state, per leaf.
 
 The params keep their pytree structure: every leaf with a dimension divisible by n is split
 along it (the first such dimension, so each device's slice is contiguous), the others stay
@@ -20,9 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 from ... import primitives
 from ..._core.typing import PyTree
-from ..grad_sync import mean_gradients
+from ..buckets import mean_gradients
+from ..hooks.base import is_elementwise
 from ..hooks.base import wire_dtype as hook_wire_dtype
-from .base import GradSync, specs_like
+from .base import Strategy, specs_like
 
 
 def shard_dim(shape: tuple[int, ...], n: int) -> int | None:
@@ -38,16 +40,18 @@ def _shape(leaf: Any) -> tuple[int, ...]:
     return tuple(getattr(leaf, "shape", np.shape(leaf)))
 
 
-@dataclass(frozen=True)
-class Zero1(GradSync):
+@dataclass(frozen=True, kw_only=True)
+class ZeRO1(Strategy):
     """Reduce-scatter the gradients, update 1/n of the optimizer state, all-gather the params.
 
-    Equivalent to :class:`~jaxcoll.dp.sync.AllReduce` (every optax transformation gives the
-    unsharded result, up to float rounding), with each device holding only its slice of the
-    optimizer state of every split leaf. Per step:
+    torch's ``ZeroRedundancyOptimizer`` (under DDP). Equivalent to
+    :class:`~jaxcoll.dp.sync.DDP` (every optax transformation gives the unsharded result, up
+    to float rounding, ``clip_by_global_norm``, masks, ``multi_transform`` and lamb
+    included), with each device holding only its slice of the optimizer state of every split
+    leaf. Per step:
 
     1. per rank, inside ``shard_map``: each split leaf's local gradient (divided by n, in
-       the wire dtype of ``comm_hook``: :class:`~jaxcoll.dp.hooks.Compress`) is
+       the wire dtype of ``hook``: :class:`~jaxcoll.dp.hooks.Compress`) is
        reduce-scattered along its split dimension (:func:`~jaxcoll.primitives.reduce_scatter`,
        ``tiled=True``): each device receives its slice of the mean; the replicated leaves
        are all-reduced by buckets (:func:`~jaxcoll.dp.mean_gradients`);
@@ -59,14 +63,33 @@ class Zero1(GradSync):
     3. the updated slices are all-gathered (:func:`~jaxcoll.primitives.all_gather`,
        ``tiled=True``) back to replicated params.
 
+    Args:
+        bucket_mb: bucket size in MiB for the all-reduce of the leaves that stay replicated
+            (each split leaf is one reduce-scatter); None: one collective per leaf.
+        algorithm: the collective algorithm (as :class:`~jaxcoll.dp.sync.DDP`'s).
+        hook: None (the exact mean) or :class:`~jaxcoll.dp.hooks.Compress` (the
+            reduce-scatters travel in its dtype too). A reduce-scatter gives each device a
+            slice, which a hook that needs whole gradients (PowerSGD) cannot produce;
+            torch's FSDP has the same limit.
+
     Example (8 devices)::
 
-        >>> sync = Zero1(optax.adamw(1e-3), mesh, "data")
-        >>> opt_state = sync.init(params)   # mu, nu: 1/8 of each split leaf per device
+        >>> trainer = dp.Trainer(loss_fn, optax.adamw(1e-3), sync=dp.sync.ZeRO1())
+        >>> state = trainer.init(params, rng)   # mu, nu: 1/8 of each split leaf per device
     """
 
     grad_route: ClassVar[str] = ("reduce-scattered (all-reduced where no dimension splits) "
-                                 "over the devices (ZeRO-1, shard_optimizer=True)")
+                                 "over the devices (ZeRO-1, sync=dp.sync.ZeRO1())")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not is_elementwise(self.hook):
+            raise ValueError(
+                f"{self.api}: hook={self.hook!r} cannot be used with a sharded strategy: "
+                f"{type(self).__name__} reduce-scatters each gradient, so each device "
+                f"receives a slice, and only the default hook and dp.hooks.Compress work on "
+                f"slices. Use this hook with dp.sync.DDP(hook=...), or pass "
+                f"hook=dp.hooks.Compress(dtype) or None here.")
 
     def shard_dims(self, params: PyTree) -> list[int | None]:
         """:func:`shard_dim` of every leaf of ``params``, in leaf order."""
@@ -114,7 +137,7 @@ class Zero1(GradSync):
     def reduce_kept(self, grads: PyTree, dims: list[int | None], *, scatter: bool) -> PyTree:
         """The replicated leaves (``dims[i] is None``) all-reduced by buckets; with
         ``scatter`` the split leaves reduce-scattered, else passed through."""
-        wire_dtype = hook_wire_dtype(self.hook)
+        wire_dtype = hook_wire_dtype(self.bucket_hook)
         leaves, treedef = jax.tree_util.tree_flatten(grads)
         out: list[Any] = list(leaves)
         kept = [i for i, d in enumerate(dims) if d is None]

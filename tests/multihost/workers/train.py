@@ -1,8 +1,9 @@
 """dp.Trainer on the global world, each process feeding only its own part of every batch.
 
 Usage: ``train.py OUT CKPT_DIR KILL_AT [SIGNAL [STRATEGY]]`` under ``jaxcoll-run``
-(STRATEGY ``fsdp``: ``Trainer(shard_params=True)``, the params split over both processes).
-Trains a small MLP for STEPS steps with ``fit(checkpoint_dir=CKPT_DIR, every=EVERY)`` and
+(STRATEGY ``fsdp``: ``Trainer(sync=dp.sync.FSDP())``, the params split over both processes).
+Trains a small MLP for STEPS steps with ``fit(checkpoint=dp.Checkpointer(CKPT_DIR,
+every=EVERY))`` and
 writes the final params to ``OUT/p{k}.npz``. ``KILL_AT`` > 0: on the first run
 (``JAXCOLL_RESTART_COUNT=0``) process 1 sends itself SIGNAL (``KILL``, the default, or
 ``TERM``: a preemption, which ``fit`` answers with a checkpoint at the next step boundary)
@@ -45,7 +46,7 @@ def loss_fn(params, batch, rng):
     return jnp.mean(err**2), {}
 
 
-trainer = dp.Trainer(loss_fn, optax.adam(0.05), shard_params=FSDP)
+trainer = dp.Trainer(loss_fn, optax.adam(0.05), sync=dp.sync.FSDP() if FSDP else dp.sync.DDP())
 sharding = NamedSharding(trainer.mesh, P(trainer.axis_name))
 # The rows of a global batch that this process's devices hold (devices are in global order).
 mine = [k for k, d in enumerate(trainer.mesh.devices.reshape(-1)) if d.process_index == ME]
@@ -69,8 +70,9 @@ init = {"w": rng.standard_normal((4, 16)).astype(np.float32) * 0.5,
         "b": np.zeros(16, np.float32),
         "v": rng.standard_normal((16, 1)).astype(np.float32) * 0.5}
 state = trainer.init(jax.tree_util.tree_map(jnp.asarray, init), jax.random.key(0))
-state, _ = trainer.fit(state, LocalBatches(), steps=STEPS, checkpoint_dir=CKPT, every=EVERY,
-                       progress=False)
+# Saving is collective: every process builds its Checkpointer on the same directory.
+state, _ = trainer.fit(state, LocalBatches(), steps=STEPS,
+                       checkpoint=dp.Checkpointer(CKPT, every=EVERY), progress=False)
 if FSDP:  # every leaf is split over the 8 devices of both processes: gather them
     assert all(not v.is_fully_replicated for v in state.params.values())
     params = multihost_utils.process_allgather(state.params, tiled=True)

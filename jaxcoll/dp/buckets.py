@@ -1,4 +1,9 @@
-"""Gradient synchronisation: the exact global mean, one jaxcoll collective per bucket.
+"""Gradient buckets: the exact global mean of the local gradients, one collective per bucket.
+
+:func:`plan_buckets` groups the gradient leaves as DDP does, :func:`sync_buckets` sends each
+bucket through a communication hook (:mod:`jaxcoll.dp.hooks`), :func:`mean_gradients` is the
+plain mean with the default hook: what :class:`~jaxcoll.dp.sync.DDP` runs, and what the
+sharded strategies run for the leaves they keep whole.
 
 Everything here runs inside ``jax.shard_map`` on *local* gradients: gradients of the local
 per-example-mean loss taken with respect to params made varying over the data axis (see the
@@ -14,21 +19,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from .. import primitives
 from .._core.typing import AxisName, PyTree
-from ..algorithms.registry import check_algorithm
-from .hooks.base import AllReduceHook, Bucket, Compress
-
-
-def check_grad_sync(api: str, grad_sync: Any) -> str:
-    """``grad_sync`` must name an algorithm of :data:`jaxcoll.algorithms.ALGORITHMS`.
-
-    Raises:
-        TypeError: ``grad_sync`` is not a string.
-        ValueError: ``grad_sync`` is not one of the algorithms.
-    """
-    return check_algorithm(api, grad_sync, argname="grad_sync")
+from .hooks.base import AllReduceHook, Bucket, CommHook, Compress
 
 
 def plan_buckets(leaves: list[Any], bucket_bytes: float | None) -> list[list[int]]:
@@ -58,7 +53,7 @@ def mean_gradients(
     axis_name: AxisName,
     *,
     bucket_bytes: float | None,
-    grad_dtype: Any = None,
+    grad_dtype: DTypeLike | None = None,
     algorithm: str = "auto",
 ) -> PyTree:
     """The mean over ranks of each rank's local gradient, one all-reduce per bucket.
@@ -92,7 +87,7 @@ def sync_buckets(
     axis_name: AxisName,
     *,
     bucket_bytes: float | None,
-    hook: Any,
+    hook: CommHook,
     states: list[PyTree],
     step: jax.Array,
     algorithm: str = "auto",
@@ -126,12 +121,12 @@ def sync_buckets(
         means, state = hook(states[k], view)
         means = list(means)
         if len(means) != len(bucket):
-            raise ValueError(f"comm_hook {hook!r} returned {len(means)} gradients for a bucket "
+            raise ValueError(f"hook {hook!r} returned {len(means)} gradients for a bucket "
                              f"of {len(bucket)}; it must return one mean per gradient.")
         for i, g in zip(bucket, means, strict=True):
             if g.shape != leaves[i].shape or g.dtype != leaves[i].dtype:
                 raise ValueError(
-                    f"comm_hook {hook!r} returned a gradient of {g.dtype}{list(g.shape)} for "
+                    f"hook {hook!r} returned a gradient of {g.dtype}{list(g.shape)} for "
                     f"one of {leaves[i].dtype}{list(leaves[i].shape)}; it must return each "
                     f"gradient's mean in that gradient's shape and dtype.")
             out[i] = g
