@@ -1,18 +1,19 @@
 # The two commands a user needs: `make demo` and `make test`. Each creates .venv if missing and
 # installs jaxcoll with what it needs, so a machine with only Python 3.10+ needs nothing else.
+# `make docs` builds the documentation site (docs/, mkdocs.yml) into site/.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench clean test-slurm
+.PHONY: demo test docs lint bench clean test-slurm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dp,bench,dev]"
+	$(PY) -m pip install --quiet -e ".[dp,bench,dev,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -25,6 +26,11 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# --strict: any warning (a broken link or anchor, a reference entry that does not resolve) fails.
+# tests/test_docs.py runs the same build, so `make test` checks it too.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 # Not part of `make test`: needs root. Installs munge and SLURM (apt) if missing, runs a
 # two-node SLURM cluster on 127.0.0.1 and submits examples/slurm_job.sbatch to it.
 test-slurm: $(STAMP)
@@ -34,4 +40,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxcoll tests examples benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

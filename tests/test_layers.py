@@ -1,6 +1,6 @@
 """The package's imports point down its layers, and never in a circle.
 
-Layers, lowest first (README "Architecture"): the shared modules ``jaxcoll._jax`` (the one
+Layers, lowest first (docs/architecture.md): the shared modules ``jaxcoll._jax`` (the one
 door to JAX internals) and ``jaxcoll._xla_flags`` (XLA:CPU's settings), which import nothing
 of jaxcoll, < ``jaxcoll._core`` (ground) < ``algorithms`` < ``primitives`` < ``groups`` <
 ``distributed``, ``dp`` < ``bench`` < the top-level re-exports. ``_init`` (joining a

@@ -4,13 +4,11 @@ Pick one with ``algorithm=`` on :func:`~jaxcoll.primitives.all_reduce`,
 :func:`~jaxcoll.primitives.reduce`, :func:`~jaxcoll.primitives.broadcast`,
 :func:`~jaxcoll.primitives.all_gather` and :func:`~jaxcoll.primitives.reduce_scatter`:
 
-=================  ==========================================================================
-``"native"``       the lax collective (HLO all-reduce etc.; NCCL on GPU)
-``"ring"``         bandwidth-optimal: 2(n-1) neighbour steps of 1/n of the data (all-reduce)
-``"tree"``         latency-optimal: recursive doubling / binomial tree / Bruck, ~log2(n) steps
-``"hierarchical"`` over a tuple axis (outer, inner): inside, 1/inner across, inside again
-``"auto"``         the default: the measured winner for platform, op and size (``choose``)
-=================  ==========================================================================
+* ``"native"``: the lax collective (HLO all-reduce etc.; NCCL on GPU);
+* ``"ring"``: bandwidth-optimal: 2(n-1) neighbour steps of 1/n of the data (all-reduce);
+* ``"tree"``: latency-optimal: recursive doubling / binomial tree / Bruck, ~log2(n) steps;
+* ``"hierarchical"``: over a tuple axis (outer, inner): inside, 1/inner across, inside again;
+* ``"auto"``: the default: the measured winner for platform, op and size (``choose``).
 
 ``auto`` reads the table shipped as package data (``auto_table.json``) merged with the user's
 file (:func:`user_table_path`, written by ``jaxcoll-bench --update-table``); see

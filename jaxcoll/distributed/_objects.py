@@ -37,8 +37,8 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
         Every other process runs ``pickle.loads`` on the bytes process ``src`` sends, and
         unpickling runs code chosen by whoever wrote those bytes. As with
         ``torch.distributed.broadcast_object_list``, use it only in a job whose processes and
-        network you trust (the coordinator has no authentication; see README "Running on
-        several hosts"); send arrays or plain data otherwise.
+        network you trust (the coordinator has no authentication; see "Trust model" in
+        docs/failing-fast.md); send arrays or plain data otherwise.
 
     Example (one process)::
 
@@ -69,8 +69,8 @@ def all_gather_object(obj: Any) -> list[Any]:
         Every process runs ``pickle.loads`` on the bytes each other process sends, and
         unpickling runs code chosen by whoever wrote those bytes. As with
         ``torch.distributed.all_gather_object``, use it only in a job whose processes and
-        network you trust (the coordinator has no authentication; see README "Running on
-        several hosts"); gather arrays or plain data otherwise.
+        network you trust (the coordinator has no authentication; see "Trust model" in
+        docs/failing-fast.md); gather arrays or plain data otherwise.
 
     Example (one process)::
 

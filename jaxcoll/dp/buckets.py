@@ -7,7 +7,7 @@ sharded strategies run for the leaves they keep whole.
 
 Everything here runs inside ``jax.shard_map`` on *local* gradients: gradients of the local
 per-example-mean loss taken with respect to params made varying over the data axis (see the
-gradient trap in the README). Each rank holds the same number of examples, so the global
+gradient trap, docs/porting.md). Each rank holds the same number of examples, so the global
 mean is the sum over ranks of ``g_local / n``: every leaf is divided by n exactly once,
 before the reduction (as DDP does), and reduced exactly once.
 """

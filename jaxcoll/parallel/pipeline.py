@@ -156,7 +156,7 @@ def pipeline_value_and_grad(
     M micro-batches. 2(M + S - 1) steps, of which each stage is idle for 2(S - 1): the bubble
     (:func:`bubble_fraction`). With ``data_axis`` the gradient is then averaged over the
     replicas by one all-reduce (exactly once: params are made varying over the axes first, so
-    ``jax.vjp`` adds no hidden reduction; see the gradient trap in the README).
+    ``jax.vjp`` adds no hidden reduction; see the gradient trap in docs/dp.md).
 
     Args:
         stage_fn: ``(stage_params, h) -> h``; every stage keeps the activation's shape and

@@ -5,7 +5,7 @@ Each job is 2 processes x 2 devices on 127.0.0.1 (tests/multihost/workers/hangs.
 timeout, teardown), mismatch detection's (``--debug detail``) in under 10 s, SIGTERM within a
 second. Each test checks the exit code, the line that names the process and the cause (and
 that the launcher's summary quotes it, not a C++ stack dump), the time, and that no process
-is left. README "Running on several hosts" lists the measured times.
+is left. docs/failing-fast.md lists the measured times.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ def _check_watchdog(job, what: str) -> int:
 
 def _check_mismatch(job, apis: tuple[str, str], message: str) -> None:
     """Detection: every process raises, naming its own call and every process's fields."""
-    # No wall-time bound (4-8 s on a quiet machine, README; more under load): each process's
-    # RuntimeError below shows detection ended the job, before any collective could hang.
+    # No wall-time bound (4-8 s on a quiet machine, docs/failing-fast.md; more under load):
+    # each process's RuntimeError below shows detection ended the job, before any collective
+    # could hang.
     assert job.returncode == 1, job.stderr[-3000:]
     for k in (0, 1):
         line = f"[{k}] RuntimeError: {apis[k]}: processes disagree on the collective #1: {message}"

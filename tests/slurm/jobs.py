@@ -203,7 +203,7 @@ def job_a(ref_1x8: dict, ref_2x4: dict, loss_line: str) -> None:
         f"{len(names)} results == 1 x 8, bit-identical to jaxcoll-run 2 x 4: "
         f"PASS {job.seconds:.1f} s")
 
-    # The same file with no program: examples/multihost_train.py, as in the README.
+    # The same file with no program: examples/multihost_train.py, as docs/multihost.md says.
     job = run_job("a_default", SBATCH, [], CPU_NODES, CKPT_DIR=str(SCRATCH / "a_default_ckpt"),
                   **CPU_ENV)
     check(job.state == "COMPLETED" and job.exit_code == 0,
