@@ -56,8 +56,11 @@ class FSDP(ZeRO1):
     Leaves with no dimension divisible by n (a bias of 10 on 8 devices) stay replicated.
 
     Args:
-        bucket_mb, algorithm, hook: as :class:`~jaxcoll.dp.sync.ZeRO1`'s (``hook``: None or
-            :class:`~jaxcoll.dp.hooks.Compress`).
+        bucket_mb: bucket size in MiB for the all-reduce of the leaves that stay replicated
+            (as :class:`~jaxcoll.dp.sync.ZeRO1`'s); None: one collective per leaf.
+        algorithm: the collective algorithm (as :class:`~jaxcoll.dp.sync.DDP`'s).
+        hook: None (the exact mean) or :class:`~jaxcoll.dp.hooks.Compress` (as
+            :class:`~jaxcoll.dp.sync.ZeRO1`'s).
         reshard_after_forward: gather the params again in the backward instead of keeping
             them whole from the forward (less memory, one more all-gather per leaf the
             backward needs); False: keep them (torch's ``reshard_after_forward=False``).
