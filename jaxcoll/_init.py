@@ -26,6 +26,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import jax
@@ -205,7 +206,13 @@ the failure and, in the process hosting JAX's coordination service, waits for th
 """
 
 
-def _fail_fast_hook(previous):
+_ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
+
+# Marks jaxcoll's excepthook (an attribute of the function), so that init() never wraps it twice.
+_FAIL_FAST_MARK = "jaxcoll_fail_fast"
+
+
+def _fail_fast_hook(previous: _ExceptHook) -> _ExceptHook:
     """An excepthook that ends the process at once after reporting an uncaught exception.
 
     A normal exit runs ``jax.distributed.shutdown`` at exit, which waits for every peer at a
@@ -213,7 +220,7 @@ def _fail_fast_hook(previous):
     would hang for the shutdown timeout. Exiting here lets the launcher see the failure now.
     """
 
-    def hook(kind, value, tb):
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         def report() -> None:
             previous(kind, value, tb)
             sys.stdout.flush()
@@ -225,7 +232,7 @@ def _fail_fast_hook(previous):
         # of that and is not reported.
         leave(1, None, _first_line(value), getattr(value, "_jaxcoll_before_exit", None), report)
 
-    hook.jaxcoll_fail_fast = True
+    setattr(hook, _FAIL_FAST_MARK, True)
     return hook
 
 
@@ -310,7 +317,7 @@ def initialize(
             return None
         _connect(api, spec, cluster, init_t, beat_t, stop_t, bind)
         _state["key"] = key
-    if fail_fast and not getattr(sys.excepthook, "jaxcoll_fail_fast", False):
+    if fail_fast and not getattr(sys.excepthook, _FAIL_FAST_MARK, False):
         sys.excepthook = _fail_fast_hook(sys.excepthook)
     return None
 
@@ -322,7 +329,9 @@ def _connect(api, spec, cluster, init_t, beat_t, stop_t, bind) -> None:
             f"join a multi-process job. Call jaxcoll.init() first, before jax.devices(), "
             f"jax.device_put or any computation."
         )
-    if jax.config.jax_platforms in (None, "", "cpu") and \
+    # jax.config sets its options as attributes at runtime; its class declares none of them.
+    platforms = jax.config.jax_platforms  # type: ignore[attr-defined]
+    if platforms in (None, "", "cpu") and \
             os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION") is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = spec.coordinator_address or f"the {cluster} job's coordinator"

@@ -65,8 +65,11 @@ from jax.interpreters.batching import primitive_batchers as primitive_batchers
 from jax.interpreters.mlir import lower_fun as lower_fun
 from jax.interpreters.mlir import register_lowering as register_lowering
 
+ArrayImpl: type | None
 try:
-    from jax._src.array import ArrayImpl
+    from jax._src.array import ArrayImpl as _ArrayImpl
+
+    ArrayImpl = _ArrayImpl
 except ImportError:  # pragma: no cover - a JAX that moved it: callers fall back
     ArrayImpl = None
 

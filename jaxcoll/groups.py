@@ -20,8 +20,8 @@ A :class:`Group` is the one concept behind both layers:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -71,6 +71,7 @@ class Group:
     mesh_axes: tuple[str, ...]
     axis_name: str
     subgroups: tuple[tuple[int, ...], ...]
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Groups key every cache of compiled programs: hash once, not on every call.
@@ -201,69 +202,86 @@ def _permute(api: str, primitive: Callable[..., Any], x: Any, group: Group, ax: 
 # the leaves (returning one prepared value per leaf), then per leaf with the rows.
 
 
-def _reduce_prep(api, leaves, op, k, dst=None):
-    op = coerce_op(api, op)
+def _reduce_prep(api: str, leaves: Sequence[jax.Array], op: ReduceOp | str, k: int,
+                 dst: int | None = None) -> list[tuple[ReduceOp, str]]:
+    rop = coerce_op(api, op)
     if dst is not None:
         check_rank(api, "dst", dst, k)
-    return [(op, check_op_dtype(api, op, leaf.dtype)) for leaf in leaves]
+    return [(rop, check_op_dtype(api, rop, leaf.dtype)) for leaf in leaves]
 
 
-def _all_reduce(api, rows, j, k, *, leaves=None, prep=None, op=ReduceOp.SUM):
+def _all_reduce(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
+                leaves: Sequence[jax.Array] = (), prep: Any = None,
+                op: ReduceOp | str = ReduceOp.SUM) -> Any:
     if rows is None:
         return _reduce_prep(api, leaves, op, k)
-    return fold(*prep, rows)
+    rop, kind = prep
+    return fold(rop, kind, rows)
 
 
-def _reduce(api, rows, j, k, *, leaves=None, prep=None, dst=0, op=ReduceOp.SUM):
+def _reduce(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
+            leaves: Sequence[jax.Array] = (), prep: Any = None, dst: int = 0,
+            op: ReduceOp | str = ReduceOp.SUM) -> Any:
     if rows is None:
         return _reduce_prep(api, leaves, op, k, dst)
-    return fold(*prep, rows), j == dst
+    rop, kind = prep
+    return fold(rop, kind, rows), j == dst
 
 
-def _broadcast(api, rows, j, k, *, leaves=None, prep=None, src=0):
+def _broadcast(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
+               leaves: Sequence[jax.Array] = (), prep: Any = None, src: int = 0) -> Any:
     if rows is None:
         check_rank(api, "src", src, k)
         return [None] * len(leaves)
     return rows[src]
 
 
-def _all_gather(api, rows, j, k, *, leaves=None, prep=None, axis=0, tiled=False):
+def _all_gather(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
+                leaves: Sequence[jax.Array] = (), prep: Any = None, axis: int = 0,
+                tiled: bool = False) -> Any:
     if rows is None:
         return [check_gather_axis(api, leaf.shape, axis, bool(tiled)) for leaf in leaves]
     return place_gathered(rows, prep, bool(tiled))
 
 
-def _gather(api, rows, j, k, *, leaves=None, prep=None, dst=0, axis=0, tiled=False):
+def _gather(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
+            leaves: Sequence[jax.Array] = (), prep: Any = None, dst: int = 0, axis: int = 0,
+            tiled: bool = False) -> Any:
     if rows is None:
         check_rank(api, "dst", dst, k)
         return _all_gather(api, None, j, k, leaves=leaves, axis=axis, tiled=tiled)
     return place_gathered(rows, prep, bool(tiled)), j == dst
 
 
-def _slice(x, axis, k, tiled, j):
+def _slice(x: jax.Array, axis: int, k: int, tiled: bool, j: jax.Array | None) -> jax.Array:
     return unsplit_slice(split_leading(x, axis, k, tiled)[j], axis, tiled)
 
 
-def _scatter(api, rows, j, k, *, leaves=None, prep=None, src=0, axis=0, tiled=False):
+def _scatter(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
+             leaves: Sequence[jax.Array] = (), prep: Any = None, src: int = 0, axis: int = 0,
+             tiled: bool = False) -> Any:
     if rows is None:
         check_rank(api, "src", src, k)
         return [check_split(api, leaf.shape, axis, k, bool(tiled)) for leaf in leaves]
     return _slice(rows[src], prep, k, bool(tiled), j)
 
 
-def _reduce_scatter(api, rows, j, k, *, leaves=None, prep=None, op=ReduceOp.SUM,
-                    scatter_dimension=0, tiled=False):
+def _reduce_scatter(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
+                    leaves: Sequence[jax.Array] = (), prep: Any = None,
+                    op: ReduceOp | str = ReduceOp.SUM, scatter_dimension: int = 0,
+                    tiled: bool = False) -> Any:
     if rows is None:
         ops = _reduce_prep(api, leaves, op, k)
         dims = [check_split(api, leaf.shape, scatter_dimension, k, bool(tiled),
                             "scatter_dimension") for leaf in leaves]
         return [(*o, d) for o, d in zip(ops, dims, strict=True)]
-    op, kind, dim = prep
-    return _slice(fold(op, kind, rows), dim, k, bool(tiled), j)
+    rop, kind, dim = prep
+    return _slice(fold(rop, kind, rows), dim, k, bool(tiled), j)
 
 
-def _all_to_all(api, rows, j, k, *, leaves=None, prep=None, split_axis=0, concat_axis=0,
-                tiled=False):
+def _all_to_all(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
+                leaves: Sequence[jax.Array] = (), prep: Any = None, split_axis: int = 0,
+                concat_axis: int = 0, tiled: bool = False) -> Any:
     if rows is None:
         return [(check_split(api, leaf.shape, split_axis, k, bool(tiled), "split_axis"),
                  check_axis(api, "concat_axis", concat_axis, leaf.ndim)) for leaf in leaves]
@@ -272,7 +290,7 @@ def _all_to_all(api, rows, j, k, *, leaves=None, prep=None, split_axis=0, concat
     return place_gathered(pieces, c, bool(tiled))
 
 
-_ON_ROWS = {
+_ON_ROWS: dict[Callable[..., Any], Callable[..., Any]] = {
     primitives.all_reduce: _all_reduce,
     primitives.reduce: _reduce,
     primitives.broadcast: _broadcast,

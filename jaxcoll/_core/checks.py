@@ -72,7 +72,7 @@ def as_array_leaves(api: str, x: Any) -> tuple[list[jax.Array], Any]:
         if isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)):
             out.append(jnp.asarray(leaf))
             continue
-        where = "x" if treedef.num_leaves == 1 else f"leaf {i} of x"
+        where = "x" if len(leaves) == 1 else f"leaf {i} of x"
         raise TypeError(
             f"{api}: {where} must be an array or a number, got {type(leaf).__name__} instead. "
             f"Collectives take arrays (or pytrees of arrays)."

@@ -6,7 +6,7 @@ once here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ def from_rows(rows: jax.Array, like: jax.Array) -> jax.Array:
     return jnp.ravel(rows)[: like.size].reshape(like.shape)
 
 
-def to_bits(x: jax.Array) -> tuple[jax.Array, object]:
+def to_bits(x: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
     """Reinterpret ``x`` as unsigned integers (bit-exact), so OR can merge it with zeros.
 
     Returns the bits and a function that turns bits back into ``x``'s dtype and shape.

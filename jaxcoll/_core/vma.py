@@ -82,8 +82,11 @@ def ensure_varying(x: jax.Array, ax: Any) -> jax.Array:
 
 
 def _without(aval: Any, axes: tuple) -> Any:
-    """``aval`` typed invariant over ``axes``."""
-    return with_varying(aval, frozenset(a for a in varying_of(aval) if a not in axes))
+    """``aval`` typed invariant over ``axes`` (unchanged when it carries no such types)."""
+    varying = varying_of(aval)
+    if varying is None:
+        return aval
+    return with_varying(aval, frozenset(a for a in varying if a not in axes))
 
 
 def root_cotangent(ct: jax.Array, names: tuple, root: int) -> jax.Array:

@@ -24,6 +24,10 @@ from . import process, watchdog
 
 _seq: dict[str, int] = {}
 
+# The attribute of a raised error that jaxcoll's fail-fast excepthook (jaxcoll._init) calls
+# before the process leaves: a rendezvous, so that every process gets to print its error.
+_BEFORE_EXIT = "_jaxcoll_before_exit"
+
 
 def agree(api: str, fields: dict[str, str], processes: tuple[int, ...]) -> None:
     """Check that every process in ``processes`` runs the program described by ``fields``.
@@ -71,7 +75,7 @@ def agree(api: str, fields: dict[str, str], processes: tuple[int, ...]) -> None:
     # Every process must get to print it: the first to leave ends the job (the others learn
     # of it and leave too). jaxcoll's fail-fast excepthook calls this after printing the
     # traceback, before leaving.
-    error._jaxcoll_before_exit = functools.partial(_meet, f"{key}printed/", processes)
+    setattr(error, _BEFORE_EXIT, functools.partial(_meet, f"{key}printed/", processes))
     raise error
 
 
@@ -127,7 +131,9 @@ def processes_of(tree: Any) -> tuple[int, ...]:
     procs: set[int] = set()
     for leaf in jax.tree_util.tree_leaves(tree):
         if isinstance(leaf, jax.Array):
-            procs |= {d.process_index for d in leaf.sharding.device_set}
+            # jaxlib ships no stub for its Device class, so jax's Device annotation is opaque.
+            procs |= {d.process_index  # type: ignore[attr-defined]
+                      for d in leaf.sharding.device_set}
     return tuple(sorted(procs)) if procs else tuple(range(process.me()[1]))
 
 

@@ -164,9 +164,9 @@ def _publish(me: int) -> None:
     global _published, _noticed
     _noticed = True
     if _published is None:
-        _published = _loop_step
-        process.kv(lambda c, s=_published: c.key_value_set(
-            f"{process.PREFIX}preempt/{me}", str(s), allow_overwrite=True))
+        _published = step = _loop_step
+        process.kv(lambda c: c.key_value_set(
+            f"{process.PREFIX}preempt/{me}", str(step), allow_overwrite=True))
 
 
 def _agree() -> None:

@@ -35,6 +35,7 @@ import argparse
 import os
 import re
 from collections.abc import Sequence
+from typing import overload
 
 import jax
 
@@ -56,6 +57,10 @@ def parse_bytes(text: str) -> int:
     return int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2).upper()]
 
 
+@overload
+def _env(*names: str, default: str) -> str: ...
+@overload
+def _env(*names: str, default: None = None) -> str | None: ...
 def _env(*names: str, default: str | None = None) -> str | None:
     """The first of ``names`` set in the environment."""
     return next((os.environ[k] for k in names if os.environ.get(k)), default)

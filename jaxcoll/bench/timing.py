@@ -47,8 +47,9 @@ def median_time(f: Callable[[jax.Array], jax.Array], x: jax.Array, iters: int,
     Returns:
         The median time in seconds on this process, and the last output.
     """
-    out = None
-    for _ in range(max(1, warmup)):
+    out = f(x)
+    out.block_until_ready()
+    for _ in range(max(1, warmup) - 1):
         out = f(x)
         out.block_until_ready()
     times = []

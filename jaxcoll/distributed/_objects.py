@@ -206,12 +206,13 @@ def scatter_object_list(scatter_object_output_list: list[Any],
                          f"{scatter_object_output_list!r}.")
     payload: Any = None
     if jax.process_index() == src:
-        ok = (isinstance(scatter_object_input_list, Sequence)
-              and not isinstance(scatter_object_input_list, (str, bytes))
-              and len(scatter_object_input_list) == count)
-        payload = list(scatter_object_input_list) if ok else _Bad(
-            f"{api}: on src={src}, scatter_object_input_list must hold one object per process "
-            f"({count}); got {scatter_object_input_list!r}.")
+        objs = scatter_object_input_list
+        if isinstance(objs, Sequence) and not isinstance(objs, (str, bytes)) \
+                and len(objs) == count:
+            payload = list(objs)
+        else:
+            payload = _Bad(f"{api}: on src={src}, scatter_object_input_list must hold one object "
+                           f"per process ({count}); got {objs!r}.")
     payload = broadcast_object(payload, src)
     if isinstance(payload, _Bad):
         raise ValueError(payload.message)

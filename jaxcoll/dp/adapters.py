@@ -159,8 +159,9 @@ class Nnx(Model):
         self.loss = loss
         self.input_key = input_key
         self.call = call
-        self._graph, self._params, self._stats, self._rest = nnx.split(
-            module, nnx.Param, nnx.BatchStat, ...)
+        # Three filters: the graph and exactly three states (flax types the tail as variadic).
+        self._graph, self._params, *states = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
+        self._stats, self._rest = states
 
     def init(self, rng: jax.Array | None = None, batch: PyTree = None) -> tuple[PyTree, PyTree]:
         """The module's current params and BatchNorm statistics (it is built already)."""
@@ -193,8 +194,11 @@ class Nnx(Model):
             tags = sorted({stream.key.tag for _, stream in nnx.iter_graph(model)
                            if isinstance(stream, nnx.RngStream)})
             if tags:  # every stream of the module draws from this rank's step key
-                nnx.reseed(model, policy="match_shape",
-                           **{t: jax.random.fold_in(key, i + 1) for i, t in enumerate(tags)})
+                # Typed Any: a dict[str, Array] could, as far as mypy knows, hold reseed's own
+                # keywords (graph, policy), which take other types.
+                keys: dict[str, Any] = {t: jax.random.fold_in(key, i + 1)
+                                        for i, t in enumerate(tags)}
+                nnx.reseed(model, policy="match_shape", **keys)
             rngs = nnx.Rngs(jax.random.fold_in(key, 0))
         else:
             model.eval()

@@ -107,7 +107,7 @@ def leading_size(api: str, batch: PyTree) -> int:
     if None in sizes or len(sizes) != 1:
         raise ValueError(f"{api}: every array in the batch needs the same leading (example) "
                          f"axis, got leading sizes {sizes}.")
-    size = sizes.pop()
+    size = np.shape(leaves[0])[0]  # every leaf's, checked above
     if size == 0:
         raise ValueError(f"{api}: the batch has 0 examples (every array's leading axis is "
                          f"empty); a mean over no examples is NaN. Skip empty batches.")

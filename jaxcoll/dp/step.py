@@ -114,16 +114,17 @@ def sync_model_state(model_state: PyTree, axis_name: AxisName, algorithm: str) -
 def state_shardings(strategy: Strategy, state: TrainState) -> TrainState:
     """Where every leaf of the TrainState lives: as the strategy places the params, the
     optimizer state and the extra state; the model state, step and rng replicated; the hook
-    state split per rank."""
+    state split per rank: ``state`` with a ``NamedSharding`` in place of every leaf."""
     replicated = NamedSharding(strategy.mesh, P())
     rep = lambda t: jax.tree_util.tree_map(lambda _: replicated, t)  # noqa: E731
     named = strategy.named
     per_rank = NamedSharding(strategy.mesh, P(strategy.axis_name))
-    return TrainState(params=named(strategy.state_param_specs(state.params)),
-                      opt_state=named(strategy.opt_specs(state.opt_state, state.params)),
-                      model_state=rep(state.model_state), step=replicated, rng=replicated,
-                      extra=named(strategy.extra_specs(state.extra, state.params)),
-                      comm_state=jax.tree_util.tree_map(lambda _: per_rank, state.comm_state))
+    return state.replace(params=named(strategy.state_param_specs(state.params)),
+                         opt_state=named(strategy.opt_specs(state.opt_state, state.params)),
+                         model_state=rep(state.model_state), step=replicated, rng=replicated,
+                         extra=named(strategy.extra_specs(state.extra, state.params)),
+                         comm_state=jax.tree_util.tree_map(lambda _: per_rank,
+                                                           state.comm_state))
 
 
 def abstract(tree: PyTree) -> PyTree:

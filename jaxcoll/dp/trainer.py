@@ -293,7 +293,7 @@ class Trainer:
         phased = self.sync.phased
         host = self._host_step(state) if phased else None
         new, metrics = self._run(api, self._step_program(state, host), state, batch)
-        if phased:
+        if host is not None:  # phased
             self._known_step = (new.step, host + 1)
         return new, metrics
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from .._core.axis import resolve
+from .._core.axis import Axis, resolve
 from .._core.checks import as_array_leaves, check_rank
 from .._core.ops import ReduceOp, accumulator, check_op_dtype, coerce_op
 from .._core.protocol import handler
@@ -14,15 +15,18 @@ from .._core.typing import AxisName, PyTree
 from ..algorithms import registry
 
 
-def _validated(api: str, x: Any, axis_name: Any, op: Any):
-    op = coerce_op(api, op)
+def _validated(
+    api: str, x: PyTree, axis_name: AxisName, op: ReduceOp | str
+) -> tuple[ReduceOp, Axis, list[jax.Array], list[str], Any]:
+    rop = coerce_op(api, op)
     ax = resolve(api, axis_name)
     leaves, treedef = as_array_leaves(api, x)
-    kinds = [check_op_dtype(api, op, leaf.dtype) for leaf in leaves]
-    return op, ax, leaves, kinds, treedef
+    kinds = [check_op_dtype(api, rop, leaf.dtype) for leaf in leaves]
+    return rop, ax, leaves, kinds, treedef
 
 
-def _in_accumulator(op: ReduceOp, leaves: list[jax.Array], run) -> list[jax.Array]:
+def _in_accumulator(op: ReduceOp, leaves: list[jax.Array],
+                    run: Callable[[list[jax.Array]], list[jax.Array]]) -> list[jax.Array]:
     """Run the reduction with each leaf in its accumulation dtype (float16 SUM/AVG in
     float32: see :func:`jaxcoll._core.ops.accumulator`); results come back in the leaf's."""
     wide = [leaf.astype(acc) if (acc := accumulator(op, leaf.dtype)) else leaf
@@ -80,10 +84,10 @@ def all_reduce(
     """
     if (own := handler(axis_name)) is not None:
         return own(all_reduce, x, op=op, algorithm=algorithm)
-    op, ax, leaves, kinds, treedef = _validated("all_reduce", x, axis_name, op)
-    out = _in_accumulator(op, leaves, lambda wide: registry.run(
+    rop, ax, leaves, kinds, treedef = _validated("all_reduce", x, axis_name, op)
+    out = _in_accumulator(rop, leaves, lambda wide: registry.run(
         "all_reduce", "all_reduce", algorithm, wide, ax,
-        lambda mod, v, i: mod.all_reduce(v, ax, op, kinds[i])))
+        lambda mod, v, i: mod.all_reduce(v, ax, rop, kinds[i])))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -130,9 +134,9 @@ def reduce(
     """
     if (own := handler(axis_name)) is not None:
         return own(reduce, x, dst=dst, op=op, algorithm=algorithm)
-    op, ax, leaves, kinds, treedef = _validated("reduce", x, axis_name, op)
+    rop, ax, leaves, kinds, treedef = _validated("reduce", x, axis_name, op)
     dst = check_rank("reduce", "dst", dst, ax.size)
-    out = _in_accumulator(op, leaves, lambda wide: registry.run(
+    out = _in_accumulator(rop, leaves, lambda wide: registry.run(
         "reduce", "reduce", algorithm, wide, ax,
-        lambda mod, v, i: mod.reduce(v, ax, dst, op, kinds[i])))
+        lambda mod, v, i: mod.reduce(v, ax, dst, rop, kinds[i])))
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -269,6 +269,6 @@ def _check_real(name: str, value: Any, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{API}: {name} must be a number, got {value!r} of type "
                         f"{type(value).__name__} instead.")
-    if not value >= 0 or math.isinf(value):
+    if not float(value) >= 0 or math.isinf(value):
         raise ValueError(f"{API}: {name}={value} is out of range: it must be a finite number "
                          f">= 0 ({hint}).")

@@ -170,9 +170,10 @@ class Strategy:
     def phase(self, step: int) -> Strategy:
         """The strategy that runs step ``step`` (known on the host), bound as this one is: a
         hashable value, one compiled program each. Itself when not :attr:`phased`."""
-        if not self.phased:
+        hook = self.hook
+        if not isinstance(hook, PhasedHook):  # not self.phased
             return self
-        return self.replace(hook=self.hook.phase(step))
+        return self.replace(hook=hook.phase(step))
 
     def replace(self, **changes: Any) -> Strategy:
         """A copy with ``changes`` to its fields (checked again), bound as this one is."""
