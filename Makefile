@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test docs lint bench clean test-slurm
+.PHONY: demo test docs lint typecheck bench clean test-slurm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ test-slurm: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxcoll tests examples benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy jaxcoll
 
 clean:
 	rm -rf $(VENV) build site *.egg-info
