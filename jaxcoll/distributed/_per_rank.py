@@ -9,13 +9,14 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.typing import ArrayLike
 
 from ..groups import Group
 from ._group import group_sharding, resolve_group
 
 
 def per_rank(
-    values: Sequence[Any] | Callable[[int], Any], group: Group | None = None
+    values: Sequence[ArrayLike] | Callable[[int], ArrayLike], group: Group | None = None
 ) -> jax.Array:
     """Build a per-rank array: row r holds ``values[r]`` on the device of row r of ``group``.
 

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from .._core.typing import PyTree
 from .checks import accepts, loss_output
 
+if TYPE_CHECKING:
+    from flax import linen, nnx
+
 # loss(outputs, batch) -> (per-example mean loss, dict of per-example-mean scalar metrics);
 # it may also take the keyword arguments ``params`` and ``step`` (see Linen).
 OutputLoss = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+# What Model.loss_fn returns: (loss, (metrics, new_model_state)).
+ModelOutput = tuple[jax.Array, tuple[dict[str, jax.Array], PyTree]]
 LOSS_KEYWORDS = ("params", "step")
 
 
@@ -20,7 +25,7 @@ def name_of(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
-def loss_keywords(loss: Callable, params: PyTree, step: jax.Array) -> dict[str, Any]:
+def loss_keywords(loss: Callable, params: PyTree, step: jax.Array | None) -> dict[str, Any]:
     """The keyword arguments among ``params`` and ``step`` that ``loss`` accepts."""
     values = {"params": params, "step": step}
     return {k: values[k] for k in LOSS_KEYWORDS if accepts(loss, k)}
@@ -38,7 +43,8 @@ class Model:
       form (:meth:`Trainer.to_module <jaxcoll.dp.Trainer.to_module>`).
     """
 
-    def loss_fn(self, params, model_state, batch, rng):  # pragma: no cover - protocol
+    def loss_fn(self, params: PyTree, model_state: PyTree, batch: PyTree,
+                rng: jax.Array | None) -> ModelOutput:  # pragma: no cover - protocol
         raise NotImplementedError
 
     def init(self, rng: jax.Array, batch: PyTree) -> tuple[PyTree, PyTree]:  # pragma: no cover
@@ -74,7 +80,7 @@ class Linen(Model):
         >>> state = trainer.init(params, jax.random.key(1), model_state=model_state)
     """
 
-    def __init__(self, module: Any, loss: OutputLoss, *, input_key: str = "x") -> None:
+    def __init__(self, module: linen.Module, loss: OutputLoss, *, input_key: str = "x") -> None:
         if not callable(loss):
             raise TypeError(f"dp.Linen: loss must be a callable loss(outputs, batch), got "
                             f"{type(loss).__name__} instead.")
@@ -89,7 +95,8 @@ class Linen(Model):
         params = variables.pop("params")
         return params, variables
 
-    def loss_fn(self, params, model_state, batch, rng, *, step=None):
+    def loss_fn(self, params: PyTree, model_state: PyTree, batch: PyTree, rng: jax.Array | None,
+                *, step: jax.Array | None = None) -> ModelOutput:
         train = rng is not None
         variables = {"params": params, **model_state}
         kwargs: dict[str, Any] = {"rngs": {"dropout": rng}} if train else {}
@@ -104,7 +111,7 @@ class Linen(Model):
         value, metrics = loss_output(f"the loss {name_of(self.loss)} given to dp.Linen", out)
         return value, (metrics, new_state)
 
-    def to_module(self, params: PyTree, model_state: PyTree) -> Any:
+    def to_module(self, params: PyTree, model_state: PyTree) -> linen.Module:
         """The module bound to the trained variables: call it as ``bound(x, train=False)``."""
         return self.module.bind({"params": params, **model_state})
 
@@ -142,7 +149,7 @@ class Nnx(Model):
         >>> model = trainer.to_module(state)        # an nnx module with the trained weights
     """
 
-    def __init__(self, module: Any, loss: OutputLoss, *, input_key: str = "x",
+    def __init__(self, module: nnx.Module, loss: OutputLoss, *, input_key: str = "x",
                  call: NnxCall | None = None) -> None:
         from flax import nnx
 
@@ -169,7 +176,7 @@ class Nnx(Model):
 
         return nnx.to_pure_dict(self._params), nnx.to_pure_dict(self._stats)
 
-    def merge(self, params: PyTree, model_state: PyTree) -> Any:
+    def merge(self, params: PyTree, model_state: PyTree) -> nnx.Module:
         """A new module: the graph with ``params`` and ``model_state`` (pure dicts)."""
         from flax import nnx
 
@@ -181,13 +188,14 @@ class Nnx(Model):
         nnx.replace_by_pure_dict(s, model_state)
         return nnx.merge(self._graph, p, s, rest)
 
-    def loss_fn(self, params, model_state, batch, rng, *, step=None):
+    def loss_fn(self, params: PyTree, model_state: PyTree, batch: PyTree, rng: jax.Array | None,
+                *, step: jax.Array | None = None) -> ModelOutput:
         from flax import nnx
 
         model = self.merge(params, model_state)
         train = rng is not None
         rngs = None
-        if train:
+        if rng is not None:  # training
             model.train()
             key = rng if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) \
                 else jax.random.wrap_key_data(rng)
@@ -211,7 +219,7 @@ class Nnx(Model):
         new_stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)) if train else model_state
         return value, (metrics, new_stats)
 
-    def to_module(self, params: PyTree, model_state: PyTree) -> Any:
+    def to_module(self, params: PyTree, model_state: PyTree) -> nnx.Module:
         """A new nnx module with ``params`` and the BatchNorm statistics ``model_state``
         (the module passed in keeps its own). ``nnx.update(module, nnx.state(trained))``
         writes them into the original instead."""

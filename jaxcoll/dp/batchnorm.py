@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from .._core.typing import AxisName
+
+if TYPE_CHECKING:
+    from flax import linen
 
 
-def SyncBatchNorm(axis_name: Any = "data", **kwargs: Any) -> Any:  # noqa: N802 (torch's name)
+def SyncBatchNorm(axis_name: AxisName = "data", **kwargs: Any) -> linen.BatchNorm:  # noqa: N802 (torch's name)
     """``flax.linen.BatchNorm`` with batch statistics averaged over the data axis.
 
     torch's ``SyncBatchNorm``: each rank computes the mean and mean of squares of its local
@@ -25,4 +30,5 @@ def SyncBatchNorm(axis_name: Any = "data", **kwargs: Any) -> Any:  # noqa: N802 
     """
     from flax import linen as nn
 
-    return nn.BatchNorm(axis_name=axis_name, **kwargs)
+    # flax annotates axis_name as str | None; the lax.pmean it is passed to takes a tuple too.
+    return nn.BatchNorm(axis_name=axis_name, **kwargs)  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ before the reduction (as DDP does), and reduced exactly once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -22,11 +23,11 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from .. import primitives
-from .._core.typing import AxisName, PyTree
+from .._core.typing import AxisName, PyTree, Shaped
 from .hooks.base import AllReduceHook, Bucket, CommHook, Compress
 
 
-def plan_buckets(leaves: list[Any], bucket_bytes: float | None) -> list[list[int]]:
+def plan_buckets(leaves: Sequence[Shaped], bucket_bytes: float | None) -> list[list[int]]:
     """Group leaf indices into buckets of about ``bucket_bytes`` each, one dtype per bucket.
 
     Like DDP, leaves are taken in reverse order (the last layer's gradient is ready first in

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol, TypeAlias, cast
 
 
 class Callback:
@@ -67,8 +67,18 @@ class JsonlWriter(Callback):
         self.write_scalars(step, {f"eval_{k}": v for k, v in results.items()})
 
 
+class MetricWriter(Protocol):
+    """A metric writer (``clu.metric_writers``' interface): what :meth:`Trainer.fit` calls."""
+
+    def write_scalars(self, step: int, scalars: dict[str, float]) -> object: ...
+
+
+#: One entry of ``fit(callbacks=...)``: a Callback, a metric writer or ``fn(step, metrics)``.
+CallbackLike: TypeAlias = Callback | MetricWriter | Callable[[int, dict[str, float]], Any]
+
+
 class _Writer(Callback):
-    def __init__(self, writer: Any) -> None:
+    def __init__(self, writer: MetricWriter) -> None:
         self.writer = writer
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
@@ -89,15 +99,20 @@ class _Function(Callback):
         self.fn(step, {f"eval_{k}": v for k, v in results.items()})
 
 
-def as_callbacks(api: str, callbacks: Iterable[Any] | None) -> list[Callback]:
+def as_callbacks(api: str, callbacks: CallbackLike | Iterable[CallbackLike] | None
+                 ) -> list[Callback]:
     """Each entry of ``callbacks`` as a :class:`Callback` (see the module docstring)."""
     if callbacks is None:
         return []
+    # Each entry is checked below, whatever its static type says.
+    entries: Iterable[object]
     if isinstance(callbacks, Callback) or callable(callbacks) \
             or hasattr(callbacks, "write_scalars"):
-        callbacks = [callbacks]
+        entries = [callbacks]
+    else:
+        entries = cast("Iterable[object]", callbacks)
     out: list[Callback] = []
-    for cb in callbacks:
+    for cb in entries:
         if isinstance(cb, Callback):
             out.append(cb)
         elif hasattr(cb, "write_scalars"):

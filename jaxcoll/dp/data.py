@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -78,12 +78,12 @@ class Batches:
         idx = order[i * self.batch_size:(i + 1) * self.batch_size]
         return jax.tree_util.tree_map(lambda a: a[idx], self.arrays)
 
-    def epoch(self, epoch: int = 0) -> Any:
+    def epoch(self, epoch: int = 0) -> Iterator[PyTree]:
         """Iterate over the batches of one epoch."""
         start = epoch * len(self)
         return (self[start + i] for i in range(len(self)))
 
-    def in_order(self) -> Any:
+    def in_order(self) -> Iterator[PyTree]:
         """Every example exactly once, in order, in batches of ``batch_size`` (the last one
         short): what :meth:`Trainer.evaluate` iterates over, whatever ``shuffle`` and
         ``drop_last`` say."""

@@ -9,12 +9,13 @@ moving average of the params) is the worked example.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from .._core.typing import PyTree
+from .state import TrainState
 
 
 class Extra(NamedTuple):
@@ -39,7 +40,7 @@ class Extra(NamedTuple):
     """
 
     init: Callable[[PyTree], PyTree]
-    update: Callable[[PyTree, Any, dict[str, jax.Array]], PyTree]
+    update: Callable[[PyTree, TrainState, dict[str, jax.Array]], PyTree]
 
 
 def ema(decay: float | Callable[[jax.Array], jax.Array]) -> Extra:
@@ -70,7 +71,7 @@ def ema(decay: float | Callable[[jax.Array], jax.Array]) -> Extra:
     def init(params: PyTree) -> PyTree:
         return jax.tree_util.tree_map(jnp.copy, params)
 
-    def update(average: PyTree, state: Any, metrics: dict[str, jax.Array]) -> PyTree:
+    def update(average: PyTree, state: TrainState, metrics: dict[str, jax.Array]) -> PyTree:
         d = decay(state.step) if callable(decay) else decay
         return jax.tree_util.tree_map(
             lambda a, p: (d * a + (1 - d) * p).astype(a.dtype), average, state.params)

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -22,7 +22,7 @@ import numpy as np
 from .._core.checks import check_static_int
 from .._core.typing import PyTree
 from .._watch import handle_preemption, preemption_point
-from .callbacks import as_callbacks
+from .callbacks import CallbackLike, as_callbacks
 from .checkpoint import Checkpointer
 from .checks import check_state
 from .data import Batches, leading_size
@@ -38,7 +38,7 @@ class Steps(Protocol):
     def shard_batch(self, batch: PyTree) -> PyTree:
         ...
 
-    def evaluate(self, state: TrainState, data: Any) -> dict[str, float]:
+    def evaluate(self, state: TrainState, data: Batches | Iterable[PyTree]) -> dict[str, float]:
         ...
 
 
@@ -85,8 +85,8 @@ def _rows(batch: PyTree, lo: int, hi: int) -> PyTree:
     return jax.tree_util.tree_map(lambda a: a[lo:hi], batch)
 
 
-def evaluate(metrics_of: Callable[[PyTree], dict[str, jax.Array]], data: Any,
-             n: int) -> dict[str, float]:
+def evaluate(metrics_of: Callable[[PyTree], dict[str, jax.Array]],
+             data: Batches | Iterable[PyTree], n: int) -> dict[str, float]:
     """The mean of every metric over every example of ``data``, exactly.
 
     ``metrics_of(batch)`` gives the global batch means of a batch whose size is a multiple of
@@ -133,13 +133,13 @@ class Pending(NamedTuple):
 def fit(
     trainer: Steps,
     state: TrainState,
-    data: Any,
+    data: Batches | Iterable[PyTree],
     *,
     steps: int | None = None,
     epochs: int | None = None,
-    eval_data: Any = None,
+    eval_data: Batches | Iterable[PyTree] | None = None,
     eval_every: int | None = None,
-    callbacks: Any = None,
+    callbacks: CallbackLike | Iterable[CallbackLike] | None = None,
     checkpoint: Checkpointer | None = None,
     progress: bool | None = None,
     log_every: int = 10,
@@ -238,8 +238,8 @@ def fit(
 
         evaluated = [-1]
 
-        def run_eval(at: int) -> None:
-            results = trainer.evaluate(state, eval_data)
+        def run_eval(at: int, batches: Batches | Iterable[PyTree]) -> None:
+            results = trainer.evaluate(state, batches)
             evaluated[0] = at
             if history and history[-1]["step"] == at:
                 history[-1].update({f"eval_{k}": v for k, v in results.items()})
@@ -276,13 +276,13 @@ def fit(
                     if pending is not None:
                         complete(pending)
                         pending = None
-                    run_eval(s + 1)
+                    run_eval(s + 1, eval_data)
         if pending is not None:
             complete(pending)
         if checkpoint is not None:
             checkpoint.save(state)
         if eval_data is not None and evaluated[0] != max(start, total):
-            run_eval(max(start, total))
+            run_eval(max(start, total), eval_data)
     finally:  # a crash keeps only the periodic checkpoints, as a killed process would
         if bar is not None:
             bar.close()

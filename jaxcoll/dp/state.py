@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import field
-from typing import Any
 
 import jax
 from flax import struct
+
+from .._core.typing import PyTree
 
 
 class TrainState(struct.PyTreeNode):
@@ -40,10 +41,10 @@ class TrainState(struct.PyTreeNode):
             axis; ``{}`` for a stateless hook.
     """
 
-    params: Any
-    opt_state: Any
-    model_state: Any
+    params: PyTree
+    opt_state: PyTree
+    model_state: PyTree
     step: jax.Array
     rng: jax.Array
-    extra: Any = field(default_factory=dict)
-    comm_state: Any = field(default_factory=dict)
+    extra: PyTree = field(default_factory=dict)
+    comm_state: PyTree = field(default_factory=dict)

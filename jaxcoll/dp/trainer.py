@@ -7,7 +7,7 @@ takes its host loop from :mod:`jaxcoll.dp.loop` (``Trainer.fit`` is :func:`loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -34,7 +34,7 @@ from .checks import (
     model_output,
     unbound_axis,
 )
-from .data import leading_size
+from .data import Batches, leading_size
 from .extra import Extra
 from .state import TrainState
 from .step import build_eval, build_step
@@ -367,7 +367,7 @@ class Trainer:
         return self._step_program(state), args
 
     # ------------------------------------------------------------------------------ evaluate
-    def evaluate(self, state: TrainState, data: Any) -> dict[str, float]:
+    def evaluate(self, state: TrainState, data: Batches | Iterable[PyTree]) -> dict[str, float]:
         """The exact mean of ``loss`` and every metric over every example in ``data``.
 
         ``data`` is an iterable of global batches of any sizes, or a

@@ -7,7 +7,7 @@ Seed 003 names pipelines as what send/recv are for; here every transfer is one
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -64,7 +64,8 @@ def _check_targets(api: str, examples: int, y: PyTree) -> None:
                              f"axis of {examples}).")
 
 
-def _forward(api: str, stage_fn: Callable, params: PyTree, xs: jax.Array, stage_axis: Any):
+def _forward(api: str, stage_fn: Callable, params: PyTree, xs: jax.Array,
+             stage_axis: Hashable) -> tuple[jax.Array, jax.Array]:
     """The forward schedule: at step t stage s runs micro-batch t - s. Returns each stage's
     saved inputs ``(M, mb, ...)`` and, on the last stage, the outputs."""
     n_stages = primitives.world_size(stage_axis)
@@ -99,7 +100,7 @@ def _forward(api: str, stage_fn: Callable, params: PyTree, xs: jax.Array, stage_
 
 
 def pipeline_apply(stage_fn: Callable[[PyTree, jax.Array], jax.Array], params: PyTree,
-                   x: jax.Array, *, stage_axis: Any, num_microbatches: int) -> jax.Array:
+                   x: jax.Array, *, stage_axis: Hashable, num_microbatches: int) -> jax.Array:
     """Run ``x`` through every stage of the pipeline; every stage gets the last one's output.
 
     Call inside ``jax.shard_map`` with this stage's ``params`` (stage s holds stage s's).
@@ -130,9 +131,9 @@ def pipeline_apply(stage_fn: Callable[[PyTree, jax.Array], jax.Array], params: P
 
 def pipeline_value_and_grad(
     stage_fn: Callable[[PyTree, jax.Array], jax.Array],
-    loss_fn: Callable[[jax.Array, Any], jax.Array],
-    params: PyTree, x: jax.Array, y: PyTree, *, stage_axis: Any, num_microbatches: int,
-    data_axis: Any = None,
+    loss_fn: Callable[[jax.Array, PyTree], jax.Array],
+    params: PyTree, x: jax.Array, y: PyTree, *, stage_axis: Hashable, num_microbatches: int,
+    data_axis: Hashable | None = None,
 ) -> tuple[jax.Array, PyTree]:
     """The loss of a staged model and this stage's gradient, by a GPipe schedule.
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 
 from .._core import lowering
@@ -15,16 +13,17 @@ from .._core.typing import AxisName, PyTree
 from ._ragged import delegate
 
 
-def _prefix(api: str, x: Any, axis_name: Any, op: Any, exclusive: bool) -> PyTree:
-    op = coerce_op(api, op)
+def _prefix(api: str, x: PyTree, axis_name: AxisName, op: ReduceOp | str,
+            exclusive: bool) -> PyTree:
+    rop = coerce_op(api, op)
     ax = resolve(api, axis_name)
     leaves, treedef = as_array_leaves(api, x)
     out = []
     for leaf in leaves:
-        kind = check_op_dtype(api, op, leaf.dtype)
-        acc = accumulator(op, leaf.dtype)  # float16 SUM/AVG add in float32, rounded once
+        kind = check_op_dtype(api, rop, leaf.dtype)
+        acc = accumulator(rop, leaf.dtype)  # float16 SUM/AVG add in float32, rounded once
         wide = leaf.astype(acc) if acc else leaf
-        out.append(lowering.scan(wide, ax, op, kind, exclusive).astype(leaf.dtype))
+        out.append(lowering.scan(wide, ax, rop, kind, exclusive).astype(leaf.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -91,7 +91,7 @@ class Bucket:
         """
         return sum_together(list(arrays), self.axis_name, self.n, self.algorithm)
 
-    def mean(self, dtype: Any = None) -> list[jax.Array]:
+    def mean(self, dtype: DTypeLike | None = None) -> list[jax.Array]:
         """DDP's default hook: each gradient divided by n (in ``dtype`` on the wire when
         given), summed over the ranks in one collective, cast back to its own dtype."""
         parts = list(self.grads)
@@ -188,7 +188,7 @@ class Compress:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
 
     @property
-    def wire_dtype(self) -> Any:
+    def wire_dtype(self) -> DTypeLike:
         return self.dtype
 
     def init(self, shapes: Sequence[jax.ShapeDtypeStruct], index: int) -> PyTree:
@@ -203,7 +203,7 @@ def init_state(hook: CommHook, shapes: Sequence[jax.ShapeDtypeStruct], index: in
     return hook.init(tuple(shapes), index) if isinstance(hook, StatefulHook) else ()
 
 
-def wire_dtype(hook: CommHook) -> Any:
+def wire_dtype(hook: CommHook) -> DTypeLike | None:
     """The dtype a reduce-scatter travels in for ``hook``, for the sharded strategies, which
     accept only the default hook and :class:`Compress`; None: the gradients' own."""
     return getattr(hook, "wire_dtype", None)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..._core.typing import PyTree
+from ..._core.typing import PyTree, Shaped
 from ..._core.vma import axis_names, to_varying
 from .base import Bucket
 
@@ -121,7 +121,7 @@ class PowerSGD:
             raise TypeError(f"{API}: seed must be an int, got {self.seed!r} instead.")
 
     # ------------------------------------------------------------------------------ the plan
-    def ranks(self, shapes: Sequence[Any]) -> list[int]:
+    def ranks(self, shapes: Sequence[Shaped]) -> list[int]:
         """For each tensor of a bucket, the rank of its factors; 0: averaged uncompressed."""
         return [self._rank_of(tuple(s.shape)) for s in shapes]
 
@@ -146,7 +146,7 @@ class PowerSGD:
                               for s, r in zip(shapes, ranks, strict=True) if r]
         return state if any(state.values()) else ()
 
-    def _draw(self, shape: Any, r: int, index: int, i: int,
+    def _draw(self, shape: Shaped, r: int, index: int, i: int,
               step: jax.Array | None = None) -> jax.Array:
         """A standard normal ``(cols, r)`` Q for tensor i of bucket ``index``: from the seed
         alone, so equal on every rank (and, without warm start, new every step)."""

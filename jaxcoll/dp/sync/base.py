@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -248,7 +249,7 @@ class Strategy:
         ``like``: the params' global shapes (``jax.ShapeDtypeStruct``)."""
         return params
 
-    def wrap_loss(self, fn: Any) -> Any:
+    def wrap_loss(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """The per-rank loss of the params as held, for ``jax.grad`` (unchanged here)."""
         return fn
 

@@ -10,6 +10,7 @@ real tree and every optax transformation gives the unsharded result.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
+from jax.typing import DTypeLike
 
 from ... import primitives
 from ..._core.typing import AxisName, PyTree
@@ -97,7 +99,7 @@ class FSDP(ZeRO1):
                for x, d in zip(leaves, dims, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    def wrap_loss(self, fn: Any) -> Any:
+    def wrap_loss(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not self.reshard_after_forward:
             return fn
         return jax.checkpoint(fn, policy=_not_gathered)
@@ -120,7 +122,7 @@ class FSDP(ZeRO1):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _gather(x: jax.Array, dim: int, axis_name: AxisName, n: int, algorithm: str,
-            wire: Any) -> jax.Array:
+            wire: DTypeLike | None) -> jax.Array:
     """This rank's slice ``x`` of a param -> the whole param (typed varying: each rank's
     loss uses it with its own examples). Its gradient: the reduce-scatter of the mean."""
     # Params cross devices here: one all-gather per split leaf.
