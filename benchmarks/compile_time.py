@@ -53,8 +53,12 @@ def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--devices", default="8,32,64,128", help="comma list of device counts")
     p.add_argument("--repeats", type=int, default=3, help="compiles per case (median)")
-    p.add_argument("--jaxcoll-path", default=str(HERE.parent), metavar="DIR",
-                   help="put DIR first on the subprocesses' PYTHONPATH (default: this checkout)")
+    p.add_argument(
+        "--jaxcoll-path",
+        default=str(HERE.parent),
+        metavar="DIR",
+        help="put DIR first on the subprocesses' PYTHONPATH (default: this checkout)",
+    )
     p.add_argument("--hlo", action="store_true", help="also print HLO instruction counts")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -108,15 +112,23 @@ def worker(n: int, repeats: int) -> dict:
 
 def _spawn(n: int, a: argparse.Namespace) -> dict:
     env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("JAX_NUM_CPU_DEVICES", None)
     env["PYTHONPATH"] = os.pathsep.join(
-        [a.jaxcoll_path, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(n), "--repeats",
-                           str(a.repeats)], env=env, capture_output=True, text=True)
+        [a.jaxcoll_path, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    )
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", str(n), "--repeats", str(a.repeats)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode:
         raise SystemExit(f"compile_time: the n={n} run failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -124,12 +136,17 @@ def _spawn(n: int, a: argparse.Namespace) -> dict:
 
 def _table(results: dict[int, dict], column: int, fmt: str) -> str:
     ns = sorted(results)
-    lines = ["| algorithm/op | " + " | ".join(f"n={n}" for n in ns)
-             + f" | n={ns[-1]} / n={ns[0]} |", "|---|" + "---:|" * (len(ns) + 1)]
+    lines = [
+        "| algorithm/op | " + " | ".join(f"n={n}" for n in ns) + f" | n={ns[-1]} / n={ns[0]} |",
+        "|---|" + "---:|" * (len(ns) + 1),
+    ]
     for label, _, _ in CASES:
         vals = [results[n][label][column] for n in ns]
-        lines.append(f"| {label} | " + " | ".join(format(v, fmt) for v in vals)
-                     + f" | {vals[-1] / vals[0]:.2f}x |")
+        lines.append(
+            f"| {label} | "
+            + " | ".join(format(v, fmt) for v in vals)
+            + f" | {vals[-1] / vals[0]:.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -144,8 +161,10 @@ def main(argv=None) -> int:
         results[n] = _spawn(n, a)
         print(f"# n={n}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     first = results[a.devices[0]]
-    print(f"# compile time (s), median of {a.repeats}; jaxcoll from {first['jaxcoll']}, "
-          f"jax {first['jax']}, {COUNT} float32 per rank")
+    print(
+        f"# compile time (s), median of {a.repeats}; jaxcoll from {first['jaxcoll']}, "
+        f"jax {first['jax']}, {COUNT} float32 per rank"
+    )
     print(_table(results, 0, ".3f"))
     if a.hlo:
         print("\n# instructions in the compiled HLO module")

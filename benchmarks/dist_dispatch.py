@@ -33,8 +33,9 @@ def timed(fn) -> float:
 def prejitted(group, body):
     """The user's own form: one jitted shard_map calling the primitive on the group's axis."""
     spec = P(group.mesh_axes)
-    return jax.jit(jax.shard_map(lambda v: body(v[0])[None], mesh=group.mesh, in_specs=spec,
-                                 out_specs=spec))
+    return jax.jit(
+        jax.shard_map(lambda v: body(v[0])[None], mesh=group.mesh, in_specs=spec, out_specs=spec)
+    )
 
 
 def main() -> None:
@@ -49,29 +50,60 @@ def main() -> None:
     ring = [(r, (r + 1) % 8) for r in range(8)]
     a = "x"
     cases = {  # name: (dist call, pre-jitted equivalent, its input)
-        "all_reduce SUM": (lambda: dist.all_reduce(xw),
-                           prejitted(world, lambda v: C.all_reduce(v, a)), xw),
-        "all_reduce PRODUCT": (lambda: dist.all_reduce(xw, op="product"),
-                               prejitted(world, lambda v: C.all_reduce(v, a, "product")), xw),
-        "all_reduce SUM, [1,5,6]": (lambda: dist.all_reduce(xs, group=sub),
-                                    prejitted(sub, lambda v: C.all_reduce(v, a)), xs),
-        "broadcast": (lambda: dist.broadcast(xw, src=3),
-                      prejitted(world, lambda v: C.broadcast(v, a, 3)), xw),
-        "all_gather": (lambda: dist.all_gather(xw), prejitted(world, lambda v: C.all_gather(v, a)),
-                       xw),
-        "reduce_scatter": (lambda: dist.reduce_scatter(xw),
-                           prejitted(world, lambda v: C.reduce_scatter(v, a)), xw),
-        "all_to_all": (lambda: dist.all_to_all(xw), prejitted(world, lambda v: C.all_to_all(v, a)),
-                       xw),
-        "scatter": (lambda: dist.scatter(xw, src=0),
-                    prejitted(world, lambda v: C.scatter(v, a, 0)), xw),
-        "sendrecv ring": (lambda: dist.sendrecv(xw, ring),
-                          prejitted(world, lambda v: C.sendrecv(v, a, ring)), xw),
+        "all_reduce SUM": (
+            lambda: dist.all_reduce(xw),
+            prejitted(world, lambda v: C.all_reduce(v, a)),
+            xw,
+        ),
+        "all_reduce PRODUCT": (
+            lambda: dist.all_reduce(xw, op="product"),
+            prejitted(world, lambda v: C.all_reduce(v, a, "product")),
+            xw,
+        ),
+        "all_reduce SUM, [1,5,6]": (
+            lambda: dist.all_reduce(xs, group=sub),
+            prejitted(sub, lambda v: C.all_reduce(v, a)),
+            xs,
+        ),
+        "broadcast": (
+            lambda: dist.broadcast(xw, src=3),
+            prejitted(world, lambda v: C.broadcast(v, a, 3)),
+            xw,
+        ),
+        "all_gather": (
+            lambda: dist.all_gather(xw),
+            prejitted(world, lambda v: C.all_gather(v, a)),
+            xw,
+        ),
+        "reduce_scatter": (
+            lambda: dist.reduce_scatter(xw),
+            prejitted(world, lambda v: C.reduce_scatter(v, a)),
+            xw,
+        ),
+        "all_to_all": (
+            lambda: dist.all_to_all(xw),
+            prejitted(world, lambda v: C.all_to_all(v, a)),
+            xw,
+        ),
+        "scatter": (
+            lambda: dist.scatter(xw, src=0),
+            prejitted(world, lambda v: C.scatter(v, a, 0)),
+            xw,
+        ),
+        "sendrecv ring": (
+            lambda: dist.sendrecv(xw, ring),
+            prejitted(world, lambda v: C.sendrecv(v, a, ring)),
+            xw,
+        ),
     }
-    print(f"{jax.device_count()} {jax.devices()[0].platform} devices, {args.bytes} bytes per "
-          f"rank (float32), medians of {args.repeats} interleaved calls, each waited for")
-    print(f"{'op':26s} {'first call (ms)':>16s} {'dist (us)':>10s} {'pre-jitted (us)':>16s} "
-          f"{'dist/pre':>9s}")
+    print(
+        f"{jax.device_count()} {jax.devices()[0].platform} devices, {args.bytes} bytes per "
+        f"rank (float32), medians of {args.repeats} interleaved calls, each waited for"
+    )
+    print(
+        f"{'op':26s} {'first call (ms)':>16s} {'dist (us)':>10s} {'pre-jitted (us)':>16s} "
+        f"{'dist/pre':>9s}"
+    )
     ratios = []
     for name, (call, pre, x) in cases.items():
         first = timed(call)
@@ -82,8 +114,7 @@ def main() -> None:
             p.append(timed(lambda pre=pre, x=x: pre(x)))
         md, mp = statistics.median(d), statistics.median(p)
         ratios.append(md / mp)
-        print(f"{name:26s} {first * 1e3:16.1f} {md * 1e6:10.0f} {mp * 1e6:16.0f} "
-              f"{md / mp:9.2f}")
+        print(f"{name:26s} {first * 1e3:16.1f} {md * 1e6:10.0f} {mp * 1e6:16.0f} {md / mp:9.2f}")
     print(f"median dist/pre-jitted over ops: {statistics.median(ratios):.2f}")
 
 

@@ -70,12 +70,27 @@ SIZES = (784, 4096, 4096, 10)
 BATCH = 64
 PROCS, DEVICES_PER_PROC = 2, 4
 WORLD = PROCS * DEVICES_PER_PROC
-JAX_CONFIGS = ("jax-plain", "jax-bf16", "jax-powersgd", "jax-zero1", "jax-fsdp", "jax-nosync",
-               "jax-powersgd-s0")
+JAX_CONFIGS = (
+    "jax-plain",
+    "jax-bf16",
+    "jax-powersgd",
+    "jax-zero1",
+    "jax-fsdp",
+    "jax-nosync",
+    "jax-powersgd-s0",
+)
 TORCH_CONFIGS = ("torch-plain", "torch-bf16", "torch-powersgd", "torch-nosync")
 # Interleaved: each jax row next to its torch counterpart.
-ORDER = ("jax-plain", "torch-plain", "jax-bf16", "torch-bf16", "jax-powersgd",
-         "torch-powersgd", "jax-zero1", "jax-fsdp")
+ORDER = (
+    "jax-plain",
+    "torch-plain",
+    "jax-bf16",
+    "torch-bf16",
+    "jax-powersgd",
+    "torch-powersgd",
+    "jax-zero1",
+    "jax-fsdp",
+)
 LABELS = {
     "jax-plain": "jaxcoll DDP (all-reduce)",
     "jax-bf16": "jaxcoll bf16 gradients",
@@ -93,23 +108,47 @@ LOSSY = {"jax-powersgd", "torch-powersgd", "jax-powersgd-s0"}
 # Attribution rows, not in the default set: the same step without any collective (wrong on
 # purpose), i.e. what the step costs on these cores besides gradient synchronisation.
 DIAGNOSTIC = {"jax-nosync", "torch-nosync", "jax-powersgd-s0"}
-DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "u64": 8, "s32": 4,
-               "u32": 4, "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
+DTYPE_BYTES = {
+    "f64": 8,
+    "f32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "s64": 8,
+    "u64": 8,
+    "s32": 4,
+    "u32": 4,
+    "s16": 2,
+    "u16": 2,
+    "s8": 1,
+    "u8": 1,
+    "pred": 1,
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (launches per row)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per launch")
-    p.add_argument("--warmup", type=int, default=3,
-                   help="untimed steps per launch first (compile; past PowerSGD's start_iter=2)")
-    p.add_argument("--configs", default=",".join(ORDER),
-                   help=f"comma-separated rows, run in this order (default {','.join(ORDER)})")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="untimed steps per launch first (compile; past PowerSGD's start_iter=2)",
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(ORDER),
+        help=f"comma-separated rows, run in this order (default {','.join(ORDER)})",
+    )
     p.add_argument("--no-torch", action="store_true", help="jaxcoll rows only")
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--launch-timeout", type=float, default=420.0,
-                   help="seconds one launch may take before it is killed")
+    p.add_argument(
+        "--launch-timeout",
+        type=float,
+        default=420.0,
+        help="seconds one launch may take before it is killed",
+    )
     p.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -123,9 +162,13 @@ def init_params():
     import numpy as np
 
     rng = np.random.default_rng(0)
-    return {f"l{i}": {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32),
-                      "b": np.zeros(b, np.float32)}
-            for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:], strict=True))}
+    return {
+        f"l{i}": {
+            "w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32),
+            "b": np.zeros(b, np.float32),
+        }
+        for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:], strict=True))
+    }
 
 
 def make_batches(count: int, latent: int = 16):
@@ -141,18 +184,26 @@ def make_batches(count: int, latent: int = 16):
     out = []
     for s in range(count):
         z = np.random.default_rng(100 + s).normal(size=(BATCH, latent)).astype(np.float32)
-        out.append({"x": (z @ m) / np.float32(np.sqrt(latent)),
-                    "y": np.argmax(z @ teacher, axis=1).astype(np.int32)})
+        out.append(
+            {
+                "x": (z @ m) / np.float32(np.sqrt(latent)),
+                "y": np.argmax(z @ teacher, axis=1).astype(np.int32),
+            }
+        )
     return out
 
 
 # ----------------------------------------------------------------------------- bytes from HLO
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
-                 r"collective-permute)(-start)?\(")
+_OP = re.compile(
+    r"=\s*(\(.*?\)|\S+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
+    r"collective-permute)(-start)?\("
+)
 _CALLS = re.compile(r"(?:to_apply|calls|body)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+),\s*"
-                       r"false_computation=%?([\w.\-]+))")
+_BRANCHES = re.compile(
+    r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+),\s*"
+    r"false_computation=%?([\w.\-]+))"
+)
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 
 
@@ -213,9 +264,13 @@ def hlo_bytes_sent(hlo: str, world: int) -> dict:
                 if start and shape.startswith("("):
                     # *-start ops return (operand(s), output, ...): take the output part
                     parts = re.findall(r"[a-z]+\d*\[[\d,]*\]", shape)
-                    out = _shape_bytes(parts[len(parts) // 2]) if op == "all-gather" else \
-                        _shape_bytes(parts[-1]) if op != "all-reduce" else _shape_bytes(
-                            " ".join(parts[len(parts) // 2:]))
+                    out = (
+                        _shape_bytes(parts[len(parts) // 2])
+                        if op == "all-gather"
+                        else _shape_bytes(parts[-1])
+                        if op != "all-reduce"
+                        else _shape_bytes(" ".join(parts[len(parts) // 2 :]))
+                    )
                 n = _group_size(line, world)
                 if op == "all-reduce":
                     sent = 2 * (n - 1) / n * out
@@ -230,8 +285,11 @@ def hlo_bytes_sent(hlo: str, world: int) -> dict:
                 ops.append((op, shape.split("{")[0] if not shape.startswith("(") else shape, n))
             br = _BRANCHES.search(line)
             if br:
-                names = ([s.strip().lstrip("%") for s in br.group(1).split(",")] if br.group(1)
-                         else [br.group(2), br.group(3)])
+                names = (
+                    [s.strip().lstrip("%") for s in br.group(1).split(",")]
+                    if br.group(1)
+                    else [br.group(2), br.group(3)]
+                )
                 sub = [walk(b) for b in names]
                 if len({round(s[0]) for s in sub}) > 1:
                     flags["conditionals"] += 1
@@ -292,8 +350,10 @@ def jax_worker(a: argparse.Namespace) -> None:
     mine = [k for k, d in enumerate(mesh.devices.reshape(-1)) if d.process_index == me]
     rows = np.concatenate([np.arange(k * per, (k + 1) * per) for k in mine])
     total = a.warmup + a.steps
-    batches = [{k: jax.make_array_from_process_local_data(sharding, v[rows])
-                for k, v in b.items()} for b in make_batches(total)]
+    batches = [
+        {k: jax.make_array_from_process_local_data(sharding, v[rows]) for k, v in b.items()}
+        for b in make_batches(total)
+    ]
     params = jax.tree_util.tree_map(jnp.asarray, init_params())
 
     if a.config == "jax-nosync":
@@ -307,9 +367,16 @@ def jax_worker(a: argparse.Namespace) -> None:
             updates, o = optimizer.update(g, o, p)
             return (optax.apply_updates(p, updates), o), {"loss": loss}
 
-        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")),
-                                     out_specs=((P(), P()), {"loss": P()}), check_vma=False),
-                       donate_argnums=0)
+        step = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P(), P("data")),
+                out_specs=((P(), P()), {"loss": P()}),
+                check_vma=False,
+            ),
+            donate_argnums=0,
+        )
         state = jax.device_put((params, optimizer.init(params)), rep)
         run = step
         program = (lambda st, b: (step, (st, b))) if a.hlo else None
@@ -334,12 +401,19 @@ def jax_worker(a: argparse.Namespace) -> None:
     dev0 = jax.local_devices()[0]
 
     def resident(tree) -> int:
-        return sum(s.data.nbytes for leaf in jax.tree_util.tree_leaves(tree)
-                   if isinstance(leaf, jax.Array)
-                   for s in leaf.addressable_shards if s.device == dev0)
+        return sum(
+            s.data.nbytes
+            for leaf in jax.tree_util.tree_leaves(tree)
+            if isinstance(leaf, jax.Array)
+            for s in leaf.addressable_shards
+            if s.device == dev0
+        )
 
-    out: dict = {"config": a.config, "state_bytes": resident(held),
-                 "all_state_bytes": resident(state)}
+    out: dict = {
+        "config": a.config,
+        "state_bytes": resident(held),
+        "all_state_bytes": resident(state),
+    }
 
     times, losses = [], []
     for s in range(total):
@@ -372,8 +446,12 @@ def torch_worker(a: argparse.Namespace) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
-    tdist.init_process_group("gloo", rank=rank, world_size=world,
-                             init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}")
+    tdist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world,
+        init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+    )
     layers: list[nn.Module] = []
     params = init_params()
     for i, (fan_in, fan_out) in enumerate(zip(SIZES[:-1], SIZES[1:], strict=True)):
@@ -394,8 +472,11 @@ def torch_worker(a: argparse.Namespace) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
         model.register_comm_hook(
-            psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                               start_powerSGD_iter=2), psgd.powerSGD_hook)
+            psgd.PowerSGDState(
+                process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2
+            ),
+            psgd.powerSGD_hook,
+        )
     else:
         model = nn.parallel.DistributedDataParallel(nn.Sequential(*layers))
     if a.config == "torch-bf16":
@@ -420,9 +501,13 @@ def torch_worker(a: argparse.Namespace) -> None:
     tdist.all_reduce = counting_all_reduce
     per = BATCH // world
     total = a.warmup + a.steps
-    batches = [(torch.from_numpy(b["x"][rank * per:(rank + 1) * per]),
-                torch.from_numpy(b["y"][rank * per:(rank + 1) * per]).long())
-               for b in make_batches(total)]
+    batches = [
+        (
+            torch.from_numpy(b["x"][rank * per : (rank + 1) * per]),
+            torch.from_numpy(b["y"][rank * per : (rank + 1) * per]).long(),
+        )
+        for b in make_batches(total)
+    ]
     times, losses, payload = [], [], []
     sync = model.no_sync if a.config == "torch-nosync" else contextlib.nullcontext
     for s, (x, y) in enumerate(batches):
@@ -447,15 +532,26 @@ def torch_worker(a: argparse.Namespace) -> None:
         n = world
         # the built-in DDP path all-reduces every gradient once, outside Python's all_reduce
         s_bytes = param_bytes if a.config == "torch-plain" else statistics.median(payload)
-        momentum = sum(v.numel() * v.element_size() for st in opt.state.values()
-                       for v in st.values() if torch.is_tensor(v))
+        momentum = sum(
+            v.numel() * v.element_size()
+            for st in opt.state.values()
+            for v in st.values()
+            if torch.is_tensor(v)
+        )
         nosync = a.config == "torch-nosync"
-        out = {"config": a.config, "times": t_all.tolist(),
-               "loss": None if nosync else float(lossv[1]) / n,
-               "loss_first": None if nosync else float(lossv[0]) / n,
-               "state_bytes": param_bytes + momentum, "all_state_bytes": None,
-               "hlo": {"bytes": 2 * (n - 1) / n * s_bytes, "payload": s_bytes,
-                       "ops": {"all-reduce": None}}}
+        out = {
+            "config": a.config,
+            "times": t_all.tolist(),
+            "loss": None if nosync else float(lossv[1]) / n,
+            "loss_first": None if nosync else float(lossv[0]) / n,
+            "state_bytes": param_bytes + momentum,
+            "all_state_bytes": None,
+            "hlo": {
+                "bytes": 2 * (n - 1) / n * s_bytes,
+                "payload": s_bytes,
+                "ops": {"all-reduce": None},
+            },
+        }
         with open(a.out, "w") as f:
             json.dump(out, f)
     tdist.destroy_process_group()
@@ -490,24 +586,60 @@ def launch(a: argparse.Namespace, config: str, hlo: bool, tmp: str) -> dict:
     log = os.path.join(tmp, f"{config}.log")
     if os.path.exists(out):
         os.remove(out)
-    common = [os.path.abspath(__file__), "--config", config, "--out", out,
-              "--warmup", str(a.warmup), "--steps", str(a.steps), "--lr", str(a.lr),
-              "--momentum", str(a.momentum)]
+    common = [
+        os.path.abspath(__file__),
+        "--config",
+        config,
+        "--out",
+        out,
+        "--warmup",
+        str(a.warmup),
+        "--steps",
+        str(a.steps),
+        "--lr",
+        str(a.lr),
+        "--momentum",
+        str(a.momentum),
+    ]
     with open(log, "w") as logf:
         if config.startswith("jax"):
-            cmd = [sys.executable, "-m", "jaxcoll.run", "--nprocs", str(PROCS),
-                   "--devices-per-proc", str(DEVICES_PER_PROC), "--timeout", "300",
-                   *common, "--worker", "jax", *(["--hlo"] if hlo else [])]
+            cmd = [
+                sys.executable,
+                "-m",
+                "jaxcoll.run",
+                "--nprocs",
+                str(PROCS),
+                "--devices-per-proc",
+                str(DEVICES_PER_PROC),
+                "--timeout",
+                "300",
+                *common,
+                "--worker",
+                "jax",
+                *(["--hlo"] if hlo else []),
+            ]
             env = dict(os.environ, JAX_PLATFORMS="cpu")
-            procs = [subprocess.Popen(cmd, env=env, stdout=logf, stderr=logf,
-                                      start_new_session=True)]
+            procs = [
+                subprocess.Popen(cmd, env=env, stdout=logf, stderr=logf, start_new_session=True)
+            ]
         else:
             port = str(_free_port())
-            procs = [subprocess.Popen(
-                [sys.executable, *common, "--worker", "torch"],
-                env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_PORT=port,
-                         OMP_NUM_THREADS="1"),
-                stdout=logf, stderr=logf, start_new_session=True) for r in range(WORLD)]
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, *common, "--worker", "torch"],
+                    env=dict(
+                        os.environ,
+                        RANK=str(r),
+                        WORLD_SIZE=str(WORLD),
+                        MASTER_PORT=port,
+                        OMP_NUM_THREADS="1",
+                    ),
+                    stdout=logf,
+                    stderr=logf,
+                    start_new_session=True,
+                )
+                for r in range(WORLD)
+            ]
         code = _wait(procs, a.launch_timeout)
     if code == 0 and os.path.exists(out):
         with open(out) as f:
@@ -534,8 +666,10 @@ def available(configs: list[str], no_torch: bool) -> tuple[list[str], list[str]]
 
         if importlib.util.find_spec("torch") is None:
             torch_ok = False
-            notes.append("torch is not installed (pip install torch==2.13.0, a CPU wheel): "
-                         "skipping the torch rows; --no-torch runs the jaxcoll rows alone.")
+            notes.append(
+                "torch is not installed (pip install torch==2.13.0, a CPU wheel): "
+                "skipping the torch rows; --no-torch runs the jaxcoll rows alone."
+            )
     for c in configs:
         if c not in LABELS:
             raise SystemExit(f"unknown config {c!r}; choose from {', '.join(LABELS)}")
@@ -553,32 +687,37 @@ def _mb(x) -> str:
 
 
 def main(a: argparse.Namespace) -> int:
-    configs, notes = available([c.strip() for c in a.configs.split(",") if c.strip()],
-                               a.no_torch)
+    configs, notes = available([c.strip() for c in a.configs.split(",") if c.strip()], a.no_torch)
     for note in notes:
         print(f"note: {note}")
     if not configs:
         return 1
     nparams = sum(i * o + o for i, o in zip(SIZES[:-1], SIZES[1:], strict=True))
-    print(f"MLP {'-'.join(map(str, SIZES))} ({nparams / 1e6:.1f} M params, "
-          f"{4 * nparams / 1e6:.1f} MB float32 gradients), global batch {BATCH}, SGD lr {a.lr} "
-          f"momentum {a.momentum}; jaxcoll {PROCS} processes x {DEVICES_PER_PROC} devices, "
-          f"torch {WORLD} processes x 1 thread, gloo on 127.0.0.1, {os.cpu_count()} CPU cores; "
-          f"{a.rounds} interleaved rounds x ({a.warmup} warm-up + {a.steps} timed steps)",
-          flush=True)
+    print(
+        f"MLP {'-'.join(map(str, SIZES))} ({nparams / 1e6:.1f} M params, "
+        f"{4 * nparams / 1e6:.1f} MB float32 gradients), global batch {BATCH}, SGD lr {a.lr} "
+        f"momentum {a.momentum}; jaxcoll {PROCS} processes x {DEVICES_PER_PROC} devices, "
+        f"torch {WORLD} processes x 1 thread, gloo on 127.0.0.1, {os.cpu_count()} CPU cores; "
+        f"{a.rounds} interleaved rounds x ({a.warmup} warm-up + {a.steps} timed steps)",
+        flush=True,
+    )
     results: dict[str, dict] = {c: {"times": [], "loss": [], "errors": []} for c in configs}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dp_multiproc_") as tmp:
         for r in range(a.rounds):
-            order = configs[r % len(configs):] + configs[:r % len(configs)]
+            order = configs[r % len(configs) :] + configs[: r % len(configs)]
             for c in order:
                 t = time.monotonic()
                 res = launch(a, c, hlo=not results[c].get("hlo"), tmp=tmp)
                 row = results[c]
                 if "error" in res:
                     row["errors"].append(res)
-                    print(f"  round {r + 1}: {c} FAILED ({res['error']}):\n    "
-                          + "\n    ".join(res["log"]), file=sys.stderr, flush=True)
+                    print(
+                        f"  round {r + 1}: {c} FAILED ({res['error']}):\n    "
+                        + "\n    ".join(res["log"]),
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     continue
                 row["times"].extend(res["times"])
                 if res.get("loss") is not None:
@@ -586,9 +725,13 @@ def main(a: argparse.Namespace) -> int:
                 for k in ("hlo", "state_bytes", "all_state_bytes", "loss_first"):
                     if res.get(k) is not None:
                         row[k] = res[k]
-                print(f"  round {r + 1}/{a.rounds}: {c:15s} median "
-                      f"{1e3 * statistics.median(res['times']):8.1f} ms, launch "
-                      f"{time.monotonic() - t:5.1f} s", file=sys.stderr, flush=True)
+                print(
+                    f"  round {r + 1}/{a.rounds}: {c:15s} median "
+                    f"{1e3 * statistics.median(res['times']):8.1f} ms, launch "
+                    f"{time.monotonic() - t:5.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     print(f"wall time {time.monotonic() - started:.0f} s")
     report(a, configs, results)
     return 0
@@ -601,11 +744,15 @@ def report(a: argparse.Namespace, configs: list[str], results: dict[str, dict]) 
     def ratio(x, y) -> str:
         return f"{x / y:.2f}x" if y else "-"
 
-    print(f"\n| {'configuration':31s} | step ms | p25-p75 ms | vs jax plain | vs torch plain "
-          f"| MB sent/dev/step | MB params+opt/dev | MB all state/dev "
-          f"| loss @ step {a.warmup + a.steps} |")
-    print(f"|{'-' * 33}|--------:|-----------:|-------------:|---------------:|"
-          f"-----------------:|------------------:|-----------------:|---------------:|")
+    print(
+        f"\n| {'configuration':31s} | step ms | p25-p75 ms | vs jax plain | vs torch plain "
+        f"| MB sent/dev/step | MB params+opt/dev | MB all state/dev "
+        f"| loss @ step {a.warmup + a.steps} |"
+    )
+    print(
+        f"|{'-' * 33}|--------:|-----------:|-------------:|---------------:|"
+        f"-----------------:|------------------:|-----------------:|---------------:|"
+    )
     for c in configs:
         v = results[c]
         if c not in med:
@@ -618,22 +765,31 @@ def report(a: argparse.Namespace, configs: list[str], results: dict[str, dict]) 
         if hlo.get("conditionals"):
             sent += f" ({_mb(hlo['bytes_max'])})"
         loss = f"{statistics.median(v['loss']):.4f}" if v["loss"] else "-"
-        print(f"| {LABELS[c]:31s} | {med[c]:7.1f} | {f'{q[0]:.0f}-{q[2]:.0f}':>10s} "
-              f"| {ratio(med[c], base):>12s} | {ratio(med[c], tbase):>14s} "
-              f"| {sent:>16s} | {_mb(v.get('state_bytes')):>17s} "
-              f"| {_mb(v.get('all_state_bytes')):>16s} | {loss:>14s} |")
-    print("\nMB params+opt/dev: the params' and optimizer state's bytes on one device (jax: "
-          "their shards on the first local device; torch: one rank's params + momentum); all "
-          "state: every array of jax's TrainState there (hook state included). loss: the "
-          "global batch's mean loss at the last step, median over rounds (every launch starts "
-          "from the same weights and sees the same batches).")
+        print(
+            f"| {LABELS[c]:31s} | {med[c]:7.1f} | {f'{q[0]:.0f}-{q[2]:.0f}':>10s} "
+            f"| {ratio(med[c], base):>12s} | {ratio(med[c], tbase):>14s} "
+            f"| {sent:>16s} | {_mb(v.get('state_bytes')):>17s} "
+            f"| {_mb(v.get('all_state_bytes')):>16s} | {loss:>14s} |"
+        )
+    print(
+        "\nMB params+opt/dev: the params' and optimizer state's bytes on one device (jax: "
+        "their shards on the first local device; torch: one rank's params + momentum); all "
+        "state: every array of jax's TrainState there (hook state included). loss: the "
+        "global batch's mean loss at the last step, median over rounds (every launch starts "
+        "from the same weights and sees the same batches)."
+    )
     for c in configs:
         hlo = results[c].get("hlo", {})
         if c.startswith("jax") and hlo:
-            print(f"{c}: collectives in the compiled step: {hlo.get('ops')}"
-                  + (f"; {hlo['conditionals']} conditional(s) whose branches differ: the "
-                     f"cheaper branch is counted, the dearer in ()" if hlo.get("conditionals")
-                     else ""))
+            print(
+                f"{c}: collectives in the compiled step: {hlo.get('ops')}"
+                + (
+                    f"; {hlo['conditionals']} conditional(s) whose branches differ: the "
+                    f"cheaper branch is counted, the dearer in ()"
+                    if hlo.get("conditionals")
+                    else ""
+                )
+            )
         elif c.startswith("torch") and hlo:
             print(f"{c}: all-reduce payload {_mb(hlo.get('payload'))} MB per step")
     print()
@@ -649,8 +805,10 @@ def report(a: argparse.Namespace, configs: list[str], results: dict[str, dict]) 
     j, t = best("jax", False), best("torch", False)
     if j and t:
         r = med[j] / med[t]
-        print(f"jaxcoll best lossless ({j}) / torch best lossless ({t}) = {r:.2f} "
-              f"(goal <= 0.5: {goal(r <= 0.5)})")
+        print(
+            f"jaxcoll best lossless ({j}) / torch best lossless ({t}) = {r:.2f} "
+            f"(goal <= 0.5: {goal(r <= 0.5)})"
+        )
     j2, t2 = best("jax", True), best("torch", True)
     if j2 and t2:
         r = med[j2] / med[t2]
@@ -662,8 +820,10 @@ def report(a: argparse.Namespace, configs: list[str], results: dict[str, dict]) 
     ddp = results.get("jax-plain", {}).get("state_bytes")
     if fsdp and ddp:
         r = fsdp / ddp
-        print(f"FSDP / DDP per-device state bytes = {r:.3f} (goal <= 1.2/{WORLD} = "
-              f"{1.2 / WORLD:.3f}: {goal(r <= 1.2 / WORLD)})")
+        print(
+            f"FSDP / DDP per-device state bytes = {r:.3f} (goal <= 1.2/{WORLD} = "
+            f"{1.2 / WORLD:.3f}: {goal(r <= 1.2 / WORLD)})"
+        )
     for c in configs:
         if results[c]["errors"]:
             print(f"{c}: {len(results[c]['errors'])} failed launch(es)")

@@ -42,8 +42,9 @@ parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds ov
 parser.add_argument("--no-torch", action="store_true")
 parser.add_argument("--devices", type=int, default=DEVICES)
 args = parser.parse_args()
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={args.devices}")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -62,9 +63,13 @@ LR = 1e-3
 
 def init_params(seed=0):
     rng = np.random.default_rng(seed)
-    return {f"l{i}": {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32),
-                      "b": np.zeros(b, np.float32)}
-            for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:], strict=True))}
+    return {
+        f"l{i}": {
+            "w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32),
+            "b": np.zeros(b, np.float32),
+        }
+        for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:], strict=True))
+    }
 
 
 def forward(params, x):
@@ -151,9 +156,16 @@ def row_handwritten(batch, mode="pmean"):
         updates, opt_state = opt.update(g, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")),
-                                 out_specs=(P(), P()), check_vma=mode == "pmean"),
-                   donate_argnums=0)
+    step = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(), P("data")),
+            out_specs=(P(), P()),
+            check_vma=mode == "pmean",
+        ),
+        donate_argnums=0,
+    )
     return timed(step, state, jax.device_put(batch, NamedSharding(mesh, P("data"))))
 
 
@@ -171,8 +183,10 @@ def row_trainer(batch, sync):
 def row_fit(prefetch: bool):
     """fit over host batches; ``run(k)`` times one fit call of k steps (k equal entries)."""
     rng = np.random.default_rng(1)
-    arrays = {"x": rng.normal(size=(8 * BATCH, SIZES[0])).astype(np.float32),
-              "y": rng.integers(0, SIZES[-1], 8 * BATCH).astype(np.int32)}
+    arrays = {
+        "x": rng.normal(size=(8 * BATCH, SIZES[0])).astype(np.float32),
+        "y": rng.integers(0, SIZES[-1], 8 * BATCH).astype(np.int32),
+    }
     data = dp.Batches(arrays, BATCH)
     trainer = dp.Trainer(loss_fn, optax.adam(LR))
     held = [trainer.init(init_params(), jax.random.key(0))]
@@ -180,8 +194,7 @@ def row_fit(prefetch: bool):
     def fit(k: int) -> float:
         t = time.perf_counter()
         target = int(jax.device_get(held[0].step)) + k
-        held[0], _ = trainer.fit(held[0], data, steps=target, progress=False,
-                                 prefetch=prefetch)
+        held[0], _ = trainer.fit(held[0], data, steps=target, progress=False, prefetch=prefetch)
         jax.block_until_ready(held[0])
         return time.perf_counter() - t
 
@@ -200,8 +213,10 @@ def torch_ddp(world: int, batch, q) -> None:
 
     ctx = mp.get_context("spawn")
     ret = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_torch_rank, args=(r, world, batch, ret, args.steps,
-                                                   args.warmup)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_torch_rank, args=(r, world, batch, ret, args.steps, args.warmup))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     result = ret.get()
@@ -227,8 +242,8 @@ def _torch_rank(rank, world, batch, ret, steps, warmup):
     model = nn.parallel.DistributedDataParallel(nn.Sequential(*layers))
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     per = BATCH // world
-    x = torch.from_numpy(batch["x"][rank * per:(rank + 1) * per])
-    y = torch.from_numpy(batch["y"][rank * per:(rank + 1) * per]).long()
+    x = torch.from_numpy(batch["x"][rank * per : (rank + 1) * per])
+    y = torch.from_numpy(batch["y"][rank * per : (rank + 1) * per]).long()
     times = []
     for i in range(warmup + steps):
         t = time.perf_counter()
@@ -248,30 +263,35 @@ def _torch_rank(rank, world, batch, ret, steps, warmup):
 
 def main() -> int:
     rng = np.random.default_rng(0)
-    batch = {"x": rng.normal(size=(BATCH, SIZES[0])).astype(np.float32),
-             "y": rng.integers(0, SIZES[-1], BATCH).astype(np.int32)}
+    batch = {
+        "x": rng.normal(size=(BATCH, SIZES[0])).astype(np.float32),
+        "y": rng.integers(0, SIZES[-1], BATCH).astype(np.int32),
+    }
     n = jax.device_count()
-    print(f"MLP {'-'.join(map(str, SIZES))}, global batch {BATCH}, Adam, float32; "
-          f"{n} simulated devices on {os.cpu_count()} CPU cores; jax {jax.__version__}; "
-          f"median of {args.steps} steps after {args.warmup} warm-up, in {args.rounds} "
-          f"interleaved rounds")
+    print(
+        f"MLP {'-'.join(map(str, SIZES))}, global batch {BATCH}, Adam, float32; "
+        f"{n} simulated devices on {os.cpu_count()} CPU cores; jax {jax.__version__}; "
+        f"median of {args.steps} steps after {args.warmup} warm-up, in {args.rounds} "
+        f"interleaved rounds"
+    )
     pending: list[tuple[str, float, object]] = []
     pending.append(("(a) 1 device, jit + optax", *row_single(batch)))
     pending.append((f"(b) {n} dev, shard_map + pmean (hand-written)", *row_handwritten(batch)))
-    pending.append((f"(b0) {n} dev, (b) minus the all-reduce",
-                    *row_handwritten(batch, "nosync")))
-    pending.append((f"(b1) {n} dev, (b0) minus the optimizer",
-                    *row_handwritten(batch, "gradonly")))
-    for name, sync in [("default (25 MiB buckets)", dp.sync.DDP()),
-                       ("bucketing off", dp.sync.DDP(bucket_mb=None)),
-                       ("bf16 gradients", dp.sync.DDP(hook=dp.hooks.Compress(jnp.bfloat16))),
-                       ("ZeRO-1", dp.sync.ZeRO1())]:
+    pending.append((f"(b0) {n} dev, (b) minus the all-reduce", *row_handwritten(batch, "nosync")))
+    pending.append((f"(b1) {n} dev, (b0) minus the optimizer", *row_handwritten(batch, "gradonly")))
+    for name, sync in [
+        ("default (25 MiB buckets)", dp.sync.DDP()),
+        ("bucketing off", dp.sync.DDP(bucket_mb=None)),
+        ("bf16 gradients", dp.sync.DDP(hook=dp.hooks.Compress(jnp.bfloat16))),
+        ("ZeRO-1", dp.sync.ZeRO1()),
+    ]:
         pending.append((f"(c) {n} dev, dp.Trainer, {name}", *row_trainer(batch, sync=sync)))
     pending.append((f"(e) {n} dev, Trainer.fit, host batches, serial", *row_fit(False)))
     pending.append((f"(f) {n} dev, Trainer.fit, host batches, prefetch", *row_fit(True)))
     medians = interleaved([run for _, _, run in pending])
     rows: list[tuple[str, float, float | None]] = [
-        (name, ms, first) for (name, first, _), ms in zip(pending, medians, strict=True)]
+        (name, ms, first) for (name, first, _), ms in zip(pending, medians, strict=True)
+    ]
     torch_rows = {}
     if not args.no_torch:
         try:
@@ -293,8 +313,10 @@ def main() -> int:
         fs = f"{first:.2f}" if first is not None else "-"
         print(f"| {name:48s} | {ms:7.1f} | {ms / a:5.2f}x | {ms / b:5.2f}x | {fs:>13s} |")
     e, f = rows[8][1], rows[9][1]
-    print(f"\n(c)/(b) = {c / b:.2f} (goal <= 1.05); (c)/(a) = {c / a:.2f}; "
-          f"(f)/(e) = {f / e:.2f} (fit: prefetch vs one step at a time)")
+    print(
+        f"\n(c)/(b) = {c / b:.2f} (goal <= 1.05); (c)/(a) = {c / a:.2f}; "
+        f"(f)/(e) = {f / e:.2f} (fit: prefetch vs one step at a time)"
+    )
     if n in torch_rows:
         print(f"(c)/(torch DDP W={n}) = {c / torch_rows[n]:.2f} (goal <= 0.4)")
     return 0

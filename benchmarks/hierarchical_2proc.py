@@ -21,14 +21,35 @@ def main() -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     extra = sys.argv[1:]
-    args = ["--ops", "all_reduce", "--algorithms", "native,hierarchical", "--devices", "4",
-            "--iters", "5", "--no-progress", *extra]
+    args = [
+        "--ops",
+        "all_reduce",
+        "--algorithms",
+        "native,hierarchical",
+        "--devices",
+        "4",
+        "--iters",
+        "5",
+        "--no-progress",
+        *extra,
+    ]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "jaxcoll.bench", *args, "--coordinator", f"127.0.0.1:{port}",
-             "--num-processes", "2", "--process-id", str(pid)],
-            env=env, stderr=subprocess.DEVNULL if pid else None,
+            [
+                sys.executable,
+                "-m",
+                "jaxcoll.bench",
+                *args,
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(pid),
+            ],
+            env=env,
+            stderr=subprocess.DEVNULL if pid else None,
         )
         for pid in range(2)
     ]

@@ -30,8 +30,11 @@ def main() -> None:
     p.add_argument("--burners", type=int, default=2)
     p.add_argument("--in-flight", type=int, default=12)
     p.add_argument("--elements", type=int, default=1 << 20)
-    p.add_argument("--xla-default", action="store_true",
-                   help="keep XLA:CPU's own rendezvous timeouts (to see its abort)")
+    p.add_argument(
+        "--xla-default",
+        action="store_true",
+        help="keep XLA:CPU's own rendezvous timeouts (to see its abort)",
+    )
     a = p.parse_args()
 
     import jaxcoll
@@ -47,8 +50,10 @@ def main() -> None:
     from jaxcoll import distributed as dist
 
     burner = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass"
-    burners = [subprocess.Popen([sys.executable, "-c", burner])  # end with this process
-               for _ in range(a.burners)]
+    burners = [
+        subprocess.Popen([sys.executable, "-c", burner])  # end with this process
+        for _ in range(a.burners)
+    ]
     try:
         t0 = time.monotonic()
         x = dist.per_rank(lambda r: np.full((a.elements,), r + 1.0, np.float32))
@@ -62,8 +67,11 @@ def main() -> None:
                 _check(pending.pop(0), a.elements)
         for item in pending:
             _check(item, a.elements)
-        print(f"{a.rounds} rounds, {a.burners} burners: all results agree with NumPy in "
-              f"{time.monotonic() - t0:.1f} s", flush=True)
+        print(
+            f"{a.rounds} rounds, {a.burners} burners: all results agree with NumPy in "
+            f"{time.monotonic() - t0:.1f} s",
+            flush=True,
+        )
     finally:
         for b in burners:
             b.kill()
@@ -79,8 +87,11 @@ def _check(item, elements: int) -> None:
     if kind == "sum":
         want = np.full((8, elements), 36.0, np.float32)
     elif kind == "gather":
-        want = np.broadcast_to(np.arange(4, dtype=np.float32)[None, None] +
-                               np.arange(8.0, dtype=np.float32)[None, :, None], (8, 8, 4))
+        want = np.broadcast_to(
+            np.arange(4, dtype=np.float32)[None, None]
+            + np.arange(8.0, dtype=np.float32)[None, :, None],
+            (8, 8, 4),
+        )
     else:
         want = np.broadcast_to(np.arange(4, dtype=np.float32) + item[2], (8, 4))
     np.testing.assert_array_equal(got, want, err_msg=kind)

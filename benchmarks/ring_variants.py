@@ -56,7 +56,8 @@ def acc_roll(x):
     acc = lax.dynamic_index_in_dim(rows, (r - 1) % N, keepdims=False)
     for s in range(N - 1):
         acc = lax.ppermute(acc, "x", RIGHT) + lax.dynamic_index_in_dim(
-            rows, (r - 2 - s) % N, keepdims=False)
+            rows, (r - 2 - s) % N, keepdims=False
+        )
     got, cur = [acc], acc
     for _ in range(N - 1):
         cur = lax.ppermute(cur, "x", RIGHT)
@@ -76,7 +77,7 @@ VARIANTS = {
 
 def main() -> None:
     mesh = Mesh(np.array(jax.devices()[:N]), ("x",))
-    tuned = 'on' if TUNED else 'off'
+    tuned = "on" if TUNED else "off"
     print(f"# 8 simulated CPU devices, float32, median of 7, malloc-tune {tuned}")
     print(f"{'size/rank':>10}" + "".join(f"{k:>17}" for k in VARIANTS) + f"{'ring/native':>13}")
     for nbytes in (4 << 10, 1 << 20, 16 << 20):
@@ -93,8 +94,12 @@ def main() -> None:
                 f(xa).block_until_ready()
                 ts.append(time.perf_counter() - t)
             times.append(np.median(ts) * 1e3)
-        print(f"{nbytes >> 10:>8}K" + "".join(f"{t:>14.2f} ms" for t in times)
-              + f"{times[-1] / times[0]:>12.1f}x", flush=True)
+        print(
+            f"{nbytes >> 10:>8}K"
+            + "".join(f"{t:>14.2f} ms" for t in times)
+            + f"{times[-1] / times[0]:>12.1f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

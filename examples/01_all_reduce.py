@@ -80,8 +80,13 @@ def show_dist(label, x):
 
 
 show_dist("all_reduce value", dist.all_reduce(dist.per_rank(lambda r: np.float32([r + 1.0]))))
-show_dist("all_reduce tensor",
-          dist.all_reduce(dist.per_rank(lambda r: np.ones((3, 3), np.float32) * (r + 1))))
-show_dist("all_reduce(MAX) tensor",
-          dist.all_reduce(dist.per_rank(lambda r: np.float32([1.0, 2.0, 3.0]) * (r + 1)),
-                          op=dist.ReduceOp.MAX))
+show_dist(
+    "all_reduce tensor",
+    dist.all_reduce(dist.per_rank(lambda r: np.ones((3, 3), np.float32) * (r + 1))),
+)
+show_dist(
+    "all_reduce(MAX) tensor",
+    dist.all_reduce(
+        dist.per_rank(lambda r: np.float32([1.0, 2.0, 3.0]) * (r + 1)), op=dist.ReduceOp.MAX
+    ),
+)

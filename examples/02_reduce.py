@@ -42,8 +42,10 @@ x = jax.device_put(np.array([[1, 2, 3], [10, 20, 30]], np.int32), NamedSharding(
 y = x + 1
 result = reduce_to_0(x)
 for r in range(WORLD):
-    print(f"Rank {r}: x = {np.asarray(x)[r].tolist()}, y = {np.asarray(y)[r].tolist()}, "
-          f"reduce result = {np.asarray(result)[r].tolist()}")
+    print(
+        f"Rank {r}: x = {np.asarray(x)[r].tolist()}, y = {np.asarray(y)[r].tolist()}, "
+        f"reduce result = {np.asarray(result)[r].tolist()}"
+    )
 
 # Example 2: host memory shared between two views (the seed's mmap case). The input buffer is
 # read, never written: both views still hold the original numbers afterwards.
@@ -51,30 +53,38 @@ shared = np.array([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]] * WORLD, np.float32)
 view_x, view_y = shared[:, :3], shared[:, 3:]
 out = reduce_to_0(jax.device_put(view_x, NamedSharding(mesh, P("rank"))))
 for r in range(WORLD):
-    print(f"Rank {r}: shared x = {view_x[r].tolist()}, shared y = {view_y[r].tolist()}, "
-          f"reduce result = {np.asarray(out)[r].tolist()}")
+    print(
+        f"Rank {r}: shared x = {view_x[r].tolist()}, shared y = {view_y[r].tolist()}, "
+        f"reduce result = {np.asarray(out)[r].tolist()}"
+    )
 
 # Example 3: the reduce is dispatched asynchronously (JAX dispatch is async) and y is updated
 # while it may still be running. There is no race: y + 2 is a new array, x is never written.
-pending = reduce_to_0(x)          # returns at once; the collective runs in the background
-y = y + 2                         # concurrent work on another array
-pending.block_until_ready()       # torch: work.wait() / dist.barrier()
+pending = reduce_to_0(x)  # returns at once; the collective runs in the background
+y = y + 2  # concurrent work on another array
+pending.block_until_ready()  # torch: work.wait() / dist.barrier()
 for r in range(WORLD):
-    print(f"Rank {r}: after async reduce x = {np.asarray(x)[r].tolist()}, "
-          f"y = {np.asarray(y)[r].tolist()}, reduce result = {np.asarray(pending)[r].tolist()}")
+    print(
+        f"Rank {r}: after async reduce x = {np.asarray(x)[r].tolist()}, "
+        f"y = {np.asarray(y)[r].tolist()}, reduce result = {np.asarray(pending)[r].tolist()}"
+    )
 
 # The same with jaxcoll.distributed: torch's dist.reduce(x, dst=0), on a per-rank array.
 dx = dist.per_rank([np.array([1, 2, 3], np.int32), np.array([10, 20, 30], np.int32)])
 dy = dx + 1
 dres = dist.reduce(dx, dst=0, op=dist.ReduceOp.SUM)
 for r in range(WORLD):
-    print(f"dist: rank {r} x = {dist.to_ranks(dx)[r].tolist()}, "
-          f"y = {dist.to_ranks(dy)[r].tolist()}, reduce result = {dist.to_ranks(dres)[r].tolist()}")
+    print(
+        f"dist: rank {r} x = {dist.to_ranks(dx)[r].tolist()}, "
+        f"y = {dist.to_ranks(dy)[r].tolist()}, reduce result = {dist.to_ranks(dres)[r].tolist()}"
+    )
 
 # async_op=True returns a Work handle, as in torch; y is updated while the reduce may still run.
 work = dist.reduce(dx, dst=0, async_op=True)
 dy = dy + 2
 dres = work.wait()
 for r in range(WORLD):
-    print(f"dist: rank {r} after async reduce x = {dist.to_ranks(dx)[r].tolist()}, "
-          f"y = {dist.to_ranks(dy)[r].tolist()}, reduce result = {dist.to_ranks(dres)[r].tolist()}")
+    print(
+        f"dist: rank {r} after async reduce x = {dist.to_ranks(dx)[r].tolist()}, "
+        f"y = {dist.to_ranks(dy)[r].tolist()}, reduce result = {dist.to_ranks(dres)[r].tolist()}"
+    )

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -52,22 +53,26 @@ def main() -> None:
 
     def body(w, xb):
         n = C.world_size(both)
-        naive = C.all_reduce(jax.grad(loss)(w, xb), both, "sum") / n       # 1, ported naively
+        naive = C.all_reduce(jax.grad(loss)(w, xb), both, "sum") / n  # 1, ported naively
         wv = lax.pcast(w, both, to="varying")  # the fix: jax.grad adds no reduction of its own
         g = jax.grad(loss)(wv, xb)
-        ex1 = C.all_reduce(g, both, "sum") / n                            # 1, fixed
-        ex2 = C.all_reduce(jnp.array(g, copy=True), both, "sum") / n      # 2, clone first
-        ex3 = C.all_reduce(g, "local", "sum") / C.world_size("local")     # 3, a sub-group
-        ours = dp.mean_gradients(g, both, bucket_bytes=25 * 2**20)        # jaxcoll
+        ex1 = C.all_reduce(g, both, "sum") / n  # 1, fixed
+        ex2 = C.all_reduce(jnp.array(g, copy=True), both, "sum") / n  # 2, clone first
+        ex3 = C.all_reduce(g, "local", "sum") / C.world_size("local")  # 3, a sub-group
+        ours = dp.mean_gradients(g, both, bucket_bytes=25 * 2**20)  # jaxcoll
         # every device's copy, to show whether the replicas agree
         return [v[None] for v in (naive, ex1, ex2, ex3, ours)]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(both)), out_specs=P(both)))
     results = f(w, jax.device_put(x, NamedSharding(mesh, P(both))))
 
-    names = ["1. all_reduce(SUM) / n, naive port", "1. all_reduce(SUM) / n, params varying",
-             "2. clone, all_reduce(SUM) / n", "3. sub-group average (4 of 8)",
-             "jaxcoll dp.mean_gradients"]
+    names = [
+        "1. all_reduce(SUM) / n, naive port",
+        "1. all_reduce(SUM) / n, params varying",
+        "2. clone, all_reduce(SUM) / n",
+        "3. sub-group average (4 of 8)",
+        "jaxcoll dp.mean_gradients",
+    ]
     print(f"oracle (one device, whole batch of {len(x)}): |g| = {np.linalg.norm(oracle):.6f}")
     print(f"{'variant':42s} {'|g|/|oracle|':>13s} {'max rel err':>12s} {'replicas':>9s}  verdict")
     for name, per_device in zip(names, results, strict=True):
@@ -76,8 +81,9 @@ def main() -> None:
         worst = max(np.max(np.abs(d - oracle)) / np.max(np.abs(oracle)) for d in per_device)
         ratio = np.linalg.norm(per_device[0]) / np.linalg.norm(oracle)
         verdict = "RIGHT" if worst < 1e-5 and agree else "WRONG"
-        print(f"{name:42s} {ratio:13.4f} {worst:12.2e} {'same' if agree else 'DIFFER':>9s}"
-              f"  {verdict}")
+        print(
+            f"{name:42s} {ratio:13.4f} {worst:12.2e} {'same' if agree else 'DIFFER':>9s}  {verdict}"
+        )
 
 
 if __name__ == "__main__":

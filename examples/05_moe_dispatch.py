@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=4")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -31,10 +32,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxcoll import distributed as dist  # noqa: E402
 from jaxcoll import parallel  # noqa: E402
 
-RANKS = 4             # expert-parallel ranks (devices)
-PER_RANK = 2          # experts per rank -> 8 experts
-TOKENS = 16           # tokens per rank
-D, HIDDEN = 8, 16     # model width, expert MLP width
+RANKS = 4  # expert-parallel ranks (devices)
+PER_RANK = 2  # experts per rank -> 8 experts
+TOKENS = 16  # tokens per rank
+D, HIDDEN = 8, 16  # model width, expert MLP width
 EXPERTS = RANKS * PER_RANK
 
 rng = np.random.default_rng(0)
@@ -75,31 +76,43 @@ def moe_layer(x, a, b):
 
 mesh = Mesh(np.array(jax.devices()[:RANKS]), ("ep",))
 spec = NamedSharding(mesh, P("ep"))
-layer = jax.jit(jax.shard_map(
-    lambda x, a, b: jax.tree.map(lambda v: v[None], moe_layer(x[0], a, b)), mesh=mesh,
-    in_specs=(P("ep"), P("ep"), P("ep")), out_specs=P("ep")))
-out, sent = layer(jax.device_put(tokens, spec), jax.device_put(w1, spec),
-                  jax.device_put(w2, spec))
+layer = jax.jit(
+    jax.shard_map(
+        lambda x, a, b: jax.tree.map(lambda v: v[None], moe_layer(x[0], a, b)),
+        mesh=mesh,
+        in_specs=(P("ep"), P("ep"), P("ep")),
+        out_specs=P("ep"),
+    )
+)
+out, sent = layer(jax.device_put(tokens, spec), jax.device_put(w1, spec), jax.device_put(w2, spec))
 sent = np.asarray(sent)
 for r in range(RANKS):
-    print(f"rank {r} sends {sent[r].tolist()} tokens to ranks 0..{RANKS - 1}, "
-          f"receives {sent[:, r].tolist()}")
-reference = np.asarray(jax.vmap(dense)(tokens))   # on one device, rank by rank
+    print(
+        f"rank {r} sends {sent[r].tolist()} tokens to ranks 0..{RANKS - 1}, "
+        f"receives {sent[:, r].tolist()}"
+    )
+reference = np.asarray(jax.vmap(dense)(tokens))  # on one device, rank by rank
 err = float(np.abs(np.asarray(out) - reference).max())
 print(f"expert-parallel MoE vs dense single-device: max abs difference {err:.2e}")
 print(f"MoE equal to dense: {err < 1e-5}")
 
 # ---- The same exchange with torch's name: dist.all_to_all_single and split-size tables.
-order = [np.argsort(np.asarray(route(tokens[r])[0]) // PER_RANK, kind="stable")
-         for r in range(RANKS)]
+order = [
+    np.argsort(np.asarray(route(tokens[r])[0]) // PER_RANK, kind="stable") for r in range(RANKS)
+]
 x = dist.per_rank([tokens[r][order[r]] for r in range(RANKS)], dist.new_group(range(RANKS)))
-input_split_sizes = sent.tolist()                      # row r: what rank r passes to torch
+input_split_sizes = sent.tolist()  # row r: what rank r passes to torch
 output_split_sizes = sent.T.tolist()
-y = dist.all_to_all_single(x, output_split_sizes, input_split_sizes,
-                           group=dist.new_group(range(RANKS)))
-expected = [np.concatenate([tokens[j][order[j]][sum(sent[j][:r]):][:sent[j][r]]
-                            for j in range(RANKS)]) for r in range(RANKS)]
-same = all(np.array_equal(row[:len(e)], e) for row, e in zip(dist.to_ranks(y), expected))
-print(f"dist.all_to_all_single(x, output_split_sizes, input_split_sizes): rows as torch's: "
-      f"{same}; result width {y.shape[1]} (rank r's output is row r's first "
-      f"sum(output_split_sizes[r]) rows)")
+y = dist.all_to_all_single(
+    x, output_split_sizes, input_split_sizes, group=dist.new_group(range(RANKS))
+)
+expected = [
+    np.concatenate([tokens[j][order[j]][sum(sent[j][:r]) :][: sent[j][r]] for j in range(RANKS)])
+    for r in range(RANKS)
+]
+same = all(np.array_equal(row[: len(e)], e) for row, e in zip(dist.to_ranks(y), expected))
+print(
+    f"dist.all_to_all_single(x, output_split_sizes, input_split_sizes): rows as torch's: "
+    f"{same}; result width {y.shape[1]} (rank r's output is row r's first "
+    f"sum(output_split_sizes[r]) rows)"
+)

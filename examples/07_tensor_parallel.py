@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import re
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=4")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -27,14 +28,16 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxcoll import parallel  # noqa: E402
 
-N = 4                       # tensor-parallel ranks
-TOKENS, D, F = 32, 16, 64   # tokens, model width, hidden width (F / N = 16 per rank)
+N = 4  # tensor-parallel ranks
+TOKENS, D, F = 32, 16, 64  # tokens, model width, hidden width (F / N = 16 per rank)
 
 rng = np.random.default_rng(0)
-dense_params = {"w1": rng.normal(size=(D, F)).astype(np.float32) / np.sqrt(D),
-                "b1": rng.normal(size=(F,)).astype(np.float32) * 0.1,
-                "w2": rng.normal(size=(F, D)).astype(np.float32) / np.sqrt(F),
-                "b2": rng.normal(size=(D,)).astype(np.float32) * 0.1}
+dense_params = {
+    "w1": rng.normal(size=(D, F)).astype(np.float32) / np.sqrt(D),
+    "b1": rng.normal(size=(F,)).astype(np.float32) * 0.1,
+    "w2": rng.normal(size=(F, D)).astype(np.float32) / np.sqrt(F),
+    "b2": rng.normal(size=(D,)).astype(np.float32) * 0.1,
+}
 x = rng.normal(size=(TOKENS, D)).astype(np.float32)
 target = rng.normal(size=(TOKENS, D)).astype(np.float32)
 
@@ -45,14 +48,16 @@ def dense_block(p, x):
 
 mesh = Mesh(np.array(jax.devices()[:N]), ("model",))
 split = {"w1": P("model"), "b1": P("model"), "w2": P("model"), "b2": P()}
-sharded = jax.device_put(parallel.shard_mlp(dense_params, N),
-                         {k: NamedSharding(mesh, s) for k, s in split.items()})
+sharded = jax.device_put(
+    parallel.shard_mlp(dense_params, N), {k: NamedSharding(mesh, s) for k, s in split.items()}
+)
 
 
 def tp_block(sequence_parallel):
     def body(p, x):
-        mine = {k: v[0] if k != "b2" else v for k, v in p.items()}   # this rank's slices
+        mine = {k: v[0] if k != "b2" else v for k, v in p.items()}  # this rank's slices
         return parallel.mlp(mine, x, "model", sequence_parallel=sequence_parallel)
+
     tokens = P("model") if sequence_parallel else P()
     return jax.shard_map(body, mesh=mesh, in_specs=(split, tokens), out_specs=tokens)
 
@@ -73,9 +78,13 @@ for sp in (False, True):
     err_g = max(float(np.abs(np.asarray(g_params[k]) - g_dense[k]).max()) for k in g_dense)
     err_g = max(err_g, float(np.abs(np.asarray(g_x) - want_g[1]).max()))
     hlo = lowered.as_text()
-    counts = {c: len(re.findall(rf"stablehlo\.{c}\b", hlo))
-              for c in ("all_reduce", "all_gather", "reduce_scatter")}
+    counts = {
+        c: len(re.findall(rf"stablehlo\.{c}\b", hlo))
+        for c in ("all_reduce", "all_gather", "reduce_scatter")
+    }
     name = "sequence-parallel (all_gather + reduce_scatter)" if sp else "all_reduce"
-    print(f"{name}: output max diff {err_y:.1e}, gradient max diff {err_g:.1e}, collectives "
-          f"{ {k: v for k, v in counts.items() if v} }")
+    print(
+        f"{name}: output max diff {err_y:.1e}, gradient max diff {err_g:.1e}, collectives "
+        f"{ {k: v for k, v in counts.items() if v} }"
+    )
     print(f"tensor-parallel block equal to dense ({name}): {err_y < 1e-5 and err_g < 1e-5}")

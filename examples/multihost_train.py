@@ -32,7 +32,8 @@ STEPS = 40  # optimizer steps
 BATCH = 64  # global batch: split over every device of every process
 # One directory per launcher (the parent of every process, the same across restarts).
 CKPT_DIR = os.environ.get(
-    "CKPT_DIR", os.path.join(tempfile.gettempdir(), f"jaxcoll_mh_ckpt_{os.getppid()}"))
+    "CKPT_DIR", os.path.join(tempfile.gettempdir(), f"jaxcoll_mh_ckpt_{os.getppid()}")
+)
 ME = jax.process_index()
 
 rng = np.random.default_rng(0)  # every process draws the same dataset
@@ -56,19 +57,26 @@ rows = np.concatenate([np.arange(k * per, (k + 1) * per) for k in mine])
 def batches():
     for s in range(STEPS):
         idx = (s * BATCH + rows) % len(X)
-        yield {"x": jax.make_array_from_process_local_data(sharding, X[idx]),
-               "y": jax.make_array_from_process_local_data(sharding, Y[idx])}
+        yield {
+            "x": jax.make_array_from_process_local_data(sharding, X[idx]),
+            "y": jax.make_array_from_process_local_data(sharding, Y[idx]),
+        }
 
 
-params = {"w": rng.standard_normal((4, 32)).astype(np.float32) * 0.5,
-          "b": np.zeros(32, np.float32),
-          "v": rng.standard_normal((32, 1)).astype(np.float32) * 0.2}
+params = {
+    "w": rng.standard_normal((4, 32)).astype(np.float32) * 0.5,
+    "b": np.zeros(32, np.float32),
+    "v": rng.standard_normal((32, 1)).astype(np.float32) * 0.2,
+}
 state = trainer.init(jax.tree_util.tree_map(jnp.asarray, params), jax.random.key(0))
 # Gradients cross devices (and processes) inside trainer.step: one averaged all-reduce.
 # Saving a checkpoint is collective: every process passes a Checkpointer on the same directory.
-state, history = trainer.fit(state, batches(), steps=STEPS,
-                             checkpoint=dp.Checkpointer(CKPT_DIR, every=10), progress=False)
+state, history = trainer.fit(
+    state, batches(), steps=STEPS, checkpoint=dp.Checkpointer(CKPT_DIR, every=10), progress=False
+)
 if ME == 0 and history:
-    print(f"{jax.process_count()} process(es) x {jax.local_device_count()} devices: "
-          f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} "
-          f"after step {int(jax.device_get(state.step))}")
+    print(
+        f"{jax.process_count()} process(es) x {jax.local_device_count()} devices: "
+        f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} "
+        f"after step {int(jax.device_get(state.step))}"
+    )

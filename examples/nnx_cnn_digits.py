@@ -22,11 +22,11 @@ import time
 from functools import partial
 
 # --- config ---------------------------------------------------------------------------------
-DEVICES = 8            # simulated CPU devices: must be set before jax is imported
-GLOBAL_BATCH = 128     # 16 examples per device
-EPOCHS = 20            # 10 steps per epoch
+DEVICES = 8  # simulated CPU devices: must be set before jax is imported
+GLOBAL_BATCH = 128  # 16 examples per device
+EPOCHS = 20  # 10 steps per epoch
 LEARNING_RATE = 0.005
-MOMENTUM = 0.9         # AdamW's b1, as the tutorial passes it
+MOMENTUM = 0.9  # AdamW's b1, as the tutorial passes it
 SEED = 0
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -34,8 +34,9 @@ parser.add_argument("--epochs", type=int, default=EPOCHS)
 parser.add_argument("--devices", type=int, default=DEVICES)
 args = parser.parse_args()
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={args.devices}")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -86,8 +87,7 @@ def main() -> int:
     digits = load_digits()
     x = (digits.images / 16.0).astype(np.float32)[..., None]  # NHWC, 8x8x1
     y = digits.target.astype(np.int32)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=SEED,
-                                              stratify=y)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=SEED, stratify=y)
     train = dp.Batches({"image": x_tr, "label": y_tr}, GLOBAL_BATCH, seed=SEED)
     # 450 test images in one batch: not a multiple of 8, evaluated exactly all the same.
     test = dp.Batches({"image": x_te, "label": y_te}, len(y_te), shuffle=False)
@@ -97,22 +97,28 @@ def main() -> int:
     trainer = dp.Trainer(adapter, optax.adamw(LEARNING_RATE, MOMENTUM))
     params, batch_stats = adapter.init()
     state = trainer.init(params, jax.random.key(SEED + 1), model_state=batch_stats)
-    print(f"{jax.device_count()} devices, {len(y_tr)} train / {len(y_te)} test images, "
-          f"global batch {GLOBAL_BATCH} ({GLOBAL_BATCH // trainer.n} per device), "
-          f"{args.epochs} epochs of {len(train)} steps")
+    print(
+        f"{jax.device_count()} devices, {len(y_tr)} train / {len(y_te)} test images, "
+        f"global batch {GLOBAL_BATCH} ({GLOBAL_BATCH // trainer.n} per device), "
+        f"{args.epochs} epochs of {len(train)} steps"
+    )
 
     t0 = time.perf_counter()
 
     def log(step, metrics):  # a plain function as a callback: each step and each evaluation
         if "eval_accuracy" in metrics:
-            print(f"epoch {step // len(train):2d} (step {step:3d}): test loss "
-                  f"{metrics['eval_loss']:.4f}, accuracy {100 * metrics['eval_accuracy']:5.1f}%"
-                  f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+            print(
+                f"epoch {step // len(train):2d} (step {step:3d}): test loss "
+                f"{metrics['eval_loss']:.4f}, accuracy {100 * metrics['eval_accuracy']:5.1f}%"
+                f"  ({time.perf_counter() - t0:.1f} s)",
+                flush=True,
+            )
 
     # Each step: dropout masks drawn per device, gradients averaged once over the 8 devices
     # (one bucketed all-reduce), the BatchNorm statistics averaged, the AdamW update.
-    state, history = trainer.fit(state, train, epochs=args.epochs, eval_data=test,
-                                 eval_every=len(train), callbacks=[log])
+    state, history = trainer.fit(
+        state, train, epochs=args.epochs, eval_data=test, eval_every=len(train), callbacks=[log]
+    )
     seconds = time.perf_counter() - t0
     results = trainer.evaluate(state, test)
     print(f"trained {int(state.step)} steps in {seconds:.1f} s")

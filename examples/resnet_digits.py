@@ -23,13 +23,13 @@ import time
 from functools import partial
 
 # --- config ---------------------------------------------------------------------------------
-DEVICES = 8            # simulated CPU devices: must be set before jax is imported
-GLOBAL_BATCH = 128     # 16 examples per device
-EPOCHS = 20            # 10 steps per epoch (1347 training images, the last short batch dropped)
-BASE_LR = 0.2          # flax: 0.1 * batch_size / 256, scaled up for this small problem
+DEVICES = 8  # simulated CPU devices: must be set before jax is imported
+GLOBAL_BATCH = 128  # 16 examples per device
+EPOCHS = 20  # 10 steps per epoch (1347 training images, the last short batch dropped)
+BASE_LR = 0.2  # flax: 0.1 * batch_size / 256, scaled up for this small problem
 WARMUP_EPOCHS = 2
 MOMENTUM = 0.9
-WEIGHT_DECAY = 5e-4    # L2 penalty on the kernels, in the loss (as flax's example)
+WEIGHT_DECAY = 5e-4  # L2 penalty on the kernels, in the loss (as flax's example)
 EMA_DECAY = 0.9
 SEED = 0
 
@@ -38,8 +38,9 @@ parser.add_argument("--epochs", type=int, default=EPOCHS)
 parser.add_argument("--devices", type=int, default=DEVICES)
 args = parser.parse_args()
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={args.devices}")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import flax.linen as nn  # noqa: E402
@@ -63,8 +64,7 @@ class ResNetBlock(nn.Module):
     def __call__(self, x, train: bool):
         # Cross-replica BatchNorm: flax's example passes axis_name='batch' to pmap's axis;
         # dp.SyncBatchNorm is nn.BatchNorm on the Trainer's axis, "data".
-        norm = partial(dp.SyncBatchNorm, use_running_average=not train, momentum=0.9,
-                       epsilon=1e-5)
+        norm = partial(dp.SyncBatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5)
         conv = partial(nn.Conv, use_bias=False)
         residual = x
         y = nn.relu(norm()(conv(self.filters, (3, 3), self.strides)(x)))
@@ -92,8 +92,11 @@ def create_learning_rate_fn(steps_per_epoch: int):
     """flax's schedule: linear warm-up from 0, then cosine decay to 0."""
     total = args.epochs * steps_per_epoch
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=BASE_LR,
-        warmup_steps=min(WARMUP_EPOCHS * steps_per_epoch, total // 2), decay_steps=total)
+        init_value=0.0,
+        peak_value=BASE_LR,
+        warmup_steps=min(WARMUP_EPOCHS * steps_per_epoch, total // 2),
+        decay_steps=total,
+    )
 
 
 def make_loss(learning_rate_fn):
@@ -106,7 +109,7 @@ def make_loss(learning_rate_fn):
         """
         xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
         kernels = [w for w in jax.tree_util.tree_leaves(params) if w.ndim > 1]
-        penalty = 0.5 * WEIGHT_DECAY * sum(jnp.sum(w ** 2) for w in kernels)
+        penalty = 0.5 * WEIGHT_DECAY * sum(jnp.sum(w**2) for w in kernels)
         return xent + penalty, {
             "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"]),
             "learning_rate": learning_rate_fn(step),
@@ -130,11 +133,14 @@ class EpochLog(dp.Callback):
 
     def on_eval(self, step, results):
         mean = {k: v / max(self.count, 1) for k, v in self.sums.items()}
-        print(f"step {step:4d}  train loss {mean.get('loss', float('nan')):.4f} "
-              f"acc {100 * mean.get('accuracy', float('nan')):5.1f}%  "
-              f"lr {mean.get('learning_rate', float('nan')):.3f}  |  test loss "
-              f"{results['loss']:.4f} acc {100 * results['accuracy']:5.1f}%  "
-              f"({time.perf_counter() - self.t0:.1f} s)", flush=True)
+        print(
+            f"step {step:4d}  train loss {mean.get('loss', float('nan')):.4f} "
+            f"acc {100 * mean.get('accuracy', float('nan')):5.1f}%  "
+            f"lr {mean.get('learning_rate', float('nan')):.3f}  |  test loss "
+            f"{results['loss']:.4f} acc {100 * results['accuracy']:5.1f}%  "
+            f"({time.perf_counter() - self.t0:.1f} s)",
+            flush=True,
+        )
         self.sums, self.count = {}, 0
 
 
@@ -142,8 +148,7 @@ def main() -> int:
     digits = load_digits()
     x = (digits.images / 16.0).astype(np.float32)[..., None]  # NHWC, 8x8x1
     y = digits.target.astype(np.int32)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=SEED,
-                                              stratify=y)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=SEED, stratify=y)
     train = dp.Batches({"x": x_tr, "y": y_tr}, GLOBAL_BATCH, seed=SEED)
     test = [{"x": x_te, "y": y_te}]  # 450 images, one batch: not a multiple of 8
 
@@ -156,15 +161,23 @@ def main() -> int:
     # One compiled program for the whole init, as flax's example does (jax.jit(model.init)).
     params, batch_stats = jax.jit(model.init)(jax.random.key(SEED), train[0])
     state = trainer.init(params, jax.random.key(SEED + 1), model_state=batch_stats)
-    print(f"{jax.device_count()} devices, {len(y_tr)} train / {len(y_te)} test images, "
-          f"global batch {GLOBAL_BATCH} ({GLOBAL_BATCH // trainer.n} per device), "
-          f"{args.epochs} epochs of {steps_per_epoch} steps")
+    print(
+        f"{jax.device_count()} devices, {len(y_tr)} train / {len(y_te)} test images, "
+        f"global batch {GLOBAL_BATCH} ({GLOBAL_BATCH // trainer.n} per device), "
+        f"{args.epochs} epochs of {steps_per_epoch} steps"
+    )
 
     t0 = time.perf_counter()
     # Each step: per-device gradients, one bucketed all-reduce of g/n, SyncBatchNorm's pmeans
     # inside the forward pass, the batch statistics averaged, the SGD update, the EMA update.
-    state, history = trainer.fit(state, train, epochs=args.epochs, eval_data=test,
-                                 eval_every=steps_per_epoch, callbacks=[EpochLog()])
+    state, history = trainer.fit(
+        state,
+        train,
+        epochs=args.epochs,
+        eval_data=test,
+        eval_every=steps_per_epoch,
+        callbacks=[EpochLog()],
+    )
     seconds = time.perf_counter() - t0
     final = trainer.evaluate(state, test)
     ema = trainer.evaluate(state.replace(params=state.extra), test)

@@ -17,9 +17,9 @@ import sys
 import time
 
 # --- config ---------------------------------------------------------------------------------
-DEVICES = 8          # simulated CPU devices: must be set before jax is imported
-GLOBAL_BATCH = 128   # split over the devices: 16 examples each
-STEPS = 400          # about 36 epochs of the 1437 training images
+DEVICES = 8  # simulated CPU devices: must be set before jax is imported
+GLOBAL_BATCH = 128  # split over the devices: 16 examples each
+STEPS = 400  # about 36 epochs of the 1437 training images
 LEARNING_RATE = 1e-3
 DROPOUT = 0.1
 SEED = 0
@@ -31,8 +31,9 @@ parser.add_argument("--out", default="out", help="directory for the loss-curve P
 parser.add_argument("--no-progress", action="store_true")
 args = parser.parse_args()
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={args.devices}")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import flax.linen as nn  # noqa: E402
@@ -69,8 +70,7 @@ def main() -> int:
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int32)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=SEED,
-                                              stratify=y)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=SEED, stratify=y)
     n_test = len(y_te) // args.devices * args.devices  # evaluation batches split evenly too
     train = dp.Batches({"x": x_tr, "y": y_tr}, GLOBAL_BATCH, seed=SEED)
     test = [{"x": x_te[:n_test], "y": y_te[:n_test]}]
@@ -79,17 +79,19 @@ def main() -> int:
     trainer = dp.Trainer(model, optax.adam(LEARNING_RATE))  # every device on axis "data"
     params, model_state = model.init(jax.random.key(SEED), train[0])
     state = trainer.init(params, jax.random.key(SEED + 1), model_state=model_state)
-    print(f"{jax.device_count()} devices, {len(y_tr)} train / {n_test} test images, "
-          f"global batch {GLOBAL_BATCH} ({GLOBAL_BATCH // trainer.n} per device)")
+    print(
+        f"{jax.device_count()} devices, {len(y_tr)} train / {n_test} test images, "
+        f"global batch {GLOBAL_BATCH} ({GLOBAL_BATCH // trainer.n} per device)"
+    )
 
     t0 = time.perf_counter()
     # Inside each step the gradients cross devices once: a bucketed all-reduce of g/n.
-    state, history = trainer.fit(state, train, steps=args.steps, eval_data=test,
-                                 progress=not args.no_progress)
+    state, history = trainer.fit(
+        state, train, steps=args.steps, eval_data=test, progress=not args.no_progress
+    )
     seconds = time.perf_counter() - t0
     last = history[-1]
-    print(f"trained {args.steps} steps in {seconds:.1f} s; final train loss "
-          f"{last['loss']:.4f}")
+    print(f"trained {args.steps} steps in {seconds:.1f} s; final train loss {last['loss']:.4f}")
     print(f"test loss {last['eval_loss']:.4f}")
     print(f"test accuracy: {100 * last['eval_accuracy']:.2f}%")
 
@@ -97,9 +99,12 @@ def main() -> int:
     path = os.path.join(args.out, "train_digits_loss.png")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=1)
-    ax.set(xlabel="step", ylabel="train loss (global batch mean)", yscale="log",
-           title=f"digits, {trainer.n} devices: test accuracy "
-                 f"{100 * last['eval_accuracy']:.1f}%")
+    ax.set(
+        xlabel="step",
+        ylabel="train loss (global batch mean)",
+        yscale="log",
+        title=f"digits, {trainer.n} devices: test accuracy {100 * last['eval_accuracy']:.1f}%",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"loss curve: {path}")

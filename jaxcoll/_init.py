@@ -48,8 +48,13 @@ _SOURCES = (
     ("jax", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"),
 )
 _CLUSTER_MARKERS = {
-    "slurm": ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
-              "SLURM_LOCALID"),
+    "slurm": (
+        "SLURM_JOB_ID",
+        "SLURM_STEP_NODELIST",
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+    ),
     "ompi": ("OMPI_MCA_orte_hnp_uri",),
 }
 
@@ -106,16 +111,29 @@ def _from_env(env: Mapping[str, str]) -> _Spec | None:
                 f"three of {addr_var}, {count_var}, {id_var} (or none)."
             )
         ids = _ids_env(env, "JAXCOLL_LOCAL_DEVICE_IDS") if source == "jaxcoll" else None
-        return _Spec(env[addr_var], _int_env(env, count_var), _int_env(env, id_var), ids,
-                     f"{source} environment variables")
+        return _Spec(
+            env[addr_var],
+            _int_env(env, count_var),
+            _int_env(env, id_var),
+            ids,
+            f"{source} environment variables",
+        )
     torch_vars = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
     if all(v in env for v in torch_vars):
         ids = None
-        if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env \
-                and _int_env(env, "LOCAL_WORLD_SIZE") > 1:
+        if (
+            "LOCAL_RANK" in env
+            and "LOCAL_WORLD_SIZE" in env
+            and _int_env(env, "LOCAL_WORLD_SIZE") > 1
+        ):
             ids = (_int_env(env, "LOCAL_RANK"),)
-        return _Spec(f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", _int_env(env, "WORLD_SIZE"),
-                     _int_env(env, "RANK"), ids, "torchrun environment variables")
+        return _Spec(
+            f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}",
+            _int_env(env, "WORLD_SIZE"),
+            _int_env(env, "RANK"),
+            ids,
+            "torchrun environment variables",
+        )
     return None
 
 
@@ -133,8 +151,10 @@ def _timeout(api: str, argname: str, value: int | None, env_var: str, default: i
     if value is None:
         value = _int_env(os.environ, env_var) if env_var in os.environ else default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{api}: {argname} must be an int number of seconds, got {value!r} of "
-                        f"type {type(value).__name__} instead.")
+        raise TypeError(
+            f"{api}: {argname} must be an int number of seconds, got {value!r} of "
+            f"type {type(value).__name__} instead."
+        )
     if value <= 0:
         raise ValueError(f"{api}: {argname}={value} must be a positive number of seconds.")
     return value
@@ -143,11 +163,13 @@ def _timeout(api: str, argname: str, value: int | None, env_var: str, default: i
 def _check_spec(api: str, spec: _Spec) -> None:
     n, pid = spec.num_processes, spec.process_id
     if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
-        raise TypeError(f"{api}: num_processes must be an int, got {n!r} of type "
-                        f"{type(n).__name__} instead.")
+        raise TypeError(
+            f"{api}: num_processes must be an int, got {n!r} of type {type(n).__name__} instead."
+        )
     if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int)):
-        raise TypeError(f"{api}: process_id must be an int, got {pid!r} of type "
-                        f"{type(pid).__name__} instead.")
+        raise TypeError(
+            f"{api}: process_id must be an int, got {pid!r} of type {type(pid).__name__} instead."
+        )
     if n is not None and n < 1:
         raise ValueError(f"{api}: num_processes={n} (from {spec.source}) must be at least 1.")
     if n is not None and pid is not None and not 0 <= pid < n:
@@ -158,8 +180,9 @@ def _check_spec(api: str, spec: _Spec) -> None:
     addr = spec.coordinator_address
     if addr is not None:
         if not isinstance(addr, str):
-            raise TypeError(f"{api}: coordinator_address must be a 'host:port' string, got "
-                            f"{addr!r} instead.")
+            raise TypeError(
+                f"{api}: coordinator_address must be a 'host:port' string, got {addr!r} instead."
+            )
         host, _, port = addr.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(
@@ -188,9 +211,13 @@ def _loopback_bind(address: str | None) -> str | None:
     return address if loopback else None
 
 
-def _exit_now(code: int, line: str | None = None, reason: str | None = None,
-              before: Callable[[], None] | None = None,
-              report: Callable[[], None] | None = None) -> None:
+def _exit_now(
+    code: int,
+    line: str | None = None,
+    reason: str | None = None,
+    before: Callable[[], None] | None = None,
+    report: Callable[[], None] | None = None,
+) -> None:
     if report is not None:
         report()
     if before is not None:
@@ -258,39 +285,66 @@ def initialize(
     ``tests/distributed/test_init.py``.
     """
     api = "init"
-    given = _Spec(coordinator_address, num_processes, process_id,
-                  None if local_device_ids is None else tuple(local_device_ids), "the arguments")
-    if given.coordinator_address is not None or given.num_processes is not None \
-            or given.process_id is not None:
+    given = _Spec(
+        coordinator_address,
+        num_processes,
+        process_id,
+        None if local_device_ids is None else tuple(local_device_ids),
+        "the arguments",
+    )
+    if (
+        given.coordinator_address is not None
+        or given.num_processes is not None
+        or given.process_id is not None
+    ):
         env_spec = None
         spec = given
     else:
         env_spec = _from_env(os.environ)
         spec = env_spec if env_spec is not None else given
         if given.local_device_ids is not None:
-            spec = _Spec(spec.coordinator_address, spec.num_processes, spec.process_id,
-                         given.local_device_ids, spec.source)
+            spec = _Spec(
+                spec.coordinator_address,
+                spec.num_processes,
+                spec.process_id,
+                given.local_device_ids,
+                spec.source,
+            )
     _check_spec(api, spec)
-    named = (("coordinator_address", given.coordinator_address),
-             ("num_processes", given.num_processes), ("process_id", given.process_id))
+    named = (
+        ("coordinator_address", given.coordinator_address),
+        ("num_processes", given.num_processes),
+        ("process_id", given.process_id),
+    )
     missing = [name for name, v in named if v is None]
-    if spec is given and 0 < len(missing) < 3 and given.num_processes != 1 \
-            and cluster_detection_method is None and _cluster(os.environ) is None:
+    if (
+        spec is given
+        and 0 < len(missing) < 3
+        and given.num_processes != 1
+        and cluster_detection_method is None
+        and _cluster(os.environ) is None
+    ):
         got = ", ".join(f"{name}={v!r}" for name, v in named if v is not None)
         raise ValueError(
             f"{api}: got {got} but no {' or '.join(missing)}. Pass all three "
             f"(coordinator_address is process 0's 'host:port', the same in every process), "
             f"or none and let jaxcoll-run / torchrun / SLURM variables supply them."
         )
-    init_t = _timeout(api, "initialization_timeout", initialization_timeout,
-                      "JAXCOLL_INIT_TIMEOUT", INIT_TIMEOUT)
-    beat_t = _timeout(api, "heartbeat_timeout", heartbeat_timeout,
-                      "JAXCOLL_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT)
-    stop_t = _timeout(api, "shutdown_timeout", shutdown_timeout,
-                      "JAXCOLL_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT)
-    bind = (coordinator_bind_address or os.environ.get("JAXCOLL_COORDINATOR_BIND_ADDRESS")
-            or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
-            or _loopback_bind(spec.coordinator_address))
+    init_t = _timeout(
+        api, "initialization_timeout", initialization_timeout, "JAXCOLL_INIT_TIMEOUT", INIT_TIMEOUT
+    )
+    beat_t = _timeout(
+        api, "heartbeat_timeout", heartbeat_timeout, "JAXCOLL_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT
+    )
+    stop_t = _timeout(
+        api, "shutdown_timeout", shutdown_timeout, "JAXCOLL_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT
+    )
+    bind = (
+        coordinator_bind_address
+        or os.environ.get("JAXCOLL_COORDINATOR_BIND_ADDRESS")
+        or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+        or _loopback_bind(spec.coordinator_address)
+    )
 
     if not backends_are_initialized():
         # XLA:CPU's rendezvous timeouts out of the way (read when JAX starts its devices).
@@ -331,8 +385,10 @@ def _connect(api, spec, cluster, init_t, beat_t, stop_t, bind) -> None:
         )
     # jax.config sets its options as attributes at runtime; its class declares none of them.
     platforms = jax.config.jax_platforms  # type: ignore[attr-defined]
-    if platforms in (None, "", "cpu") and \
-            os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION") is None:
+    if (
+        platforms in (None, "", "cpu")
+        and os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION") is None
+    ):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = spec.coordinator_address or f"the {cluster} job's coordinator"
     if spec.process_id == 0 and spec.coordinator_address:
@@ -357,8 +413,9 @@ def _connect(api, spec, cluster, init_t, beat_t, stop_t, bind) -> None:
             local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
             # Values given (arguments, jaxcoll/JAX/torchrun variables): no cluster detection, or
             # JAX's SLURM detector would also pin each process to GPU $SLURM_LOCALID only.
-            cluster_detection_method=cluster if cluster in ("slurm", "ompi", "mpi4py") else (
-                None if cluster else "deactivate"),
+            cluster_detection_method=cluster
+            if cluster in ("slurm", "ompi", "mpi4py")
+            else (None if cluster else "deactivate"),
             initialization_timeout=init_t,
             heartbeat_timeout_seconds=beat_t,
             shutdown_timeout_seconds=stop_t,
@@ -394,8 +451,12 @@ def _check_port_free(api: str, spec: _Spec, bind: str) -> None:
     try:
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host if host not in ("", "::") else "::" if family == socket.AF_INET6
-                    else "", int(port)))
+            s.bind(
+                (
+                    host if host not in ("", "::") else "::" if family == socket.AF_INET6 else "",
+                    int(port),
+                )
+            )
     except OSError as e:
         if e.errno != errno.EADDRINUSE:
             return  # not ours to judge (an address of another host, say): JAX will tell

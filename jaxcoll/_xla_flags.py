@@ -51,8 +51,9 @@ def xla_cpu_flags(devices: int | None = None) -> list[str]:
         The flags, e.g. ``["--xla_force_host_platform_device_count=8",
         "--xla_cpu_collective_call_warn_stuck_timeout_seconds=604800", ...]``.
     """
-    if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int)
-                                or devices < 1):
+    if devices is not None and (
+        isinstance(devices, bool) or not isinstance(devices, int) or devices < 1
+    ):
         raise ValueError(f"xla_cpu_flags: devices={devices!r} must be a positive int.")
     count = [] if devices is None else [f"--xla_force_host_platform_device_count={devices}"]
     return count + [f"--{name}={XLA_CPU_TIMEOUT_S}" for name in _NAMES]
@@ -66,8 +67,7 @@ def with_xla_cpu_flags(xla_flags: str, devices: int | None = None) -> str:
     """
     present = xla_flags.split()
     if devices is not None:
-        present = [f for f in present
-                   if not f.startswith("--xla_force_host_platform_device_count")]
+        present = [f for f in present if not f.startswith("--xla_force_host_platform_device_count")]
     names = {f.split("=", 1)[0] for f in present}
     added = [f for f in xla_cpu_flags(devices) if f.split("=", 1)[0] not in names]
     return " ".join([*present, *added])

@@ -75,8 +75,11 @@ class Group:
 
     def __post_init__(self) -> None:
         # Groups key every cache of compiled programs: hash once, not on every call.
-        object.__setattr__(self, "_hash", hash((self.ranks, self.mesh_shape, self.mesh_axes,
-                                                self.axis_name, self.subgroups)))
+        object.__setattr__(
+            self,
+            "_hash",
+            hash((self.ranks, self.mesh_shape, self.mesh_axes, self.axis_name, self.subgroups)),
+        )
 
     def __hash__(self) -> int:
         return self._hash
@@ -106,8 +109,7 @@ class Group:
     def __repr__(self) -> str:
         if len(self.subgroups) == 1:
             return f"Group(ranks={list(self.ranks)}, axis_name={self.axis_name!r})"
-        return (f"Group(subgroups={[list(s) for s in self.subgroups]}, "
-                f"axis_name={self.axis_name!r})")
+        return f"Group(subgroups={[list(s) for s in self.subgroups]}, axis_name={self.axis_name!r})"
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,8 @@ def _run(group: Group, primitive: Callable[..., Any], x: Any, kwargs: dict[str, 
             raise ValueError(
                 f"{api}: algorithm={algorithm!r} needs a group that covers its mesh axis in "
                 f"order; {group!r} runs as one all_gather over axis {group.axis_name!r} plus "
-                f"local work. Pass algorithm='auto', or a dist.world()/dist.hierarchy() group.")
+                f"local work. Pass algorithm='auto', or a dist.world()/dist.hierarchy() group."
+            )
         kwargs = {**kwargs, "algorithm": "native"}
     if primitive in (primitives.sendrecv, primitives.shift):
         return _permute(api, primitive, x, group, ax, lay, **kwargs)
@@ -178,14 +181,22 @@ def _run(group: Group, primitive: Callable[..., Any], x: Any, kwargs: dict[str, 
         keep = me
         if isinstance(res, tuple):  # (result, which members get it): rooted ops
             res, keep = res[0], me & res[1]
-        other = leaf if (res.shape == leaf.shape and res.dtype == leaf.dtype) \
-            else jnp.zeros_like(res)
+        other = (
+            leaf if (res.shape == leaf.shape and res.dtype == leaf.dtype) else jnp.zeros_like(res)
+        )
         out.append(jnp.where(keep, res, other))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _permute(api: str, primitive: Callable[..., Any], x: Any, group: Group, ax: Axis,
-             lay: _Layout, **kwargs: Any) -> Any:
+def _permute(
+    api: str,
+    primitive: Callable[..., Any],
+    x: Any,
+    group: Group,
+    ax: Axis,
+    lay: _Layout,
+    **kwargs: Any,
+) -> Any:
     """sendrecv and shift over a group: one ppermute over the axis, the pairs mapped."""
     k = lay.k
     if primitive is primitives.sendrecv:
@@ -202,51 +213,92 @@ def _permute(api: str, primitive: Callable[..., Any], x: Any, group: Group, ax: 
 # the leaves (returning one prepared value per leaf), then per leaf with the rows.
 
 
-def _reduce_prep(api: str, leaves: Sequence[jax.Array], op: ReduceOp | str, k: int,
-                 dst: int | None = None) -> list[tuple[ReduceOp, str]]:
+def _reduce_prep(
+    api: str, leaves: Sequence[jax.Array], op: ReduceOp | str, k: int, dst: int | None = None
+) -> list[tuple[ReduceOp, str]]:
     rop = coerce_op(api, op)
     if dst is not None:
         check_rank(api, "dst", dst, k)
     return [(rop, check_op_dtype(api, rop, leaf.dtype)) for leaf in leaves]
 
 
-def _all_reduce(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
-                leaves: Sequence[jax.Array] = (), prep: Any = None,
-                op: ReduceOp | str = ReduceOp.SUM) -> Any:
+def _all_reduce(
+    api: str,
+    rows: jax.Array | None,
+    j: jax.Array | None,
+    k: int,
+    *,
+    leaves: Sequence[jax.Array] = (),
+    prep: Any = None,
+    op: ReduceOp | str = ReduceOp.SUM,
+) -> Any:
     if rows is None:
         return _reduce_prep(api, leaves, op, k)
     rop, kind = prep
     return fold(rop, kind, rows)
 
 
-def _reduce(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
-            leaves: Sequence[jax.Array] = (), prep: Any = None, dst: int = 0,
-            op: ReduceOp | str = ReduceOp.SUM) -> Any:
+def _reduce(
+    api: str,
+    rows: jax.Array | None,
+    j: jax.Array | None,
+    k: int,
+    *,
+    leaves: Sequence[jax.Array] = (),
+    prep: Any = None,
+    dst: int = 0,
+    op: ReduceOp | str = ReduceOp.SUM,
+) -> Any:
     if rows is None:
         return _reduce_prep(api, leaves, op, k, dst)
     rop, kind = prep
     return fold(rop, kind, rows), j == dst
 
 
-def _broadcast(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
-               leaves: Sequence[jax.Array] = (), prep: Any = None, src: int = 0) -> Any:
+def _broadcast(
+    api: str,
+    rows: jax.Array | None,
+    j: jax.Array | None,
+    k: int,
+    *,
+    leaves: Sequence[jax.Array] = (),
+    prep: Any = None,
+    src: int = 0,
+) -> Any:
     if rows is None:
         check_rank(api, "src", src, k)
         return [None] * len(leaves)
     return rows[src]
 
 
-def _all_gather(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
-                leaves: Sequence[jax.Array] = (), prep: Any = None, axis: int = 0,
-                tiled: bool = False) -> Any:
+def _all_gather(
+    api: str,
+    rows: jax.Array | None,
+    j: jax.Array | None,
+    k: int,
+    *,
+    leaves: Sequence[jax.Array] = (),
+    prep: Any = None,
+    axis: int = 0,
+    tiled: bool = False,
+) -> Any:
     if rows is None:
         return [check_gather_axis(api, leaf.shape, axis, bool(tiled)) for leaf in leaves]
     return place_gathered(rows, prep, bool(tiled))
 
 
-def _gather(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
-            leaves: Sequence[jax.Array] = (), prep: Any = None, dst: int = 0, axis: int = 0,
-            tiled: bool = False) -> Any:
+def _gather(
+    api: str,
+    rows: jax.Array | None,
+    j: jax.Array | None,
+    k: int,
+    *,
+    leaves: Sequence[jax.Array] = (),
+    prep: Any = None,
+    dst: int = 0,
+    axis: int = 0,
+    tiled: bool = False,
+) -> Any:
     if rows is None:
         check_rank(api, "dst", dst, k)
         return _all_gather(api, None, j, k, leaves=leaves, axis=axis, tiled=tiled)
@@ -257,34 +309,67 @@ def _slice(x: jax.Array, axis: int, k: int, tiled: bool, j: jax.Array | None) ->
     return unsplit_slice(split_leading(x, axis, k, tiled)[j], axis, tiled)
 
 
-def _scatter(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
-             leaves: Sequence[jax.Array] = (), prep: Any = None, src: int = 0, axis: int = 0,
-             tiled: bool = False) -> Any:
+def _scatter(
+    api: str,
+    rows: jax.Array | None,
+    j: jax.Array | None,
+    k: int,
+    *,
+    leaves: Sequence[jax.Array] = (),
+    prep: Any = None,
+    src: int = 0,
+    axis: int = 0,
+    tiled: bool = False,
+) -> Any:
     if rows is None:
         check_rank(api, "src", src, k)
         return [check_split(api, leaf.shape, axis, k, bool(tiled)) for leaf in leaves]
     return _slice(rows[src], prep, k, bool(tiled), j)
 
 
-def _reduce_scatter(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
-                    leaves: Sequence[jax.Array] = (), prep: Any = None,
-                    op: ReduceOp | str = ReduceOp.SUM, scatter_dimension: int = 0,
-                    tiled: bool = False) -> Any:
+def _reduce_scatter(
+    api: str,
+    rows: jax.Array | None,
+    j: jax.Array | None,
+    k: int,
+    *,
+    leaves: Sequence[jax.Array] = (),
+    prep: Any = None,
+    op: ReduceOp | str = ReduceOp.SUM,
+    scatter_dimension: int = 0,
+    tiled: bool = False,
+) -> Any:
     if rows is None:
         ops = _reduce_prep(api, leaves, op, k)
-        dims = [check_split(api, leaf.shape, scatter_dimension, k, bool(tiled),
-                            "scatter_dimension") for leaf in leaves]
+        dims = [
+            check_split(api, leaf.shape, scatter_dimension, k, bool(tiled), "scatter_dimension")
+            for leaf in leaves
+        ]
         return [(*o, d) for o, d in zip(ops, dims, strict=True)]
     rop, kind, dim = prep
     return _slice(fold(rop, kind, rows), dim, k, bool(tiled), j)
 
 
-def _all_to_all(api: str, rows: jax.Array | None, j: jax.Array | None, k: int, *,
-                leaves: Sequence[jax.Array] = (), prep: Any = None, split_axis: int = 0,
-                concat_axis: int = 0, tiled: bool = False) -> Any:
+def _all_to_all(
+    api: str,
+    rows: jax.Array | None,
+    j: jax.Array | None,
+    k: int,
+    *,
+    leaves: Sequence[jax.Array] = (),
+    prep: Any = None,
+    split_axis: int = 0,
+    concat_axis: int = 0,
+    tiled: bool = False,
+) -> Any:
     if rows is None:
-        return [(check_split(api, leaf.shape, split_axis, k, bool(tiled), "split_axis"),
-                 check_axis(api, "concat_axis", concat_axis, leaf.ndim)) for leaf in leaves]
+        return [
+            (
+                check_split(api, leaf.shape, split_axis, k, bool(tiled), "split_axis"),
+                check_axis(api, "concat_axis", concat_axis, leaf.ndim),
+            )
+            for leaf in leaves
+        ]
     s, c = prep
     pieces = jnp.stack([_slice(rows[m], s, k, bool(tiled), j) for m in range(k)])
     return place_gathered(pieces, c, bool(tiled))

@@ -65,36 +65,82 @@ def _parser() -> argparse.ArgumentParser:
         description="Start N processes of a JAX program on this host as one jax.distributed "
         "job (the torchrun of jaxcoll).",
     )
-    p.add_argument("--nprocs", "--nproc-per-node", type=int, default=1, dest="nprocs",
-                   help="processes to start on this node (default 1)")
-    p.add_argument("--devices-per-proc", type=int, default=None,
-                   help="devices per process: simulated CPU devices, and the local "
-                   "accelerator ids each process gets (default: JAX's own choice)")
+    p.add_argument(
+        "--nprocs",
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        dest="nprocs",
+        help="processes to start on this node (default 1)",
+    )
+    p.add_argument(
+        "--devices-per-proc",
+        type=int,
+        default=None,
+        help="devices per process: simulated CPU devices, and the local "
+        "accelerator ids each process gets (default: JAX's own choice)",
+    )
     p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's index (default 0)")
-    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="process 0's coordination service (default: 127.0.0.1 and a free "
-                   "port; required with --nnodes > 1)")
-    p.add_argument("--bind", default=None, metavar="HOST:PORT",
-                   help="where the coordination service listens (default: the coordinator "
-                   "address itself, so loopback for a one-node job)")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="restart the whole group up to K times after a failure (default 0)")
-    p.add_argument("--grace", type=float, default=5.0,
-                   help="seconds between SIGTERM and SIGKILL when stopping processes")
-    p.add_argument("--init-timeout", type=int, default=30,
-                   help="seconds for every process to connect (JAXCOLL_INIT_TIMEOUT)")
-    p.add_argument("--heartbeat-timeout", type=int, default=20,
-                   help="seconds without heartbeat before a peer counts as dead")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds a collective may wait before the watchdog ends its process "
-                   "(JAXCOLL_TIMEOUT; default 600 in a multi-process job, 0 = off)")
-    p.add_argument("--debug", choices=("off", "detail"), default=None,
-                   help="'detail': check at each program's first use that every process runs "
-                   "the same collective (JAXCOLL_DEBUG)")
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="process 0's coordination service (default: 127.0.0.1 and a free "
+        "port; required with --nnodes > 1)",
+    )
+    p.add_argument(
+        "--bind",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the coordination service listens (default: the coordinator "
+        "address itself, so loopback for a one-node job)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the whole group up to K times after a failure (default 0)",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds between SIGTERM and SIGKILL when stopping processes",
+    )
+    p.add_argument(
+        "--init-timeout",
+        type=int,
+        default=30,
+        help="seconds for every process to connect (JAXCOLL_INIT_TIMEOUT)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=20,
+        help="seconds without heartbeat before a peer counts as dead",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds a collective may wait before the watchdog ends its process "
+        "(JAXCOLL_TIMEOUT; default 600 in a multi-process job, 0 = off)",
+    )
+    p.add_argument(
+        "--debug",
+        choices=("off", "detail"),
+        default=None,
+        help="'detail': check at each program's first use that every process runs "
+        "the same collective (JAXCOLL_DEBUG)",
+    )
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
-    p.add_argument("-m", dest="module", action="store_true",
-                   help="run the program as a module (python -m), like python -m")
+    p.add_argument(
+        "-m",
+        dest="module",
+        action="store_true",
+        help="run the program as a module (python -m), like python -m",
+    )
     p.add_argument("program", help="the script (or, with -m, the module) to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the program")
     return p
@@ -113,17 +159,23 @@ def _check(a: argparse.Namespace) -> None:
     if a.nnodes < 1:
         _error(f"--nnodes={a.nnodes} must be at least 1.")
     if not 0 <= a.node_rank < a.nnodes:
-        _error(f"--node-rank={a.node_rank} is out of range for --nnodes={a.nnodes} "
-               f"(0..{a.nnodes - 1}).")
+        _error(
+            f"--node-rank={a.node_rank} is out of range for --nnodes={a.nnodes} "
+            f"(0..{a.nnodes - 1})."
+        )
     if a.nnodes > 1 and a.coordinator is None:
-        _error(f"--nnodes={a.nnodes} needs --coordinator HOST:PORT (the address of node 0, "
-               f"the same on every node).")
+        _error(
+            f"--nnodes={a.nnodes} needs --coordinator HOST:PORT (the address of node 0, "
+            f"the same on every node)."
+        )
     for flag, value in (("--coordinator", a.coordinator), ("--bind", a.bind)):
         if value is not None:
             host, _, port = value.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                _error(f"{flag}={value!r} is not HOST:PORT with a port in 1..65535, "
-                       f"e.g. 10.0.0.1:29500.")
+                _error(
+                    f"{flag}={value!r} is not HOST:PORT with a port in 1..65535, "
+                    f"e.g. 10.0.0.1:29500."
+                )
     if a.max_restarts < 0:
         _error(f"--max-restarts={a.max_restarts} must be 0 or more.")
     if a.grace < 0:
@@ -143,8 +195,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _child_env(a: argparse.Namespace, coordinator: str, bind: str, local_rank: int,
-               restart: int) -> dict[str, str]:
+def _child_env(
+    a: argparse.Namespace, coordinator: str, bind: str, local_rank: int, restart: int
+) -> dict[str, str]:
     env = dict(os.environ)
     nprocs_total = a.nnodes * a.nprocs
     env.update(
@@ -172,7 +225,8 @@ def _child_env(a: argparse.Namespace, coordinator: str, bind: str, local_rank: i
         env["JAX_NUM_CPU_DEVICES"] = str(d)
         if nprocs_total > 1:
             env["JAXCOLL_LOCAL_DEVICE_IDS"] = ",".join(
-                str(i) for i in range(d * local_rank, d * (local_rank + 1)))
+                str(i) for i in range(d * local_rank, d * (local_rank + 1))
+            )
     return env
 
 
@@ -196,7 +250,8 @@ _ANNOUNCE = re.compile(r"^jaxcoll: process \d+ .*[Ee]xiting with code \d+")
 # the cause while a failure of another kind is there.
 _FOLLOW_ON = re.compile(
     r"stops: process \d+ failed|exited while this one waits|[Cc]onnection (reset|closed) by "
-    r"peer|Socket closed|Broken pipe|JAX distributed service detected fatal errors")
+    r"peer|Socket closed|Broken pipe|JAX distributed service detected fatal errors"
+)
 # Lines that never say why a process stopped: C++ log lines (``E1123 16:40:06.048386 ...``),
 # traceback frames, blank lines.
 _NOT_A_CAUSE = re.compile(r"^([EWIF]\d{4} |\s|Traceback|$)")
@@ -205,17 +260,20 @@ _NOT_A_CAUSE = re.compile(r"^([EWIF]\d{4} |\s|Traceback|$)")
 # to 77 peer ranks. ..."). The launcher drops these lines.
 _GLOO_PARTS = re.compile(
     r"\[Gloo\] Rank \d+|is connected to|Expected number of connected peer ranks is :|"
-    r"peer ranks|\d+")
+    r"peer ranks|\d+"
+)
 
 
 def _gloo_report(line: str) -> bool:
     """True for a line made only of (fragments of) gloo's connection report."""
-    return ("[Gloo]" in line or "peer ranks" in line) and \
-        not _GLOO_PARTS.sub("", line).strip(" .:\n")
+    return ("[Gloo]" in line or "peer ranks" in line) and not _GLOO_PARTS.sub("", line).strip(
+        " .:\n"
+    )
 
 
-def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock,
-          proc: _Proc | None = None) -> None:
+def _pump(
+    stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock, proc: _Proc | None = None
+) -> None:
     """Copy ``stream`` line by line to ``out``, each line prefixed; remember causes."""
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", errors="replace")
@@ -290,24 +348,32 @@ class _Group:
             index = a.node_rank * a.nprocs + local
             env = _child_env(a, host_port, bind, local, restart)
             popen = subprocess.Popen(
-                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, preexec_fn=_die_with_parent,
+                command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
             proc = _Proc(index, popen)
             threading.Thread(target=proc.reap, daemon=True).start()
             prefix = "" if a.no_prefix else f"[{index}] "
-            for stream, out, who in ((popen.stdout, sys.stdout, None),
-                                     (popen.stderr, sys.stderr, proc)):
-                t = threading.Thread(target=_pump, args=(stream, out, prefix, self.lock, who),
-                                     daemon=True)
+            for stream, out, who in (
+                (popen.stdout, sys.stdout, None),
+                (popen.stderr, sys.stderr, proc),
+            ):
+                t = threading.Thread(
+                    target=_pump, args=(stream, out, prefix, self.lock, who), daemon=True
+                )
                 t.start()
                 proc.threads.append(t)
             self.procs.append(proc)
 
     def failures(self) -> list[_Proc]:
         """Processes that exited non-zero or were killed, earliest first."""
-        failed = [p for p in self.procs
-                  if p.exited_at is not None and p.popen.returncode not in (0, None)]
+        failed = [
+            p for p in self.procs if p.exited_at is not None and p.popen.returncode not in (0, None)
+        ]
         return sorted(failed, key=lambda p: p.failed_at())
 
     def first_cause(self, window: float = 0.5) -> _Proc:
@@ -319,8 +385,11 @@ class _Group:
         failed = self.failures()
         roots = [p for p in failed if not p.follow_on] or failed
         first = roots[0].failed_at()
-        killed = [p for p in roots if p.failed_at() - first < window
-                  and p.popen.returncode < 0 and p.announced_at is None]
+        killed = [
+            p
+            for p in roots
+            if p.failed_at() - first < window and p.popen.returncode < 0 and p.announced_at is None
+        ]
         return killed[0] if killed else roots[0]
 
     def settle(self, wait: float) -> None:
@@ -391,8 +460,10 @@ def run(argv: Sequence[str] | None = None) -> int:
             while True:
                 if received:
                     sig = received[0]
-                    _say(f"received {signal.Signals(sig).name}; forwarding it to "
-                         f"{len(group.procs)} process(es).")
+                    _say(
+                        f"received {signal.Signals(sig).name}; forwarding it to "
+                        f"{len(group.procs)} process(es)."
+                    )
                     group.stop(a.grace, sig)
                     group.join_output()
                     return 128 + sig
@@ -407,21 +478,26 @@ def run(argv: Sequence[str] | None = None) -> int:
             proc = group.first_cause()
             code = proc.popen.returncode
             others = [p.index for p in group.procs if p.exited_at is None]
-            rest = (f"stopping process(es) {others} (SIGTERM, SIGKILL after {a.grace:g}s)"
-                    if others else "every other process has ended")
-            _say(f"process {proc.index} (pid {proc.popen.pid}) {describe_exit(code)} first; "
-                 f"{rest}.")
+            rest = (
+                f"stopping process(es) {others} (SIGTERM, SIGKILL after {a.grace:g}s)"
+                if others
+                else "every other process has ended"
+            )
+            _say(
+                f"process {proc.index} (pid {proc.popen.pid}) {describe_exit(code)} first; {rest}."
+            )
             group.stop(a.grace)
             group.join_output()
             for p in group.failures():
                 if p is proc:
                     continue
-                _say(f"then process {p.index} {describe_exit(p.popen.returncode)}"
-                     f"{_because(p)}.")
+                _say(f"then process {p.index} {describe_exit(p.popen.returncode)}{_because(p)}.")
             if restart < a.max_restarts:
                 restart += 1
-                _say(f"restarting all {a.nprocs} process(es) (restart {restart} of "
-                     f"{a.max_restarts}).")
+                _say(
+                    f"restarting all {a.nprocs} process(es) (restart {restart} of "
+                    f"{a.max_restarts})."
+                )
                 continue
             _say(f"failed: process {proc.index} {describe_exit(code)}{_because(proc)}.")
             return code if code > 0 else 128 - code

@@ -21,9 +21,7 @@ def mesh_2d(outer: int = 2, inner: int = 4) -> Mesh:
     return Mesh(np.array(jax.devices()[: outer * inner]).reshape(outer, inner), ("node", "local"))
 
 
-def run_per_rank(
-    body: Callable, mesh: Mesh, inputs: Sequence[np.ndarray], *, jit: bool = False
-):
+def run_per_rank(body: Callable, mesh: Mesh, inputs: Sequence[np.ndarray], *, jit: bool = False):
     """Run ``body`` under shard_map with ``inputs[k]`` holding one row per rank.
 
     Each input has a leading axis of size n (the mesh size); rank r sees row r (without the
@@ -73,8 +71,12 @@ def bind(binding: str, body: Callable, n: int = 4, axis: str = "i") -> Callable:
         mesh = mesh_1d(n, axis)
         mapped = jax.shard_map(
             lambda *a: jax.tree.map(lambda y: y[None], body(*(v[0] for v in a))),
-            mesh=mesh, in_specs=P(axis), out_specs=P(axis))
+            mesh=mesh,
+            in_specs=P(axis),
+            out_specs=P(axis),
+        )
 
         def f(*args):
             return mapped(*(jax.device_put(a, NamedSharding(mesh, P(axis))) for a in args))
+
     return jax.jit(f) if jitted and kind != "pmap" else f

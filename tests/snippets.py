@@ -58,12 +58,17 @@ def blocks(path: Path) -> list[Block]:
         if m.group(1) != "python":
             continue
         line = text.count("\n", 0, m.start()) + 2
-        before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
         skip = NOT_RUN.fullmatch(before)
         shown = OUTPUT.match(text, m.end())
-        found.append(Block(f"{path.name}:{line}", m.group(2),
-                           shown.group(1) if shown else None,
-                           skip.group(1) if skip else None))
+        found.append(
+            Block(
+                f"{path.name}:{line}",
+                m.group(2),
+                shown.group(1) if shown else None,
+                skip.group(1) if skip else None,
+            )
+        )
     return found
 
 
@@ -86,23 +91,32 @@ def check_not_run(block: Block) -> None:
     named = FILE.findall(block.not_run)
     for name in named:
         source = (ROOT / name).read_text()
-        missing = [ln.strip() for ln in block.code.splitlines()
-                   if ln.strip() and ln.strip() not in source]
+        missing = [
+            ln.strip() for ln in block.code.splitlines() if ln.strip() and ln.strip() not in source
+        ]
         assert not missing, f"{block.where}: lines not in {name}: {missing}"
 
 
-def run(session: list[Block], cwd: Path, xla_flags: str, prelude: str = "",
-        timeout: int = 300) -> list[str]:
+def run(
+    session: list[Block], cwd: Path, xla_flags: str, prelude: str = "", timeout: int = 300
+) -> list[str]:
     """Run one session's blocks in a new process with ``XLA_FLAGS=xla_flags`` (a block may
     set its own) and ``prelude`` run first; return what each block printed."""
     spec = cwd / "blocks.json"
     result = cwd / "result.json"
-    spec.write_text(json.dumps({"prelude": prelude,
-                                "blocks": [(b.where, b.code) for b in session]}))
+    spec.write_text(
+        json.dumps({"prelude": prelude, "blocks": [(b.where, b.code) for b in session]})
+    )
     env = dict(os.environ, XLA_FLAGS=xla_flags)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, __file__, str(spec), str(result)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(spec), str(result)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = json.loads(result.read_text())
     assert done["error"] is None, done["error"]
@@ -114,7 +128,8 @@ def check(session: list[Block], printed: list[str]) -> None:
     for block, out in zip(session, printed, strict=True):
         if block.output is not None:
             assert out.strip() == block.output.strip(), (
-                f"{block.where} printed:\n{out}\nthe page shows:\n{block.output}")
+                f"{block.where} printed:\n{out}\nthe page shows:\n{block.output}"
+            )
 
 
 def _drive(spec_path: str, result_path: str) -> None:

@@ -35,7 +35,7 @@ XLA_FLAGS = " ".join(xla_cpu_flags(devices=8))
 # small stand-ins under those names (an MLP for `model` and `ResNet`, an nnx MLP with
 # BatchNorm and Dropout for `CNN`, 192 + 64 random examples), run before the page's blocks.
 STANDINS = {
-    "dp.md": '''
+    "dp.md": """
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,7 +82,7 @@ images = _x[192:200]
 model = MLP()
 params = model.init(jax.random.key(0), _x[:1])["params"]
 global_batch = {"x": _x[:64], "y": _y[:64]}
-''',
+""",
 }
 
 
@@ -117,7 +117,8 @@ def test_snippet_conventions(tmp_path):
         "```python\nimport json\n```\n\n"
         "```bash\nmake docs\n```\n\n"
         '```python\nimport os\nos.environ["XLA_FLAGS"] = "--x"\n```\n'
-        "```python\nprint(2)\n```\n")
+        "```python\nprint(2)\n```\n"
+    )
     blocks = snippets.blocks(page)
     assert [b.where for b in blocks] == ["page.md:2", "page.md:13", "page.md:21", "page.md:25"]
     assert [b.output for b in blocks] == ["1\n", None, None, None]
@@ -127,7 +128,9 @@ def test_snippet_conventions(tmp_path):
     with pytest.raises(AssertionError, match="lines not in tests/snippets.py"):
         snippets.check_not_run(blocks[1])
     assert [[b.where for b in s] for s in snippets.sessions(blocks)] == [
-        ["page.md:2"], ["page.md:21", "page.md:25"]]
+        ["page.md:2"],
+        ["page.md:21", "page.md:25"],
+    ]
     with pytest.raises(AssertionError, match="page.md:2 printed"):
         snippets.check(blocks[:1], ["2\n"])
 
@@ -145,9 +148,11 @@ def public_modules() -> list[str]:
         if any(p.startswith("_") for p in parts):
             continue
         tree = ast.parse(path.read_text())
-        if any(isinstance(node, ast.Assign)
-               and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
-               for node in tree.body):
+        if any(
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+            for node in tree.body
+        ):
             found.append(".".join(parts))
     return found
 
@@ -179,16 +184,29 @@ def reference_entries(folder: Path = REFERENCE) -> dict[str, str]:
 def undocumented(entries: dict[str, str]) -> list[str]:
     """Names of public ``__all__`` lists whose object no entry resolves to."""
     documented = {id(resolve(ident)) for ident in entries}
-    return [f"{module}.{name}" for module in public_modules()
-            for name in importlib.import_module(module).__all__
-            if id(getattr(importlib.import_module(module), name)) not in documented]
+    return [
+        f"{module}.{name}"
+        for module in public_modules()
+        for name in importlib.import_module(module).__all__
+        if id(getattr(importlib.import_module(module), name)) not in documented
+    ]
 
 
 def test_the_public_modules_are_found():
     modules = public_modules()
-    for expected in ("jaxcoll", "jaxcoll.primitives", "jaxcoll.distributed",
-                     "jaxcoll.algorithms", "jaxcoll.groups", "jaxcoll.dp", "jaxcoll.dp.sync",
-                     "jaxcoll.dp.hooks", "jaxcoll.parallel", "jaxcoll.run", "jaxcoll.bench"):
+    for expected in (
+        "jaxcoll",
+        "jaxcoll.primitives",
+        "jaxcoll.distributed",
+        "jaxcoll.algorithms",
+        "jaxcoll.groups",
+        "jaxcoll.dp",
+        "jaxcoll.dp.sync",
+        "jaxcoll.dp.hooks",
+        "jaxcoll.parallel",
+        "jaxcoll.run",
+        "jaxcoll.bench",
+    ):
         assert expected in modules
     assert not [m for m in modules if "._" in m]
 
@@ -197,8 +215,9 @@ def test_every_public_name_is_in_the_api_reference():
     entries = reference_entries()
     assert len(entries) > 100
     missing = undocumented(entries)
-    assert not missing, (f"no ::: entry in docs/reference/ for {missing}: add one to the "
-                         f"module's page")
+    assert not missing, (
+        f"no ::: entry in docs/reference/ for {missing}: add one to the module's page"
+    )
 
 
 def test_a_name_missing_from_the_reference_is_reported(tmp_path):
@@ -219,9 +238,14 @@ def test_every_reference_entry_resolves():
 # ------------------------------------------------------------------------------- the build
 def test_site_builds_strictly_without_warnings(tmp_path):
     # mkdocs comes with the docs extra, which `make` installs (pip install -e ".[docs]").
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
-                           str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "WARNING" not in proc.stderr, proc.stderr[-4000:]
     assert (tmp_path / "site" / "reference" / "primitives" / "index.html").is_file()

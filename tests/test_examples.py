@@ -15,8 +15,13 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 def run_example(name: str, *args: str, timeout: int = 300) -> str:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets its own
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -32,9 +37,13 @@ def out01():
 
 def test_01_scalars_sum_to_three(out01):
     assert lines_matching(out01, r"Rank \d: Before all_reduce - Value = (\[.*\])") == [
-        "[1.0]", "[2.0]"]
+        "[1.0]",
+        "[2.0]",
+    ]
     assert lines_matching(out01, r"Rank \d: After all_reduce - Value = (\[.*\])") == [
-        "[3.0]", "[3.0]"]
+        "[3.0]",
+        "[3.0]",
+    ]
 
 
 def test_01_tensors_and_max(out01):
@@ -47,15 +56,18 @@ def test_01_tensors_and_max(out01):
 def test_02_reduce_leaves_other_arrays_alone():
     out = run_example("02_reduce.py")
     first = lines_matching(out, r"(Rank \d: x = .*)")
-    assert first == ["Rank 0: x = [1, 2, 3], y = [2, 3, 4], reduce result = [11, 22, 33]",
-                     "Rank 1: x = [10, 20, 30], y = [11, 21, 31], reduce result = [10, 20, 30]"]
+    assert first == [
+        "Rank 0: x = [1, 2, 3], y = [2, 3, 4], reduce result = [11, 22, 33]",
+        "Rank 1: x = [10, 20, 30], y = [11, 21, 31], reduce result = [10, 20, 30]",
+    ]
     shared = lines_matching(out, r"(Rank \d: shared .*)")
     assert all("shared x = [1.0, 2.0, 3.0], shared y = [4.0, 5.0, 6.0]" in s for s in shared)
     assert shared[0].endswith("reduce result = [2.0, 4.0, 6.0]")
     assert shared[1].endswith("reduce result = [1.0, 2.0, 3.0]")
     async_lines = lines_matching(out, r"(Rank \d: after async reduce .*)")
-    assert async_lines[0] == ("Rank 0: after async reduce x = [1, 2, 3], y = [4, 5, 6], "
-                              "reduce result = [11, 22, 33]")
+    assert async_lines[0] == (
+        "Rank 0: after async reduce x = [1, 2, 3], y = [4, 5, 6], reduce result = [11, 22, 33]"
+    )
     assert async_lines[1].endswith("y = [13, 23, 33], reduce result = [10, 20, 30]")
 
 
@@ -69,8 +81,10 @@ def test_03_every_torch_primitive():
     assert rows("final tensor after all_reduce") == ["[10.0]"] * 4
     assert rows("after reduce(dst=0)") == ["[10.0]", "[2.0]", "[3.0]", "[4.0]"]
     assert rows("received tensor after scatter") == ["[1.0]", "[2.0]", "[3.0]", "[4.0]"]
-    assert rows("gather list after gather(dst=0)") == [
-        "[[1.0], [2.0], [3.0], [4.0]]"] + ["[[0.0], [0.0], [0.0], [0.0]]"] * 3
+    assert (
+        rows("gather list after gather(dst=0)")
+        == ["[[1.0], [2.0], [3.0], [4.0]]"] + ["[[0.0], [0.0], [0.0], [0.0]]"] * 3
+    )
     assert rows("list after all_gather") == ["[[1.0], [2.0], [3.0], [4.0]]"] * 4
     assert rows("after send(0 -> 1)/recv") == ["[42.0]", "[42.0]", "[-1.0]", "[-1.0]"]
     assert rows("after a ring shift") == ["[4.0]", "[1.0]", "[2.0]", "[3.0]"]
@@ -92,8 +106,10 @@ def test_06_pipeline_equals_single_device_training():
     out = run_example("06_pipeline.py")
     assert "pipeline equal to single-device training (1e-5): True" in out
     assert "bubble fraction (S-1)/(M+S-1) = 3/11 = 0.273" in out
-    losses = [(float(a), float(b)) for a, b in re.findall(
-        r"pipeline loss ([\d.]+)\s+single-device loss ([\d.]+)", out)]
+    losses = [
+        (float(a), float(b))
+        for a, b in re.findall(r"pipeline loss ([\d.]+)\s+single-device loss ([\d.]+)", out)
+    ]
     assert len(losses) == 4 and losses[-1][0] < losses[0][0]  # it trains
     assert all(abs(a - b) <= 1e-5 for a, b in losses)
 

@@ -106,8 +106,10 @@ def violations(root: pathlib.Path) -> list[str]:
             elif unit in APART and dep_unit != unit and dep_unit not in SHARED:
                 bad.append(f"{where}: {mod} stands apart but imports {dep}")
             elif dep_unit != unit and UNITS[dep_unit] >= UNITS[unit]:
-                bad.append(f"{where}: {mod} (layer {UNITS[unit]}) imports {dep} "
-                           f"(layer {UNITS[dep_unit]}), which is not below it")
+                bad.append(
+                    f"{where}: {mod} (layer {UNITS[unit]}) imports {dep} "
+                    f"(layer {UNITS[dep_unit]}), which is not below it"
+                )
             if not (mod == unit and dep.startswith(mod + ".")):  # a package re-exporting its own
                 graph[mod].add(dep)
     state: dict[str, int] = {}
@@ -118,7 +120,7 @@ def violations(root: pathlib.Path) -> list[str]:
         stack.append(m)
         for d in sorted(graph[m]):
             if state.get(d) == 1:
-                bad.append("import circle: " + " -> ".join(stack[stack.index(d):] + [d]))
+                bad.append("import circle: " + " -> ".join(stack[stack.index(d) :] + [d]))
             elif d not in state:
                 visit(d)
         stack.pop()
@@ -145,11 +147,14 @@ def jax_internals(root: pathlib.Path) -> list[str]:
                 names = [f"{node.value.id}.{node.attr}"]
             else:
                 continue
-            hit = next((n for n in names for i in INTERNAL if n == i or n.startswith(i + ".")),
-                       None)
+            hit = next(
+                (n for n in names for i in INTERNAL if n == i or n.startswith(i + ".")), None
+            )
             if hit:
-                bad.append(f"{path.relative_to(root.parent)}:{node.lineno}: {mod} reaches "
-                           f"{hit}, a JAX internal: import it from {DOOR}")
+                bad.append(
+                    f"{path.relative_to(root.parent)}:{node.lineno}: {mod} reaches "
+                    f"{hit}, a JAX internal: import it from {DOOR}"
+                )
     return bad
 
 
@@ -173,18 +178,30 @@ def test_every_module_has_a_layer():
 @pytest.mark.parametrize(
     "file, line, expected",
     [
-        ("_core/ops.py", "from jaxcoll import distributed\n",
-         "(layer 0) imports jaxcoll.distributed (layer 4)"),
-        ("algorithms/ring.py", "from ..primitives import _all_reduce\n",
-         "imports jaxcoll.primitives._all_reduce (layer 2), which is not below it"),
-        ("dp/__init__.py", "from ..distributed import world\n",
-         "imports jaxcoll.distributed (layer 4)"),
+        (
+            "_core/ops.py",
+            "from jaxcoll import distributed\n",
+            "(layer 0) imports jaxcoll.distributed (layer 4)",
+        ),
+        (
+            "algorithms/ring.py",
+            "from ..primitives import _all_reduce\n",
+            "imports jaxcoll.primitives._all_reduce (layer 2), which is not below it",
+        ),
+        (
+            "dp/__init__.py",
+            "from ..distributed import world\n",
+            "imports jaxcoll.distributed (layer 4)",
+        ),
         ("_init.py", "from ._core import ops\n", "stands apart but imports jaxcoll._core"),
         ("_xla_flags.py", "from . import _init\n", "is shared by every layer but imports"),
         ("_jax.py", "from ._core import ops\n", "is shared by every layer but imports"),
         ("_core/ops.py", "from jax._src import core\n", "reaches jax._src, a JAX internal"),
-        ("_watch/process.py", "import jax.interpreters.mlir\n",
-         "reaches jax.interpreters.mlir, a JAX internal"),
+        (
+            "_watch/process.py",
+            "import jax.interpreters.mlir\n",
+            "reaches jax.interpreters.mlir, a JAX internal",
+        ),
         ("distributed/_group.py", "from jax import _src\n", "reaches jax._src, a JAX internal"),
         ("primitives/_gather.py", "x = jax.extend.core\n", "reaches jax.extend"),
         ("primitives/_gather.py", "def f():\n    from . import _scatter\n", "inside a function"),

@@ -21,8 +21,9 @@ print(sorted(jaxcoll.__all__))
 
 
 def test_import_has_no_side_effects():
-    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "'primitives'" in proc.stdout and "'distributed'" in proc.stdout
 

@@ -13,9 +13,11 @@ import jaxcoll
 from jaxcoll import run
 from jaxcoll._xla_flags import XLA_CPU_TIMEOUT_S, with_xla_cpu_flags
 
-NAMES = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds",
-         "--xla_cpu_collective_call_terminate_timeout_seconds",
-         "--xla_cpu_collective_timeout_seconds")
+NAMES = (
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds",
+    "--xla_cpu_collective_call_terminate_timeout_seconds",
+    "--xla_cpu_collective_timeout_seconds",
+)
 
 
 def _values(flags: str) -> dict[str, str]:
@@ -28,12 +30,14 @@ def test_the_flags_and_how_they_merge():
     assert {f.split("=")[0] for f in flags[1:]} == set(NAMES)
     assert all(f.endswith(f"={XLA_CPU_TIMEOUT_S}") for f in flags[1:])
     # the user's own setting of a timeout wins; the device count is replaced when given
-    merged = _values(with_xla_cpu_flags(
-        "--xla_force_host_platform_device_count=2 --xla_cpu_collective_timeout_seconds=5", 4))
+    merged = _values(
+        with_xla_cpu_flags(
+            "--xla_force_host_platform_device_count=2 --xla_cpu_collective_timeout_seconds=5", 4
+        )
+    )
     assert merged["--xla_force_host_platform_device_count"] == "4"
     assert merged["--xla_cpu_collective_timeout_seconds"] == "5"
-    assert merged["--xla_cpu_collective_call_terminate_timeout_seconds"] == \
-        str(XLA_CPU_TIMEOUT_S)
+    assert merged["--xla_cpu_collective_call_terminate_timeout_seconds"] == str(XLA_CPU_TIMEOUT_S)
     assert "device_count" not in with_xla_cpu_flags("")
     with pytest.raises(ValueError, match="devices=0 must be a positive int"):
         jaxcoll.xla_cpu_flags(devices=0)
@@ -51,13 +55,19 @@ def test_the_test_setup_and_the_launcher_set_them():
 def test_init_sets_them_and_xla_accepts_them():
     # A fresh process: jaxcoll.init() (one process, nothing to join) adds the flags before
     # JAX starts; XLA then parses them (an unknown flag name would abort the process).
-    code = ("import os, jaxcoll, jax; jaxcoll.init(); print(os.environ['XLA_FLAGS']); "
-            "print(len(jax.devices()))")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("JAXCOLL_", "JAX_", "MASTER_", "SLURM_", "XLA_FLAGS"))}
+    code = (
+        "import os, jaxcoll, jax; jaxcoll.init(); print(os.environ['XLA_FLAGS']); "
+        "print(len(jax.devices()))"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("JAXCOLL_", "JAX_", "MASTER_", "SLURM_", "XLA_FLAGS"))
+    }
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     flags, devices = proc.stdout.strip().splitlines()
     assert set(NAMES) <= set(_values(flags)) and devices == "1"

@@ -19,8 +19,10 @@ def check_static_int(api: str, argname: str, value: Any) -> int:
             f"value {value!r} instead. Pass a constant (mark it static under jax.jit)."
         )
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{api}: {argname} must be an int, got {value!r} of type "
-                        f"{type(value).__name__} instead.")
+        raise TypeError(
+            f"{api}: {argname} must be an int, got {value!r} of type "
+            f"{type(value).__name__} instead."
+        )
     return operator.index(value)
 
 
@@ -50,8 +52,7 @@ def check_divisible(api: str, what: str, length: int, n: int, fix: str) -> None:
     """``length`` (a dimension) must split into ``n`` equal parts."""
     if length % n:
         raise ValueError(
-            f"{api}: {what} has size {length}, which is not divisible by the group size {n}. "
-            f"{fix}"
+            f"{api}: {what} has size {length}, which is not divisible by the group size {n}. {fix}"
         )
 
 
@@ -83,8 +84,9 @@ def as_array_leaves(api: str, x: Any) -> tuple[list[jax.Array], Any]:
 def check_pairs(api: str, pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
     """A partial permutation: (src, dst) pairs, each rank at most once as src and as dst."""
     if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence | set | frozenset):
-        raise TypeError(f"{api}: pairs must be a sequence of (src, dst) rank pairs, got "
-                        f"{pairs!r} instead.")
+        raise TypeError(
+            f"{api}: pairs must be a sequence of (src, dst) rank pairs, got {pairs!r} instead."
+        )
     out = []
     for p in pairs:
         if not (isinstance(p, Sequence) and len(p) == 2):
@@ -105,8 +107,9 @@ def check_pairs(api: str, pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def check_split(api: str, shape: tuple[int, ...], axis: Any, n: int, tiled: bool,
-                argname: str = "axis") -> int:
+def check_split(
+    api: str, shape: tuple[int, ...], axis: Any, n: int, tiled: bool, argname: str = "axis"
+) -> int:
     """The axis that holds one slice per rank: size ``n`` (untiled) or a multiple of ``n``.
 
     Shared by scatter, reduce_scatter and all_to_all (and their group forms). Returns the axis
@@ -114,19 +117,30 @@ def check_split(api: str, shape: tuple[int, ...], axis: Any, n: int, tiled: bool
     """
     label = "`axis`" if argname == "axis" else argname
     if not shape:
-        raise ValueError(f"{api}: x is a scalar, but it must hold {n} slices along {label} "
-                         f"(one per rank).")
+        raise ValueError(
+            f"{api}: x is a scalar, but it must hold {n} slices along {label} (one per rank)."
+        )
     axis = check_axis(api, argname, axis, len(shape))
-    what = f"x.shape[{axis}]" + ("" if argname in ("axis", "scatter_dimension")
-                                 else f" ({argname})")
+    what = f"x.shape[{axis}]" + (
+        "" if argname in ("axis", "scatter_dimension") else f" ({argname})"
+    )
     if tiled:
-        check_divisible(api, what, shape[axis], n,
-                        f"Pad {label} to a multiple of the group size, so that every rank gets "
-                        f"an equal slice.")
+        check_divisible(
+            api,
+            what,
+            shape[axis],
+            n,
+            f"Pad {label} to a multiple of the group size, so that every rank gets an equal slice.",
+        )
     else:
-        check_leading(api, what, shape[axis], n,
-                      f"Stack one slice per rank along {label}, or use tiled=True to split a "
-                      f"longer axis into equal chunks.")
+        check_leading(
+            api,
+            what,
+            shape[axis],
+            n,
+            f"Stack one slice per rank along {label}, or use tiled=True to split a "
+            f"longer axis into equal chunks.",
+        )
     return axis
 
 
@@ -137,8 +151,10 @@ def check_gather_axis(api: str, shape: tuple[int, ...], axis: Any, tiled: bool) 
     if not tiled:
         return check_axis(api, "axis", axis, len(shape) + 1)
     if not shape:
-        raise ValueError(f"{api}: tiled=True concatenates along an existing axis, but x is a "
-                         f"scalar. Use tiled=False to stack, or reshape x to 1-D.")
+        raise ValueError(
+            f"{api}: tiled=True concatenates along an existing axis, but x is a "
+            f"scalar. Use tiled=False to stack, or reshape x to 1-D."
+        )
     return check_axis(api, "axis", axis, len(shape))
 
 
@@ -146,20 +162,27 @@ def check_sizes(api: str, sizes: Any, n: int, total: int, what: str) -> tuple[in
     """Static sizes of the ``n`` parts, one per rank in rank order, that split ``total`` rows
     exactly (``what`` says where ``total`` comes from, e.g. ``"x has 8 rows"``)."""
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence | np.ndarray):
-        raise TypeError(f"{api}: sizes must be a list of {n} static ints, one per rank (the rows "
-                        f"of its part), got {sizes!r} of type {type(sizes).__name__} instead. "
-                        f"The sizes set the result's shape, so they cannot be traced.")
+        raise TypeError(
+            f"{api}: sizes must be a list of {n} static ints, one per rank (the rows "
+            f"of its part), got {sizes!r} of type {type(sizes).__name__} instead. "
+            f"The sizes set the result's shape, so they cannot be traced."
+        )
     if len(sizes) != n:
-        raise ValueError(f"{api}: sizes={list(sizes)} has {len(sizes)} entries, but the group "
-                         f"has {n} ranks. Pass one size per rank: sizes[r] is the number of "
-                         f"rows rank r gets.")
+        raise ValueError(
+            f"{api}: sizes={list(sizes)} has {len(sizes)} entries, but the group "
+            f"has {n} ranks. Pass one size per rank: sizes[r] is the number of "
+            f"rows rank r gets."
+        )
     ints = tuple(check_static_int(api, f"sizes[{r}]", s) for r, s in enumerate(sizes))
     for r, s in enumerate(ints):
         if s < 0:
-            raise ValueError(f"{api}: sizes[{r}]={s} is negative; sizes count rows and must be "
-                             f">= 0.")
+            raise ValueError(
+                f"{api}: sizes[{r}]={s} is negative; sizes count rows and must be >= 0."
+            )
     if sum(ints) != total:
-        raise ValueError(f"{api}: sizes={list(ints)} sums to {sum(ints)}, but {what}. Each "
-                         f"rank's input is the {n} parts concatenated in rank order (torch's "
-                         f"input_list), so sum(sizes) must equal its length.")
+        raise ValueError(
+            f"{api}: sizes={list(ints)} sums to {sum(ints)}, but {what}. Each "
+            f"rank's input is the {n} parts concatenated in rank order (torch's "
+            f"input_list), so sum(sizes) must equal its length."
+        )
     return ints

@@ -59,8 +59,9 @@ GPU_PLATFORMS = ("cuda", "rocm")
 """Platforms whose XLA compiles HLO collective-broadcast and ragged-all-to-all."""
 
 
-def register_gpu_or_portable(prim: Primitive, gpu: Any, portable: Any, *,
-                             multiple_results: bool) -> None:
+def register_gpu_or_portable(
+    prim: Primitive, gpu: Any, portable: Any, *, multiple_results: bool
+) -> None:
     """Lower ``prim`` by ``gpu`` when every platform of the module is a GPU, else ``portable``.
 
     One rule that looks at all the platforms the module is lowered for, not one rule per
@@ -72,8 +73,10 @@ def register_gpu_or_portable(prim: Primitive, gpu: Any, portable: Any, *,
     The cost: such a module runs the portable lowering on the GPU as well; a module lowered for
     GPUs only (``jax.jit`` on a GPU, ``jax.export(..., platforms=("cuda",))``) gets ``gpu``.
     """
-    rules = {True: lower_fun(gpu, multiple_results=multiple_results),
-             False: lower_fun(portable, multiple_results=multiple_results)}
+    rules = {
+        True: lower_fun(gpu, multiple_results=multiple_results),
+        False: lower_fun(portable, multiple_results=multiple_results),
+    }
 
     def rule(ctx, *args, **params):
         native = all(p in GPU_PLATFORMS for p in lowering_platforms(ctx))
@@ -168,16 +171,20 @@ def reduce(x: jax.Array, ax: Axis, dst: int, op: ReduceOp, kind: str) -> jax.Arr
 
 
 @staged(1, 2, 3, 4, 5)
-def reduce_scatter(x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int,
-                   tiled: bool) -> jax.Array:
+def reduce_scatter(
+    x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int, tiled: bool
+) -> jax.Array:
     """SUM/AVG on numbers: one ``lax.psum_scatter`` (AVG then divides); every other op and
     bool: one ``all_to_all`` + one local reduce."""
     n = ax.size
     if x.size == 0:  # XLA rejects an empty scattered dimension; there is nothing to reduce
         return unsplit_slice(jnp.zeros_like(split_leading(x, dim, n, tiled)[0]), dim, tiled)
     if kind != "bool" and op in (ReduceOp.SUM, ReduceOp.AVG):
-        out = lax.psum_scatter(x, ax.name, scatter_dimension=dim, tiled=tiled) if n > 1 else (
-            x if tiled else jnp.squeeze(x, dim))
+        out = (
+            lax.psum_scatter(x, ax.name, scatter_dimension=dim, tiled=tiled)
+            if n > 1
+            else (x if tiled else jnp.squeeze(x, dim))
+        )
         if op is ReduceOp.AVG:
             out = (out / jnp.asarray(n, out.dtype)).astype(out.dtype)
         return out
@@ -253,8 +260,7 @@ def scatter(x: jax.Array, ax: Axis, src: int, axis: int, tiled: bool) -> jax.Arr
 
 
 @staged(1, 2, 3, 4)
-def all_to_all(x: jax.Array, ax: Axis, split_axis: int, concat_axis: int,
-               tiled: bool) -> jax.Array:
+def all_to_all(x: jax.Array, ax: Axis, split_axis: int, concat_axis: int, tiled: bool) -> jax.Array:
     """One ``lax.all_to_all``. Untiled, it is written as the tiled primitive over an inserted
     unit axis: in jax 0.10 the transpose of an untiled all_to_all with ``split_axis !=
     concat_axis`` inserts the unit axis a second time and fails with a cotangent shape error."""
@@ -356,14 +362,18 @@ def _from_bytes(b: jax.Array, like: Any) -> jax.Array:
 
 def _packed(lowering_fn):
     """Run a one-buffer lowering on every leaf at once: leaves as bytes, side by side."""
+
     def run(*args, ax, out_size, count):
         leaves, plan = args[:count], args[count:]
         flat = [_to_bytes(leaf) for leaf in leaves]
         widths = [f.shape[1] for f in flat]
         moved = lowering_fn(jnp.concatenate(flat, axis=1), *plan, ax=ax, out_size=out_size)
         cuts = np.cumsum(widths)[:-1].tolist()
-        return [_from_bytes(part, jax.typeof(leaf)) for part, leaf
-                in zip(jnp.split(moved, cuts, axis=1), leaves, strict=True)]
+        return [
+            _from_bytes(part, jax.typeof(leaf))
+            for part, leaf in zip(jnp.split(moved, cuts, axis=1), leaves, strict=True)
+        ]
+
     return run
 
 
@@ -390,8 +400,7 @@ def _ragged_padded(x, in_off, send, out_off, recv, recv_off, *, ax, out_size):
 def _ragged_native(x, in_off, send, out_off, recv, recv_off, *, ax, out_size):
     """GPU: one ``lax.ragged_all_to_all`` (HLO ragged-all-to-all) into a zero buffer."""
     if min(x.shape[0], out_size) == 0 or ax.size == 1:  # nothing to move between devices
-        return _ragged_padded(x, in_off, send, out_off, recv, recv_off, ax=ax,
-                              out_size=out_size)
+        return _ragged_padded(x, in_off, send, out_off, recv, recv_off, ax=ax, out_size=out_size)
     out = ensure_varying(jnp.zeros((out_size, *x.shape[1:]), x.dtype), ax)
     return lax.ragged_all_to_all(x, out, in_off, send, out_off, recv, axis_name=ax.name)
 
@@ -402,10 +411,14 @@ def _ragged_native(x, in_off, send, out_off, recv, recv_off, *, ax, out_size):
 # leaves; its transpose is the ragged all-to-all back to where each row came from.
 ragged_p = Primitive("jaxcoll_ragged_all_to_all")
 ragged_p.multiple_results = True
-ragged_p.def_abstract_eval(lambda *avals, ax, out_size, count: [
-    a.update(shape=(out_size, *a.shape[1:])) for a in avals[:count]])
-register_gpu_or_portable(ragged_p, _packed(_ragged_native), _packed(_ragged_padded),
-                         multiple_results=True)
+ragged_p.def_abstract_eval(
+    lambda *avals, ax, out_size, count: [
+        a.update(shape=(out_size, *a.shape[1:])) for a in avals[:count]
+    ]
+)
+register_gpu_or_portable(
+    ragged_p, _packed(_ragged_native), _packed(_ragged_padded), multiple_results=True
+)
 
 
 def _ragged_jvp(primals, tangents, *, ax, out_size, count):
@@ -417,18 +430,31 @@ def _ragged_jvp(primals, tangents, *, ax, out_size, count):
 def _ragged_transpose(cts, *args, ax, out_size, count):
     leaves, (in_off, send, _, recv, recv_off) = args[:count], args[count:]
     cts = [ensure_varying(instantiate_zeros(ct), ax) for ct in cts]
-    back = ragged_p.bind(*cts, recv_off, recv, _column(in_off, ax), send, in_off, ax=ax,
-                         out_size=leaves[0].aval.shape[0], count=count)
+    back = ragged_p.bind(
+        *cts,
+        recv_off,
+        recv,
+        _column(in_off, ax),
+        send,
+        in_off,
+        ax=ax,
+        out_size=leaves[0].aval.shape[0],
+        count=count,
+    )
     return [*back, None, None, None, None, None]
 
 
 def _ragged_batcher(vals, dims, *, ax, out_size, count):
     """A vmap over another axis: one ragged all-to-all per batch entry."""
     size = next(v.shape[d] for v, d in zip(vals, dims) if d is not None)
-    vals = [jnp.moveaxis(v, d, 0) if d is not None else jnp.broadcast_to(v, (size, *v.shape))
-            for v, d in zip(vals, dims)]
-    outs = [ragged_p.bind(*(v[b] for v in vals), ax=ax, out_size=out_size, count=count)
-            for b in range(size)]
+    vals = [
+        jnp.moveaxis(v, d, 0) if d is not None else jnp.broadcast_to(v, (size, *v.shape))
+        for v, d in zip(vals, dims)
+    ]
+    outs = [
+        ragged_p.bind(*(v[b] for v in vals), ax=ax, out_size=out_size, count=count)
+        for b in range(size)
+    ]
     return [jnp.stack(o) for o in zip(*outs)], [0] * count
 
 
@@ -437,8 +463,9 @@ primitive_transposes[ragged_p] = _ragged_transpose
 primitive_batchers[ragged_p] = _ragged_batcher
 
 
-def ragged_all_to_all(leaves: list[jax.Array], ax: Axis, plan: tuple[jax.Array, ...],
-                      out_size: int) -> list[jax.Array]:
+def ragged_all_to_all(
+    leaves: list[jax.Array], ax: Axis, plan: tuple[jax.Array, ...], out_size: int
+) -> list[jax.Array]:
     """Move the leaves (one leading row count) by ``plan`` (from :func:`ragged_plan`) into
     ``out_size`` rows each, all leaves in one transfer.
 
@@ -468,8 +495,9 @@ def identity(op: ReduceOp, kind: str, dtype: Any) -> Any:
     if kind == "bool":
         return op in (ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.BAND)
     if op in (ReduceOp.MIN, ReduceOp.MAX):
-        lo, hi = ((-np.inf, np.inf) if kind == "floating"
-                  else (np.iinfo(dtype).min, np.iinfo(dtype).max))
+        lo, hi = (
+            (-np.inf, np.inf) if kind == "floating" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+        )
         return hi if op is ReduceOp.MIN else lo
     if op is ReduceOp.PRODUCT:
         return 1
@@ -492,8 +520,11 @@ def scan(x: jax.Array, ax: Axis, op: ReduceOp, kind: str, exclusive: bool) -> ja
     x = ensure_varying(x, ax)
     if exclusive:
         e = jnp.full_like(x, identity(op, kind, x.dtype))
-        x = e if n == 1 else jnp.where(r == 0, e, permute(x, ax, [(i, i + 1)
-                                                                  for i in range(n - 1)]))
+        x = (
+            e
+            if n == 1
+            else jnp.where(r == 0, e, permute(x, ax, [(i, i + 1) for i in range(n - 1)]))
+        )
     combine = rule(op, kind).combine
     d = 1
     while d < n:

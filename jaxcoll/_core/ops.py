@@ -66,10 +66,24 @@ class ReduceOp(str, enum.Enum):
 
 _ALL = tuple(ReduceOp)
 _ALLOWED: dict[str, tuple[ReduceOp, ...]] = {
-    "bool": (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX,
-             ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR),
-    "integer": (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX,
-                ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR),
+    "bool": (
+        ReduceOp.SUM,
+        ReduceOp.PRODUCT,
+        ReduceOp.MIN,
+        ReduceOp.MAX,
+        ReduceOp.BAND,
+        ReduceOp.BOR,
+        ReduceOp.BXOR,
+    ),
+    "integer": (
+        ReduceOp.SUM,
+        ReduceOp.PRODUCT,
+        ReduceOp.MIN,
+        ReduceOp.MAX,
+        ReduceOp.BAND,
+        ReduceOp.BOR,
+        ReduceOp.BXOR,
+    ),
     "floating": (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX),
     "complex": (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT),
 }
@@ -166,8 +180,12 @@ _OR = Rule(jnp.logical_or, _lax_reduce(lax.reduce_or), lax.pmax)
 _AND = Rule(jnp.logical_and, _lax_reduce(lax.reduce_and), lax.pmin)
 _RULES: dict[tuple[str, ReduceOp], Rule] = {
     # torch's rules for bool: SUM and MAX are logical or, PRODUCT and MIN logical and.
-    ("bool", ReduceOp.SUM): _OR, ("bool", ReduceOp.MAX): _OR, ("bool", ReduceOp.BOR): _OR,
-    ("bool", ReduceOp.PRODUCT): _AND, ("bool", ReduceOp.MIN): _AND, ("bool", ReduceOp.BAND): _AND,
+    ("bool", ReduceOp.SUM): _OR,
+    ("bool", ReduceOp.MAX): _OR,
+    ("bool", ReduceOp.BOR): _OR,
+    ("bool", ReduceOp.PRODUCT): _AND,
+    ("bool", ReduceOp.MIN): _AND,
+    ("bool", ReduceOp.BAND): _AND,
     ("bool", ReduceOp.BXOR): Rule(jnp.logical_xor, _lax_reduce(lax.reduce_xor), None),
     ("number", ReduceOp.SUM): Rule(jnp.add, _over_ranks(jnp.sum), lax.psum),
     ("number", ReduceOp.AVG): Rule(jnp.add, _over_ranks(jnp.mean), lax.pmean),

@@ -26,7 +26,7 @@ def unpack(flat: jax.Array, likes: Sequence[jax.Array]) -> list[jax.Array]:
     out, start = [], 0
     for like in likes:
         size = int(np.prod(like.shape))
-        out.append(flat[start:start + size].reshape(like.shape))
+        out.append(flat[start : start + size].reshape(like.shape))
         start += size
     return out
 
@@ -90,5 +90,5 @@ def place_gathered(stacked: jax.Array, axis: int, tiled: bool) -> jax.Array:
     out = jnp.moveaxis(stacked, 0, axis)
     if tiled:
         shape = stacked.shape[1:]
-        out = out.reshape(shape[:axis] + (stacked.shape[0] * shape[axis],) + shape[axis + 1:])
+        out = out.reshape(shape[:axis] + (stacked.shape[0] * shape[axis],) + shape[axis + 1 :])
     return out

@@ -111,8 +111,10 @@ replicated_p.def_impl(lambda x, *, axes: x)
 replicated_p.def_abstract_eval(lambda aval, *, axes: _without(aval, axes))
 register_lowering(replicated_p, lambda ctx, x, *, axes: [x])
 deflinear2(replicated_p, lambda ct, x, *, axes: [root_cotangent(ct, axes, 0)])
-primitive_batchers[replicated_p] = (
-    lambda vals, dims, *, axes: (replicated_p.bind(vals[0], axes=axes), dims[0]))
+primitive_batchers[replicated_p] = lambda vals, dims, *, axes: (
+    replicated_p.bind(vals[0], axes=axes),
+    dims[0],
+)
 
 
 def replicated(x: jax.Array, ax: Any) -> jax.Array:

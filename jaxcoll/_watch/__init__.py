@@ -53,8 +53,9 @@ __all__ = [
 _exit_hook = False
 
 
-def configure(timeout: float | str | None = "env", debug: str | None = "env",
-              api: str = "init") -> None:
+def configure(
+    timeout: float | str | None = "env", debug: str | None = "env", api: str = "init"
+) -> None:
     """Set the collective timeout and detail mode (``"env"``: from the environment)."""
     process.configure(timeout, debug, api=api)
     _watchdog.ensure_thread()

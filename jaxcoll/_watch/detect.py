@@ -65,8 +65,11 @@ def agree(api: str, fields: dict[str, str], processes: tuple[int, ...]) -> None:
                     f"in the same order; detection compares programs at their first use, so "
                     f"process {p} may be in a program it has run before."
                 )
-    differ = [k for k in dict.fromkeys(k for f in got.values() for k in f)
-              if len({json.dumps(f.get(k)) for f in got.values()}) > 1]
+    differ = [
+        k
+        for k in dict.fromkeys(k for f in got.values() for k in f)
+        if len({json.dumps(f.get(k)) for f in got.values()}) > 1
+    ]
     if not differ:
         return
     show = [k for k in differ if k != "program"] or differ
@@ -93,8 +96,9 @@ def _meet(prefix: str, processes: tuple[int, ...], wait_ms: int = 5000) -> None:
     _wait_for_all(client, prefix, processes, me, wait_ms)
 
 
-def _wait_for_all(client: Any, prefix: str, processes: tuple[int, ...], me: int,
-                  wait_ms: int) -> None:
+def _wait_for_all(
+    client: Any, prefix: str, processes: tuple[int, ...], me: int, wait_ms: int
+) -> None:
     for p in processes:
         if p != me:
             try:
@@ -132,8 +136,10 @@ def processes_of(tree: Any) -> tuple[int, ...]:
     for leaf in jax.tree_util.tree_leaves(tree):
         if isinstance(leaf, jax.Array):
             # jaxlib ships no stub for its Device class, so jax's Device annotation is opaque.
-            procs |= {d.process_index  # type: ignore[attr-defined]
-                      for d in leaf.sharding.device_set}
+            procs |= {
+                d.process_index  # type: ignore[attr-defined]
+                for d in leaf.sharding.device_set
+            }
     return tuple(sorted(procs)) if procs else tuple(range(process.me()[1]))
 
 
@@ -176,11 +182,17 @@ def watch(fn: Callable[..., Any], name: str | None = None) -> Callable[..., Any]
     return watched
 
 
-def _check_first_call(fn: Callable[..., Any], label: str, seen: set[Any], args: tuple,
-                      kwargs: dict) -> None:
+def _check_first_call(
+    fn: Callable[..., Any], label: str, seen: set[Any], args: tuple, kwargs: dict
+) -> None:
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    sig = (treedef, tuple((getattr(x, "shape", None), x.dtype) if hasattr(x, "dtype")
-                          else ("static", repr(x)) for x in leaves))
+    sig = (
+        treedef,
+        tuple(
+            (getattr(x, "shape", None), x.dtype) if hasattr(x, "dtype") else ("static", repr(x))
+            for x in leaves
+        ),
+    )
     if sig in seen:
         return
     procs = processes_of((args, kwargs))

@@ -40,5 +40,8 @@ def _run() -> None:
         failed = {k: v for k, v in process.failed().items() if k != me}
         if failed:
             k = min(failed)
-            process.leave(1, f"jaxcoll: process {me} of {n} stops: process {k} failed "
-                             f"({failed[k].rstrip('.')}); exiting with code 1.")
+            process.leave(
+                1,
+                f"jaxcoll: process {me} of {n} stops: process {k} failed "
+                f"({failed[k].rstrip('.')}); exiting with code 1.",
+            )

@@ -47,14 +47,19 @@ def _parse_timeout(api: str, value: Any, source: str) -> float | None:
         try:
             value = float(text)
         except ValueError:
-            raise ValueError(f"{api}: {source}={text!r} is not a number of seconds. Set it to "
-                             f"e.g. 600, or 0 to turn the watchdog off.") from None
+            raise ValueError(
+                f"{api}: {source}={text!r} is not a number of seconds. Set it to "
+                f"e.g. 600, or 0 to turn the watchdog off."
+            ) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{api}: timeout must be a number of seconds, got {value!r} of type "
-                        f"{type(value).__name__} instead.")
+        raise TypeError(
+            f"{api}: timeout must be a number of seconds, got {value!r} of type "
+            f"{type(value).__name__} instead."
+        )
     if math.isnan(value) or value < 0:
-        raise ValueError(f"{api}: {source}={value} must be 0 (off) or a positive number of "
-                         f"seconds.")
+        raise ValueError(
+            f"{api}: {source}={value} must be 0 (off) or a positive number of seconds."
+        )
     return None if value == 0 or math.isinf(value) else float(value)
 
 
@@ -64,13 +69,19 @@ def _parse_debug(api: str, value: Any, source: str) -> bool:
         return False
     if text == "detail":
         return True
-    raise ValueError(f"{api}: {source}={value!r} is not 'detail' or 'off'. Set "
-                     f"JAXCOLL_DEBUG=detail to check that every process runs the same "
-                     f"collectives.")
+    raise ValueError(
+        f"{api}: {source}={value!r} is not 'detail' or 'off'. Set "
+        f"JAXCOLL_DEBUG=detail to check that every process runs the same "
+        f"collectives."
+    )
 
 
-def configure(timeout_s: float | str | None = "env", debug: str | None = "env",
-              joined: bool | None = None, api: str = "init") -> None:
+def configure(
+    timeout_s: float | str | None = "env",
+    debug: str | None = "env",
+    joined: bool | None = None,
+    api: str = "init",
+) -> None:
     """Settle the timeout and detail mode: the arguments, else the environment, else defaults.
 
     ``"env"`` (or None) reads ``JAXCOLL_TIMEOUT`` / ``JAXCOLL_DEBUG``. Unset, the timeout is
@@ -83,8 +94,11 @@ def configure(timeout_s: float | str | None = "env", debug: str | None = "env",
         joined = client() is not None
     if timeout_s == "env" or timeout_s is None:
         raw = env.get("JAXCOLL_TIMEOUT", "").strip()
-        t = _parse_timeout(api, raw, "JAXCOLL_TIMEOUT") if raw else \
-            (DEFAULT_TIMEOUT if joined else None)
+        t = (
+            _parse_timeout(api, raw, "JAXCOLL_TIMEOUT")
+            if raw
+            else (DEFAULT_TIMEOUT if joined else None)
+        )
     else:
         t = _parse_timeout(api, timeout_s, "timeout")
     if debug == "env" or debug is None:
@@ -189,9 +203,13 @@ others to leave first (they learn of its failure within a second or two; see :fu
 _leaving = threading.Lock()
 
 
-def leave(code: int, line: str | None = None, reason: str | None = None,
-          before: Callable[[], None] | None = None,
-          report: Callable[[], None] | None = None) -> None:
+def leave(
+    code: int,
+    line: str | None = None,
+    reason: str | None = None,
+    before: Callable[[], None] | None = None,
+    report: Callable[[], None] | None = None,
+) -> None:
     """End this process with ``code`` after ``line``, without pulling the job from under the
     others: the only way a jaxcoll process ends early, from any thread.
 

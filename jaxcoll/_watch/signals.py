@@ -55,8 +55,9 @@ def install() -> None:
         os.close(write_fd)
     else:
         _pipe = True
-        threading.Thread(target=_read_pipe, args=(read_fd,), name="jaxcoll-sigterm",
-                         daemon=True).start()
+        threading.Thread(
+            target=_read_pipe, args=(read_fd,), name="jaxcoll-sigterm", daemon=True
+        ).start()
     _installed = True
 
 
@@ -83,10 +84,14 @@ def _sigterm() -> None:
         count = _count
     me = process.me()[0]
     if _claims == 0 or count > 1:
-        process.die(f"jaxcoll: process {me} received SIGTERM; exiting with code "
-                    f"{SIGTERM_EXIT}.", SIGTERM_EXIT)
-    process.say(f"jaxcoll: process {me} received SIGTERM; the training loop will stop at a "
-                f"step boundary (a second SIGTERM exits at once).")
+        process.die(
+            f"jaxcoll: process {me} received SIGTERM; exiting with code {SIGTERM_EXIT}.",
+            SIGTERM_EXIT,
+        )
+    process.say(
+        f"jaxcoll: process {me} received SIGTERM; the training loop will stop at a "
+        f"step boundary (a second SIGTERM exits at once)."
+    )
     if process.client() is not None:
         with _cond:
             _publish(me)
@@ -122,8 +127,7 @@ def handle_preemption() -> Iterator[None]:
     with process.lock:
         _claims += 1
         if process.client() is not None and (_agreement is None or not _agreement.is_alive()):
-            _agreement = threading.Thread(target=_agree, name="jaxcoll-preemption",
-                                          daemon=True)
+            _agreement = threading.Thread(target=_agree, name="jaxcoll-preemption", daemon=True)
             _agreement.start()
     try:
         yield
@@ -165,8 +169,11 @@ def _publish(me: int) -> None:
     _noticed = True
     if _published is None:
         _published = step = _loop_step
-        process.kv(lambda c: c.key_value_set(
-            f"{process.PREFIX}preempt/{me}", str(step), allow_overwrite=True))
+        process.kv(
+            lambda c: c.key_value_set(
+                f"{process.PREFIX}preempt/{me}", str(step), allow_overwrite=True
+            )
+        )
 
 
 def _agree() -> None:

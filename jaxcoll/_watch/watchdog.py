@@ -138,25 +138,34 @@ def _fire(item: tuple, leaf: Any, waited: float, t: float) -> None:
     desc = f"{what}({_shapes(inputs if inputs is not None else outputs)})"
     procs = _processes(leaf)
     where = f" over processes {process.ranges(procs)}" if n > 1 and procs else ""
-    process.kv(lambda c: c.key_value_set(f"{process.PREFIX}stuck/{me}", desc,
-                                         allow_overwrite=True))
+    process.kv(lambda c: c.key_value_set(f"{process.PREFIX}stuck/{me}", desc, allow_overwrite=True))
     gone = [p for p in process.exited() if p != me and p in procs]
     stuck = process.kv(lambda c: c.key_value_dir_get(f"{process.PREFIX}stuck/")) or []
     others = []
     if gone:
-        others.append(f"process(es) {process.ranges(gone)} exited while this one waits for "
-                      f"it (they never joined it, or joined with other shapes)")
+        others.append(
+            f"process(es) {process.ranges(gone)} exited while this one waits for "
+            f"it (they never joined it, or joined with other shapes)"
+        )
     for key, value in sorted(stuck):
         p = int(key.rsplit("/", 1)[1])
         if p != me and p not in gone:
             others.append(f"process {p} timed out in {value}")
     if not others and n > 1:
-        others.append("the other processes have not joined it (they are in another "
-                      "collective, or outside any)")
-    verb = (f"timed out after {waited:.1f}s (timeout {t:g}s)" if waited >= t
-            else f"gave up after {waited:.1f}s")
-    process.die(f"jaxcoll: process {me} of {n} {verb} waiting for {desc}{where}: "
-                f"{'; '.join(others) or 'it never finished'}; exiting with code 1.", 1)
+        others.append(
+            "the other processes have not joined it (they are in another "
+            "collective, or outside any)"
+        )
+    verb = (
+        f"timed out after {waited:.1f}s (timeout {t:g}s)"
+        if waited >= t
+        else f"gave up after {waited:.1f}s"
+    )
+    process.die(
+        f"jaxcoll: process {me} of {n} {verb} waiting for {desc}{where}: "
+        f"{'; '.join(others) or 'it never finished'}; exiting with code 1.",
+        1,
+    )
 
 
 def _shapes(tree: Any) -> str:

@@ -15,14 +15,26 @@ from .._core.ops import ReduceOp
 from .._core.packing import place_gathered, split_leading, unsplit_slice
 
 
-def gather_placed(stacked_fn: Callable[[jax.Array, Axis], jax.Array], x: jax.Array, ax: Axis,
-                  axis: int, tiled: bool) -> jax.Array:
+def gather_placed(
+    stacked_fn: Callable[[jax.Array, Axis], jax.Array],
+    x: jax.Array,
+    ax: Axis,
+    axis: int,
+    tiled: bool,
+) -> jax.Array:
     """``all_gather(x, axis=axis, tiled=tiled)`` from an algorithm's ``(n, *x.shape)``."""
     return place_gathered(stacked_fn(x, ax), axis, tiled)
 
 
-def scatter_rows(rows_fn: Callable[..., jax.Array], x: jax.Array, ax: Axis, op: ReduceOp,
-                 kind: str, dim: int, tiled: bool) -> jax.Array:
+def scatter_rows(
+    rows_fn: Callable[..., jax.Array],
+    x: jax.Array,
+    ax: Axis,
+    op: ReduceOp,
+    kind: str,
+    dim: int,
+    tiled: bool,
+) -> jax.Array:
     """``reduce_scatter(x, scatter_dimension=dim, tiled=tiled)`` from an algorithm's
     reduce-scatter of ``(n, m)`` rows."""
     parts = split_leading(x, dim, ax.size, tiled)

@@ -46,8 +46,10 @@ DEFAULTS_FILE = "auto_table.json"
 
 Table = dict[str, dict[str, dict[str, list[tuple[int | None, str]]]]]
 
-_FIX = ("Fix the file, rerun `jaxcoll-bench --update-table`, or delete the file to use the "
-        "shipped defaults.")
+_FIX = (
+    "Fix the file, rerun `jaxcoll-bench --update-table`, or delete the file to use the "
+    "shipped defaults."
+)
 _defaults: list[Table] = []  # the parsed shipped table, once
 _cached: tuple[tuple, Table] | None = None  # (user file's path and stat, merged table)
 
@@ -85,8 +87,9 @@ def _path_for(given: str | None, cache: str | None, home: str | None) -> str:
     is part of the cache key only: ``expanduser`` reads ``$HOME``."""
     if given:
         return os.path.expanduser(given)
-    root = cache if cache and os.path.isabs(cache) else os.path.join(
-        os.path.expanduser("~"), ".cache")
+    root = (
+        cache if cache and os.path.isabs(cache) else os.path.join(os.path.expanduser("~"), ".cache")
+    )
     return os.path.join(root, "jaxcoll", "auto_table.json")
 
 
@@ -95,14 +98,17 @@ def _entry(where: str, value: Any, last_bound: int | None) -> tuple[int | None, 
         raise ValueError(f"{where} must be a pair [max_bytes, algorithm], got {value!r} instead")
     bound, algorithm = value
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
-        raise ValueError(f"{where}: max_bytes must be a non-negative integer or null, got "
-                         f"{bound!r} instead")
+        raise ValueError(
+            f"{where}: max_bytes must be a non-negative integer or null, got {bound!r} instead"
+        )
     if algorithm not in CHOICES:
-        raise ValueError(f"{where}: algorithm must be one of {', '.join(CHOICES)}, got "
-                         f"{algorithm!r} instead")
+        raise ValueError(
+            f"{where}: algorithm must be one of {', '.join(CHOICES)}, got {algorithm!r} instead"
+        )
     if last_bound is not None and bound is not None and bound <= last_bound:
-        raise ValueError(f"{where}: max_bytes must grow from entry to entry, got {bound} after "
-                         f"{last_bound}")
+        raise ValueError(
+            f"{where}: max_bytes must grow from entry to entry, got {bound} after {last_bound}"
+        )
     return bound, algorithm
 
 
@@ -124,13 +130,17 @@ def _validate(data: Any) -> Table:
             for op, entries in _mapping(f"[{platform!r}][{topo!r}]", ops, OPS).items():
                 where = f"[{platform!r}][{topo!r}][{op!r}]"
                 if not isinstance(entries, list) or not entries:
-                    raise ValueError(f"{where} must be a non-empty list of [max_bytes, "
-                                     f"algorithm], got {entries!r} instead")
+                    raise ValueError(
+                        f"{where} must be a non-empty list of [max_bytes, "
+                        f"algorithm], got {entries!r} instead"
+                    )
                 rows: list[tuple[int | None, str]] = []
                 for i, value in enumerate(entries):
                     if rows and rows[-1][0] is None:
-                        raise ValueError(f"{where}[{i}] follows an entry with max_bytes null, "
-                                         f"which already covers every size; remove it")
+                        raise ValueError(
+                            f"{where}[{i}] follows an entry with max_bytes null, "
+                            f"which already covers every size; remove it"
+                        )
                     rows.append(_entry(f"{where}[{i}]", value, rows[-1][0] if rows else None))
                 table.setdefault(platform, {}).setdefault(topo, {})[op] = rows
     return table
@@ -154,8 +164,10 @@ def read_table(path: str | os.PathLike) -> Table:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
-        raise OSError(f"auto: cannot read the algorithm table {path}: {err}. Fix its "
-                      f"permissions or point ${ENV_VAR} at another file.") from err
+        raise OSError(
+            f"auto: cannot read the algorithm table {path}: {err}. Fix its "
+            f"permissions or point ${ENV_VAR} at another file."
+        ) from err
     return _parse(text, str(path))
 
 
@@ -163,8 +175,10 @@ def _parse(text: str, name: str) -> Table:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"auto: the algorithm table {name} is not valid JSON: {err.msg} at "
-                         f"line {err.lineno}, column {err.colno}. {_FIX}") from None
+        raise ValueError(
+            f"auto: the algorithm table {name} is not valid JSON: {err.msg} at "
+            f"line {err.lineno}, column {err.colno}. {_FIX}"
+        ) from None
     try:
         return _validate(data)
     except ValueError as err:

@@ -31,6 +31,7 @@ def all_gather(x: jax.Array, ax: Axis, axis: int, tiled: bool) -> jax.Array:
     return lowering.all_gather(x, ax, axis, tiled)
 
 
-def reduce_scatter(x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int,
-                   tiled: bool) -> jax.Array:
+def reduce_scatter(
+    x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int, tiled: bool
+) -> jax.Array:
     return lowering.reduce_scatter(x, ax, op, kind, dim, tiled)

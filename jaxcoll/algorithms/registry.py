@@ -36,12 +36,16 @@ ALGORITHMS = (*MODULES, "auto")
 def check_algorithm(api: str, algorithm: Any, argname: str = "algorithm") -> str:
     """``algorithm`` (passed as ``argname``) must be one of :data:`ALGORITHMS` (a string)."""
     if not isinstance(algorithm, str):
-        raise TypeError(f"{api}: {argname} must be a string, one of {', '.join(ALGORITHMS)}; "
-                        f"got {algorithm!r} of type {type(algorithm).__name__} instead.")
+        raise TypeError(
+            f"{api}: {argname} must be a string, one of {', '.join(ALGORITHMS)}; "
+            f"got {algorithm!r} of type {type(algorithm).__name__} instead."
+        )
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"{api}: {argname}={algorithm!r} is not one of "
-                         f"{', '.join(ALGORITHMS)}. Pass one of them (\"auto\" picks from the "
-                         f"measured table).")
+        raise ValueError(
+            f"{api}: {argname}={algorithm!r} is not one of "
+            f'{", ".join(ALGORITHMS)}. Pass one of them ("auto" picks from the '
+            f"measured table)."
+        )
     return algorithm
 
 
@@ -56,8 +60,9 @@ def pick(api: str, op: str, algorithm: str, ax: Axis, nbytes: int) -> ModuleType
     takes the native path whatever the algorithm: there is nothing to move."""
     if nbytes == 0:
         return native
-    return MODULES[resolve(op, algorithm, nbytes, group_size=ax.size,
-                           two_level=isinstance(ax.name, tuple))]
+    return MODULES[
+        resolve(op, algorithm, nbytes, group_size=ax.size, two_level=isinstance(ax.name, tuple))
+    ]
 
 
 def resolve(op: str, algorithm: str, nbytes: int, *, group_size: int, two_level: bool) -> str:
@@ -68,8 +73,14 @@ def resolve(op: str, algorithm: str, nbytes: int, *, group_size: int, two_level:
     return choose(op, nbytes, group_size=group_size, two_level=two_level)
 
 
-def run(api: str, op: str, algorithm: Any, leaves: list[jax.Array], ax: Axis,
-        call: Callable[[ModuleType, jax.Array, int], jax.Array]) -> list[jax.Array]:
+def run(
+    api: str,
+    op: str,
+    algorithm: Any,
+    leaves: list[jax.Array],
+    ax: Axis,
+    call: Callable[[ModuleType, jax.Array, int], jax.Array],
+) -> list[jax.Array]:
     """Run ``call(module, x, i)`` for every leaf: per leaf where the chosen algorithm does not
     pack, else once per dtype on the leaves packed into one buffer (``i``: its first leaf)."""
     algorithm = check_algorithm(api, algorithm)
@@ -89,10 +100,18 @@ def run(api: str, op: str, algorithm: Any, leaves: list[jax.Array], ax: Axis,
     return out
 
 
-def each(api: str, op: str, algorithm: Any, leaves: list[jax.Array], ax: Axis,
-         call: Callable[[ModuleType, jax.Array, int], jax.Array]) -> list[jax.Array]:
+def each(
+    api: str,
+    op: str,
+    algorithm: Any,
+    leaves: list[jax.Array],
+    ax: Axis,
+    call: Callable[[ModuleType, jax.Array, int], jax.Array],
+) -> list[jax.Array]:
     """Run ``call(module, leaf, i)`` per leaf, the algorithm chosen per leaf: for ops whose
     result's shape depends on the leaf's (all_gather, reduce_scatter), which never pack."""
     algorithm = check_algorithm(api, algorithm)
-    return [call(pick(api, op, algorithm, ax, nbytes_of([leaf])), leaf, i)
-            for i, leaf in enumerate(leaves)]
+    return [
+        call(pick(api, op, algorithm, ax, nbytes_of([leaf])), leaf, i)
+        for i, leaf in enumerate(leaves)
+    ]

@@ -82,7 +82,8 @@ def all_gather_rows(part: jax.Array, ax: Axis) -> jax.Array:
         return lax.dynamic_update_index_in_dim(out, cur, (r - 1 - s) % n, 0), cur
 
     out = lax.dynamic_update_index_in_dim(
-        ensure_varying(jnp.zeros((n,) + part.shape, part.dtype), ax), part, r, 0)
+        ensure_varying(jnp.zeros((n,) + part.shape, part.dtype), ax), part, r, 0
+    )
     out, _ = lax.fori_loop(0, n - 1, step, (out, part))
     return replicated(out, ax)
 
@@ -104,8 +105,9 @@ def all_gather(x: jax.Array, ax: Axis, axis: int, tiled: bool) -> jax.Array:
     return gather_placed(_stacked, x, ax, axis, tiled)
 
 
-def reduce_scatter(x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int,
-                   tiled: bool) -> jax.Array:
+def reduce_scatter(
+    x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int, tiled: bool
+) -> jax.Array:
     """Ring reduce-scatter along ``dim``."""
     return scatter_rows(reduce_scatter_rows, x, ax, op, kind, dim, tiled)
 

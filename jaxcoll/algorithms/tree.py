@@ -112,8 +112,9 @@ def all_gather(x: jax.Array, ax: Axis, axis: int, tiled: bool) -> jax.Array:
     return gather_placed(_stacked, x, ax, axis, tiled)
 
 
-def reduce_scatter(x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int,
-                   tiled: bool) -> jax.Array:
+def reduce_scatter(
+    x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int, tiled: bool
+) -> jax.Array:
     """Recursive-doubling reduce-scatter along ``dim``."""
     return scatter_rows(reduce_scatter_rows, x, ax, op, kind, dim, tiled)
 

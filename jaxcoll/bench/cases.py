@@ -40,7 +40,7 @@ def _total(rows: np.ndarray) -> np.ndarray:
 
 def _scattered(rows: np.ndarray, r: int, root: int) -> np.ndarray:
     m = rows.shape[1] // rows.shape[0]
-    return _total(rows)[r * m:(r + 1) * m]
+    return _total(rows)[r * m : (r + 1) * m]
 
 
 # In the order ``--ops all`` runs them.
@@ -48,23 +48,28 @@ SPECS: dict[str, OpSpec] = {
     "all_reduce": OpSpec(
         lambda v, axis, alg, root: C.all_reduce(v, axis, algorithm=alg),
         lambda rows, r, root: _total(rows),
-        lambda n: 2 * (n - 1) / n),
+        lambda n: 2 * (n - 1) / n,
+    ),
     "all_gather": OpSpec(
         lambda v, axis, alg, root: C.all_gather(v, axis, tiled=True, algorithm=alg),
         lambda rows, r, root: rows.reshape(-1),
-        lambda n: (n - 1) / n),
+        lambda n: (n - 1) / n,
+    ),
     "reduce_scatter": OpSpec(  # count is the per-rank input: n slices of count / n
         lambda v, axis, alg, root: C.reduce_scatter(v, axis, tiled=True, algorithm=alg),
         _scattered,
-        lambda n: (n - 1) / n),
+        lambda n: (n - 1) / n,
+    ),
     "broadcast": OpSpec(
         lambda v, axis, alg, root: C.broadcast(v, axis, root, algorithm=alg),
         lambda rows, r, root: rows[root],
-        lambda n: 1.0),
+        lambda n: 1.0,
+    ),
     "reduce": OpSpec(
         lambda v, axis, alg, root: C.reduce(v, axis, root, algorithm=alg),
         lambda rows, r, root: _total(rows) if r == root else rows[r],
-        lambda n: 1.0),
+        lambda n: 1.0,
+    ),
 }
 OPS = tuple(SPECS)
 
@@ -110,14 +115,21 @@ class Case:
     def row(self, seconds: float, wrong: int) -> dict:
         """The result row: time, algbw = size / time and busbw = algbw * factor (GB/s)."""
         algbw = self.nbytes / seconds / 1e9
-        return {"op": self.op, "algorithm": self.algorithm, "bytes": self.nbytes,
-                "count": self.count, "dtype": self.rows.dtype.name, "time_us": seconds * 1e6,
-                "algbw": algbw, "busbw": algbw * SPECS[self.op].busbw(self.devices),
-                "wrong": wrong, "devices": self.devices}
+        return {
+            "op": self.op,
+            "algorithm": self.algorithm,
+            "bytes": self.nbytes,
+            "count": self.count,
+            "dtype": self.rows.dtype.name,
+            "time_us": seconds * 1e6,
+            "algbw": algbw,
+            "busbw": algbw * SPECS[self.op].busbw(self.devices),
+            "wrong": wrong,
+            "devices": self.devices,
+        }
 
 
-def build(mesh: Mesh, axis: Any, op: str, algorithm: str, nbytes: int,
-          dtype: np.dtype) -> Case:
+def build(mesh: Mesh, axis: Any, op: str, algorithm: str, nbytes: int, dtype: np.dtype) -> Case:
     """The case for ``op`` with ``algorithm`` on a row of ``nbytes`` (see :func:`counts`),
     the root of broadcast and reduce being the last rank."""
     n = mesh.devices.size
@@ -125,7 +137,13 @@ def build(mesh: Mesh, axis: Any, op: str, algorithm: str, nbytes: int,
     base = (np.arange(per_rank) % 7).astype(dtype)
     rows = np.stack([base + np.asarray(r % 5, dtype) for r in range(n)])
     body, root, spec = SPECS[op].body, n - 1, P(axis)
-    fn = jax.jit(jax.shard_map(lambda v: body(v[0], axis, algorithm, root)[None], mesh=mesh,
-                               in_specs=spec, out_specs=spec))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda v: body(v[0], axis, algorithm, root)[None],
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+        )
+    )
     x = jax.make_array_from_callback(rows.shape, NamedSharding(mesh, spec), lambda i: rows[i])
     return Case(op, algorithm, fn, x, rows, count, n)

@@ -72,40 +72,65 @@ def _comma_list(text: str) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line of ``jaxcoll-bench`` (see the module docstring)."""
-    p = argparse.ArgumentParser(prog="jaxcoll-bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="jaxcoll-bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--ops", default="all_reduce", help=f"comma list of {', '.join(OPS)} or all")
-    p.add_argument("--algorithms", default="native,ring,tree",
-                   help=f"comma list of {', '.join(ALGORITHMS)}")
+    p.add_argument(
+        "--algorithms", default="native,ring,tree", help=f"comma list of {', '.join(ALGORITHMS)}"
+    )
     p.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("4K"))
     p.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("16M"))
     p.add_argument("--iters", type=int, default=10, help="timed runs per row (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per row")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--devices", type=int, default=int(_env("JAX_NUM_CPU_DEVICES", default="8")),
-                   help="simulated CPU devices per process when the backend is CPU (default "
-                        "$JAX_NUM_CPU_DEVICES, set by jaxcoll-run --devices-per-proc, else 8)")
-    p.add_argument("--mesh", default=None,
-                   help="OUTERxINNER, e.g. 2x4: a 2-D mesh (needed by hierarchical); default "
-                        "processes x local devices when multi-process, else 1-D")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=int(_env("JAX_NUM_CPU_DEVICES", default="8")),
+        help="simulated CPU devices per process when the backend is CPU (default "
+        "$JAX_NUM_CPU_DEVICES, set by jaxcoll-run --devices-per-proc, else 8)",
+    )
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="OUTERxINNER, e.g. 2x4: a 2-D mesh (needed by hierarchical); default "
+        "processes x local devices when multi-process, else 1-D",
+    )
     p.add_argument("--csv", default=None, help="write rows to this CSV file")
     p.add_argument("--json", default=None, help="write rows to this JSON file")
     p.add_argument("--plot", default=None, help="write busbw vs size (PNG) to this file")
-    p.add_argument("--update-table", action="store_true",
-                   help="write the winners to the user's auto table (algorithm=auto): "
-                        "--table-file, else $JAXCOLL_AUTO_TABLE, else "
-                        "~/.cache/jaxcoll/auto_table.json")
-    p.add_argument("--table-file", default=None, metavar="PATH",
-                   help="with --update-table: write this file instead")
-    p.add_argument("--no-malloc-tune", action="store_true",
-                   help="keep glibc's default allocator settings (see docs/benchmarks.md)")
+    p.add_argument(
+        "--update-table",
+        action="store_true",
+        help="write the winners to the user's auto table (algorithm=auto): "
+        "--table-file, else $JAXCOLL_AUTO_TABLE, else "
+        "~/.cache/jaxcoll/auto_table.json",
+    )
+    p.add_argument(
+        "--table-file",
+        default=None,
+        metavar="PATH",
+        help="with --update-table: write this file instead",
+    )
+    p.add_argument(
+        "--no-malloc-tune",
+        action="store_true",
+        help="keep glibc's default allocator settings (see docs/benchmarks.md)",
+    )
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--coordinator", metavar="HOST:PORT",
-                   default=_env("JAXCOLL_COORDINATOR_ADDRESS", "JAXCOLL_COORDINATOR"),
-                   help="process 0's coordination service (default "
-                        "$JAXCOLL_COORDINATOR_ADDRESS, set by jaxcoll-run)")
-    p.add_argument("--num-processes", type=int,
-                   default=int(_env("JAXCOLL_NUM_PROCESSES", default="1")))
+    p.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        default=_env("JAXCOLL_COORDINATOR_ADDRESS", "JAXCOLL_COORDINATOR"),
+        help="process 0's coordination service (default "
+        "$JAXCOLL_COORDINATOR_ADDRESS, set by jaxcoll-run)",
+    )
+    p.add_argument(
+        "--num-processes", type=int, default=int(_env("JAXCOLL_NUM_PROCESSES", default="1"))
+    )
     p.add_argument("--process-id", type=int, default=int(_env("JAXCOLL_PROCESS_ID", default="0")))
     a = p.parse_args(argv)
     a.ops = list(OPS) if a.ops == "all" else _comma_list(a.ops)

@@ -22,8 +22,9 @@ def init_jax(a: argparse.Namespace) -> None:
     if a.num_processes > 1 and not jax.distributed.is_initialized():
         if not a.coordinator:
             raise SystemExit("jaxcoll-bench: --num-processes > 1 needs --coordinator HOST:PORT")
-        jax.distributed.initialize(a.coordinator, num_processes=a.num_processes,
-                                   process_id=a.process_id)
+        jax.distributed.initialize(
+            a.coordinator, num_processes=a.num_processes, process_id=a.process_id
+        )
 
 
 def make_mesh(a: argparse.Namespace) -> tuple[Mesh, Any]:
@@ -40,8 +41,9 @@ def make_mesh(a: argparse.Namespace) -> tuple[Mesh, Any]:
     else:
         return Mesh(devs, ("x",)), "x"
     if outer * inner > devs.size:
-        raise SystemExit(f"jaxcoll-bench: --mesh {a.mesh} needs {outer * inner} devices, "
-                         f"{devs.size} available")
+        raise SystemExit(
+            f"jaxcoll-bench: --mesh {a.mesh} needs {outer * inner} devices, {devs.size} available"
+        )
     return Mesh(devs[: outer * inner].reshape(outer, inner), ("outer", "inner")), ("outer", "inner")
 
 

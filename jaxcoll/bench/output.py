@@ -7,8 +7,17 @@ import json
 import sys
 
 # (title, width) of each printed column after the leading "  "; the header starts with "# ".
-COLUMNS = (("op", -15), ("algorithm", -13), ("size", 8), ("count", 11), ("dtype", 9),
-           ("time(us)", 12), ("algbw(GB/s)", 13), ("busbw(GB/s)", 13), ("#wrong", 8))
+COLUMNS = (
+    ("op", -15),
+    ("algorithm", -13),
+    ("size", 8),
+    ("count", 11),
+    ("dtype", 9),
+    ("time(us)", 12),
+    ("algbw(GB/s)", 13),
+    ("busbw(GB/s)", 13),
+    ("#wrong", 8),
+)
 
 
 def human(nbytes: int) -> str:
@@ -30,9 +39,19 @@ def header(banner: list[str]) -> str:
 
 def format_row(row: dict) -> str:
     """One result row as a line of the table."""
-    return "  " + _cells((row["op"], row["algorithm"], human(row["bytes"]), row["count"],
-                          row["dtype"], f"{row['time_us']:.1f}", f"{row['algbw']:.3f}",
-                          f"{row['busbw']:.3f}", row["wrong"]))
+    return "  " + _cells(
+        (
+            row["op"],
+            row["algorithm"],
+            human(row["bytes"]),
+            row["count"],
+            row["dtype"],
+            f"{row['time_us']:.1f}",
+            f"{row['algbw']:.3f}",
+            f"{row['busbw']:.3f}",
+            row["wrong"],
+        )
+    )
 
 
 class Progress:

@@ -16,8 +16,9 @@ def plot_busbw(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4), squeeze=False)
     for ax, op in zip(axes[0], ops):
         for alg in dict.fromkeys(r["algorithm"] for r in rows if r["op"] == op):
-            pts = [(r["bytes"], r["busbw"]) for r in rows
-                   if r["op"] == op and r["algorithm"] == alg]
+            pts = [
+                (r["bytes"], r["busbw"]) for r in rows if r["op"] == op and r["algorithm"] == alg
+            ]
             ax.plot(*zip(*pts), marker="o", label=alg)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("size (bytes)")

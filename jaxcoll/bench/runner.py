@@ -35,8 +35,12 @@ def run(a: argparse.Namespace) -> list[dict]:
     dtype = np.dtype(a.dtype)
     flat = not isinstance(axis, tuple)  # hierarchical needs a 2-D mesh
     algorithms = [alg for alg in a.algorithms if not (flat and alg == "hierarchical")]
-    jobs = [(op, alg, size) for op in a.ops for alg in algorithms
-            for size in sizes(a.min_bytes, a.max_bytes)]
+    jobs = [
+        (op, alg, size)
+        for op in a.ops
+        for alg in algorithms
+        for size in sizes(a.min_bytes, a.max_bytes)
+    ]
     if lead:
         banner = [
             f"jaxcoll-bench  jax {jax.__version__}  backend {jax.default_backend()}  devices {n} "

@@ -40,8 +40,9 @@ def memcpy_gbps(nbytes: int = 64 << 20, iters: int = 7) -> float:
     return 2 * nbytes / float(np.median(times)) / 1e9
 
 
-def median_time(f: Callable[[jax.Array], jax.Array], x: jax.Array, iters: int,
-                warmup: int) -> tuple[float, jax.Array]:
+def median_time(
+    f: Callable[[jax.Array], jax.Array], x: jax.Array, iters: int, warmup: int
+) -> tuple[float, jax.Array]:
     """Run ``f(x)`` ``max(1, warmup)`` times untimed, then ``iters`` times, waiting for each.
 
     Returns:

@@ -46,8 +46,9 @@ def write_table(table: Table, path: str | os.PathLike) -> Path:
     return path
 
 
-def update_table(rows: list[dict], *, platform: str, topo: str,
-                 path: str | os.PathLike | None = None) -> Path:
+def update_table(
+    rows: list[dict], *, platform: str, topo: str, path: str | os.PathLike | None = None
+) -> Path:
     """Merge the winners of ``rows`` for (platform, topo) into the table file at ``path``.
 
     Args:
@@ -64,5 +65,6 @@ def update_table(rows: list[dict], *, platform: str, topo: str,
     """
     path = Path(user_table_path() if path is None else path)
     old = read_table(path) if path.exists() else {}
-    return write_table(merge_tables(old, table_from_results(rows, platform=platform,
-                                                            topo=topo)), path)
+    return write_table(
+        merge_tables(old, table_from_results(rows, platform=platform, topo=topo)), path
+    )

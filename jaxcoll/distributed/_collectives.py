@@ -68,8 +68,9 @@ def _run(api: str, name: str, x: PyTree, group: Group, async_op: bool, **options
 _AGREED: set[Any] = set()
 
 
-def _agree_first_use(api: str, name: str, program: Any, x: PyTree, group: Group,
-                     options: dict[str, Any]) -> None:
+def _agree_first_use(
+    api: str, name: str, program: Any, x: PyTree, group: Group, options: dict[str, Any]
+) -> None:
     """The first call of ``program`` per input shapes: check every process of ``group`` runs
     the same one (op, group, shapes, dtypes, options, lowered program)."""
     shape = getattr(x, "shape", None)
@@ -77,15 +78,21 @@ def _agree_first_use(api: str, name: str, program: Any, x: PyTree, group: Group,
         key = (program, shape, x.dtype)
     else:
         leaves, treedef = jax.tree_util.tree_flatten(x)
-        key = (program, treedef, tuple((getattr(v, "shape", None), getattr(v, "dtype", type(v)))
-                                       for v in leaves))
+        key = (
+            program,
+            treedef,
+            tuple((getattr(v, "shape", None), getattr(v, "dtype", type(v))) for v in leaves),
+        )
     if key in _AGREED:
         return
     devices = jax.devices()
     procs = tuple(sorted({devices[r].process_index for r in group.ranks}))
     if len(procs) > 1:
-        fields = {"call": name, "args": detect.describe_args(x),
-                  "group": f"ranks {list(group.ranks)}"}
+        fields = {
+            "call": name,
+            "args": detect.describe_args(x),
+            "group": f"ranks {list(group.ranks)}",
+        }
         if shape is None:  # a pytree: its structure must match too
             fields["tree"] = str(jax.tree_util.tree_structure(x))
         for k, v in sorted(options.items()):
@@ -107,7 +114,9 @@ def _op(api: str, x: PyTree, op: Any) -> ReduceOp:
 
 
 def all_reduce(
-    x: PyTree, op: ReduceOp | str = ReduceOp.SUM, group: Group | None = None,
+    x: PyTree,
+    op: ReduceOp | str = ReduceOp.SUM,
+    group: Group | None = None,
     async_op: bool = False,
 ) -> PyTree | Work:
     """Every rank of ``group`` gets ``op`` over all ranks' values.
@@ -147,8 +156,13 @@ def all_reduce(
 
 
 def reduce(
-    x: PyTree, dst: int | None = None, op: ReduceOp | str = ReduceOp.SUM,
-    group: Group | None = None, async_op: bool = False, *, group_dst: int | None = None,
+    x: PyTree,
+    dst: int | None = None,
+    op: ReduceOp | str = ReduceOp.SUM,
+    group: Group | None = None,
+    async_op: bool = False,
+    *,
+    group_dst: int | None = None,
 ) -> PyTree | Work:
     """Rank ``dst`` gets ``op`` over all ranks' values of ``group``; the others keep theirs.
 
@@ -169,7 +183,11 @@ def reduce(
 
 
 def broadcast(
-    x: PyTree, src: int | None = None, group: Group | None = None, async_op: bool = False, *,
+    x: PyTree,
+    src: int | None = None,
+    group: Group | None = None,
+    async_op: bool = False,
+    *,
     group_src: int | None = None,
 ) -> PyTree | Work:
     """Every rank of ``group`` gets rank ``src``'s value.
@@ -192,7 +210,11 @@ def broadcast(
 
 
 def all_gather(
-    x: PyTree, group: Group | None = None, async_op: bool = False, *, axis: int = 0,
+    x: PyTree,
+    group: Group | None = None,
+    async_op: bool = False,
+    *,
+    axis: int = 0,
     tiled: bool = False,
 ) -> PyTree | Work:
     """Every rank gets all ranks' values, stacked (or, ``tiled``, concatenated) in rank order.
@@ -213,8 +235,14 @@ def all_gather(
 
 
 def gather(
-    x: PyTree, dst: int | None = None, group: Group | None = None, async_op: bool = False, *,
-    group_dst: int | None = None, axis: int = 0, tiled: bool = False,
+    x: PyTree,
+    dst: int | None = None,
+    group: Group | None = None,
+    async_op: bool = False,
+    *,
+    group_dst: int | None = None,
+    axis: int = 0,
+    tiled: bool = False,
 ) -> PyTree | Work:
     """Rank ``dst`` gets all ranks' values in group rank order; the other rows are zeros.
 
@@ -237,8 +265,14 @@ def gather(
 
 
 def scatter(
-    x: PyTree, src: int | None = None, group: Group | None = None, async_op: bool = False, *,
-    group_src: int | None = None, axis: int = 0, tiled: bool = False,
+    x: PyTree,
+    src: int | None = None,
+    group: Group | None = None,
+    async_op: bool = False,
+    *,
+    group_src: int | None = None,
+    axis: int = 0,
+    tiled: bool = False,
 ) -> PyTree | Work:
     """Group rank r gets slice r of rank ``src``'s value; the other rows of ``x`` are not read.
 
@@ -262,8 +296,13 @@ def scatter(
 
 
 def reduce_scatter(
-    x: PyTree, op: ReduceOp | str = ReduceOp.SUM, group: Group | None = None,
-    async_op: bool = False, *, scatter_dimension: int = 0, tiled: bool = False,
+    x: PyTree,
+    op: ReduceOp | str = ReduceOp.SUM,
+    group: Group | None = None,
+    async_op: bool = False,
+    *,
+    scatter_dimension: int = 0,
+    tiled: bool = False,
 ) -> PyTree | Work:
     """Rank r gets slice r (along ``scatter_dimension``) of ``op`` over all ranks' values.
 
@@ -279,13 +318,26 @@ def reduce_scatter(
     """
     api = "dist.reduce_scatter"
     group = resolve_group(api, group)
-    return _run(api, "reduce_scatter", x, group, async_op, op=_op(api, x, op),
-                scatter_dimension=scatter_dimension, tiled=bool(tiled))
+    return _run(
+        api,
+        "reduce_scatter",
+        x,
+        group,
+        async_op,
+        op=_op(api, x, op),
+        scatter_dimension=scatter_dimension,
+        tiled=bool(tiled),
+    )
 
 
 def all_to_all(
-    x: PyTree, group: Group | None = None, async_op: bool = False, *, split_axis: int = 0,
-    concat_axis: int = 0, tiled: bool = False,
+    x: PyTree,
+    group: Group | None = None,
+    async_op: bool = False,
+    *,
+    split_axis: int = 0,
+    concat_axis: int = 0,
+    tiled: bool = False,
 ) -> PyTree | Work:
     """Rank r gets slice r of every rank's value, in rank order.
 
@@ -300,12 +352,22 @@ def all_to_all(
     """
     api = "dist.all_to_all"
     group = resolve_group(api, group)
-    return _run(api, "all_to_all", x, group, async_op, split_axis=split_axis,
-                concat_axis=concat_axis, tiled=bool(tiled))
+    return _run(
+        api,
+        "all_to_all",
+        x,
+        group,
+        async_op,
+        split_axis=split_axis,
+        concat_axis=concat_axis,
+        tiled=bool(tiled),
+    )
 
 
 def sendrecv(
-    x: PyTree, pairs: Sequence[tuple[int, int]], group: Group | None = None,
+    x: PyTree,
+    pairs: Sequence[tuple[int, int]],
+    group: Group | None = None,
     async_op: bool = False,
 ) -> PyTree | Work:
     """Each ``(src, dst)`` in ``pairs`` sends src's value to dst, all at once.
@@ -323,14 +385,21 @@ def sendrecv(
     """
     api = "dist.sendrecv"
     group = resolve_group(api, group)
-    pairs = _checked_pairs(api, tuple(map(tuple, pairs)) if isinstance(pairs, list) else pairs,
-                           group.size)
+    pairs = _checked_pairs(
+        api, tuple(map(tuple, pairs)) if isinstance(pairs, list) else pairs, group.size
+    )
     return _run(api, "sendrecv", x, group, async_op, pairs=pairs)
 
 
-def send(x: PyTree, dst: int | None = None, src: int | None = None,
-         group: Group | None = None, *, group_dst: int | None = None,
-         group_src: int | None = None) -> PyTree:
+def send(
+    x: PyTree,
+    dst: int | None = None,
+    src: int | None = None,
+    group: Group | None = None,
+    *,
+    group_dst: int | None = None,
+    group_src: int | None = None,
+) -> PyTree:
     """Rank ``src`` sends its value to rank ``dst``: ``sendrecv(x, [(src, dst)])``.
 
     torch's ``send(tensor, dst)`` on the sender plus ``recv(tensor, src)`` on the receiver,
@@ -345,29 +414,46 @@ def send(x: PyTree, dst: int | None = None, src: int | None = None,
     return _p2p("dist.send", x, group, False, dst, src, group_dst, group_src)
 
 
-def recv(x: PyTree, src: int | None = None, dst: int | None = None,
-         group: Group | None = None, *, group_src: int | None = None,
-         group_dst: int | None = None) -> PyTree:
+def recv(
+    x: PyTree,
+    src: int | None = None,
+    dst: int | None = None,
+    group: Group | None = None,
+    *,
+    group_src: int | None = None,
+    group_dst: int | None = None,
+) -> PyTree:
     """Rank ``dst`` receives rank ``src``'s value: the same exchange as :func:`send`."""
     return _p2p("dist.recv", x, group, False, dst, src, group_dst, group_src)
 
 
-def isend(x: PyTree, dst: int | None = None, src: int | None = None,
-          group: Group | None = None, *, group_dst: int | None = None,
-          group_src: int | None = None) -> Work:
+def isend(
+    x: PyTree,
+    dst: int | None = None,
+    src: int | None = None,
+    group: Group | None = None,
+    *,
+    group_dst: int | None = None,
+    group_src: int | None = None,
+) -> Work:
     """:func:`send` with ``async_op=True``: returns a :class:`Work`."""
     return _p2p("dist.isend", x, group, True, dst, src, group_dst, group_src)
 
 
-def irecv(x: PyTree, src: int | None = None, dst: int | None = None,
-          group: Group | None = None, *, group_src: int | None = None,
-          group_dst: int | None = None) -> Work:
+def irecv(
+    x: PyTree,
+    src: int | None = None,
+    dst: int | None = None,
+    group: Group | None = None,
+    *,
+    group_src: int | None = None,
+    group_dst: int | None = None,
+) -> Work:
     """:func:`recv` with ``async_op=True``: returns a :class:`Work`."""
     return _p2p("dist.irecv", x, group, True, dst, src, group_dst, group_src)
 
 
-def _p2p(api: str, x: PyTree, group: Group | None, async_op: bool, dst, src, group_dst,
-         group_src):
+def _p2p(api: str, x: PyTree, group: Group | None, async_op: bool, dst, src, group_dst, group_src):
     group = resolve_group(api, group)
     src = group_root(api, group, src, group_src, "src")
     dst = group_root(api, group, dst, group_dst, "dst")
@@ -392,5 +478,6 @@ def barrier(group: Group | None = None) -> None:
     """
     api = "dist.barrier"
     group = resolve_group(api, group)
-    jax.block_until_ready(_run(api, "all_reduce", _barrier_token(group), group, False,
-                               op=ReduceOp.SUM))
+    jax.block_until_ready(
+        _run(api, "all_reduce", _barrier_token(group), group, False, op=ReduceOp.SUM)
+    )

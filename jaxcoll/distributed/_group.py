@@ -23,8 +23,10 @@ _OUTER = "subgroup"
 
 def _check_axis_name(api: str, axis_name: str) -> str:
     if not isinstance(axis_name, str) or not axis_name or axis_name == _OUTER:
-        raise ValueError(f"{api}: axis_name={axis_name!r} must be a non-empty string other than "
-                         f"{_OUTER!r} (that name is used for the outer mesh axis).")
+        raise ValueError(
+            f"{api}: axis_name={axis_name!r} must be a non-empty string other than "
+            f"{_OUTER!r} (that name is used for the outer mesh axis)."
+        )
     return axis_name
 
 
@@ -107,16 +109,19 @@ def _check_ranks(api: str, ranks: Any) -> tuple[int, ...]:
         raise TypeError(f"{api}: ranks must be a sequence of ints, got {ranks!r} instead.")
     ranks = tuple(check_static_int(api, "ranks entry", r) for r in ranks)
     if not ranks:
-        raise ValueError(f"{api}: ranks=[] is empty; a group needs at least one rank, "
-                         f"e.g. dist.new_group([0]).")
+        raise ValueError(
+            f"{api}: ranks=[] is empty; a group needs at least one rank, e.g. dist.new_group([0])."
+        )
     dup = sorted({r for r in ranks if ranks.count(r) > 1})
     if dup:
         raise ValueError(f"{api}: ranks={list(ranks)} repeats rank {dup[0]}; list each rank once.")
     n = jax.device_count()
     bad = [r for r in ranks if not 0 <= r < n]
     if bad:
-        raise ValueError(f"{api}: rank {bad[0]} in ranks={list(ranks)} is out of range for a "
-                         f"world of {n} ranks (0..{n - 1}). Pass ranks between 0 and {n - 1}.")
+        raise ValueError(
+            f"{api}: rank {bad[0]} in ranks={list(ranks)} is out of range for a "
+            f"world of {n} ranks (0..{n - 1}). Pass ranks between 0 and {n - 1}."
+        )
     return ranks
 
 
@@ -150,8 +155,13 @@ def new_subgroups(group_size: int, *, axis_name: str = "x") -> Group:
         ((0, 1), (2, 3), (4, 5), (6, 7))
     """
     api = "dist.new_subgroups"
-    k, n = _equal_split(api, "group_size", group_size, "groups",
-                        "Pass one of {divisors}, or use dist.new_group(ranks).")
+    k, n = _equal_split(
+        api,
+        "group_size",
+        group_size,
+        "groups",
+        "Pass one of {divisors}, or use dist.new_group(ranks).",
+    )
     axis_name = _check_axis_name(api, axis_name)
     subs = tuple(tuple(range(g * k, (g + 1) * k)) for g in range(n // k))
     return Group(tuple(range(n)), (n // k, k), (_OUTER, axis_name), axis_name, subs)
@@ -163,8 +173,10 @@ def _equal_split(api: str, argname: str, size: Any, parts: str, fix: str) -> tup
     n = jax.device_count()
     if k <= 0 or n % k:
         divisors = [d for d in range(1, n + 1) if n % d == 0]
-        raise ValueError(f"{api}: {argname}={k} does not divide the world of {n} ranks into "
-                         f"equal {parts}. " + fix.format(divisors=divisors))
+        raise ValueError(
+            f"{api}: {argname}={k} does not divide the world of {n} ranks into "
+            f"equal {parts}. " + fix.format(divisors=divisors)
+        )
     return k, n
 
 
@@ -200,11 +212,16 @@ def hierarchy(local_size: int, *, axis_names: tuple[str, str] = ("node", "local"
     """
     api = "dist.hierarchy"
     k, n = _equal_split(api, "local_size", local_size, "nodes", "Pass one of {divisors}.")
-    if (not isinstance(axis_names, tuple) or len(axis_names) != 2
-            or not all(isinstance(a, str) and a for a in axis_names)
-            or axis_names[0] == axis_names[1]):
-        raise ValueError(f"{api}: axis_names={axis_names!r} must be two distinct non-empty "
-                         f"strings, e.g. ('node', 'local').")
+    if (
+        not isinstance(axis_names, tuple)
+        or len(axis_names) != 2
+        or not all(isinstance(a, str) and a for a in axis_names)
+        or axis_names[0] == axis_names[1]
+    ):
+        raise ValueError(
+            f"{api}: axis_names={axis_names!r} must be two distinct non-empty "
+            f"strings, e.g. ('node', 'local')."
+        )
     ranks = tuple(range(n))
     shape = (n // k, k)
     node = Group(ranks, shape, axis_names, axis_names[0], (tuple(range(n // k)),))
@@ -217,9 +234,11 @@ def resolve_group(api: str, group: Group | None) -> Group:
     if group is None:
         return _default_world()
     if not isinstance(group, Group):
-        raise TypeError(f"{api}: group must be a Group from dist.world(), dist.new_group(...), "
-                        f"dist.new_subgroups(...) or dist.hierarchy(...), or None for the world; "
-                        f"got {group!r} of type {type(group).__name__} instead.")
+        raise TypeError(
+            f"{api}: group must be a Group from dist.world(), dist.new_group(...), "
+            f"dist.new_subgroups(...) or dist.hierarchy(...), or None for the world; "
+            f"got {group!r} of type {type(group).__name__} instead."
+        )
     return group
 
 
@@ -229,36 +248,44 @@ def group_sharding(group: Group) -> NamedSharding:
     return NamedSharding(group.mesh, P(group.mesh_axes))
 
 
-def group_root(api: str, group: Group, rank: Any, group_rank: Any, name: str,
-               default: int | None = None) -> int:
+def group_root(
+    api: str, group: Group, rank: Any, group_rank: Any, name: str, default: int | None = None
+) -> int:
     """The group rank of a root given as torch gives it: ``name`` (``src``/``dst``) a GLOBAL
     rank, or ``group_<name>`` a rank within the group; one of them, not both. With neither,
     the root is the global rank ``default`` (torch's ``scatter`` and ``gather`` default to
     global rank 0), or, for ops without a default, an error."""
     if rank is not None and group_rank is not None:
-        raise ValueError(f"{api}: pass {name}= (a global rank) or group_{name}= (a rank within "
-                         f"the group), not both; got {name}={rank!r}, group_{name}="
-                         f"{group_rank!r}.")
+        raise ValueError(
+            f"{api}: pass {name}= (a global rank) or group_{name}= (a rank within "
+            f"the group), not both; got {name}={rank!r}, group_{name}="
+            f"{group_rank!r}."
+        )
     if group_rank is not None:
         return check_rank(api, f"group_{name}", group_rank, group.size)
     default_note = ""
     if rank is None:
         if default is None:
-            raise ValueError(f"{api}: pass {name}= (a global rank) or group_{name}= (a rank "
-                             f"within the group).")
+            raise ValueError(
+                f"{api}: pass {name}= (a global rank) or group_{name}= (a rank within the group)."
+            )
         rank = default
         default_note = f"torch's default when neither {name}= nor group_{name}= is given"
     rank = check_static_int(api, name, rank)
     if len(group.subgroups) > 1:
         shown = f"{name}={rank} ({default_note})" if default_note else f"{name}={rank}"
-        raise ValueError(f"{api}: {shown} names one global rank, but {group!r} is a partition "
-                         f"whose subgroups each need their own root; pass group_{name}= (the "
-                         f"rank within each subgroup) instead.")
+        raise ValueError(
+            f"{api}: {shown} names one global rank, but {group!r} is a partition "
+            f"whose subgroups each need their own root; pass group_{name}= (the "
+            f"rank within each subgroup) instead."
+        )
     if rank not in group.ranks:
         why = f"; {name}={rank} is {default_note}" if default_note else ""
-        raise ValueError(f"{api}: Global rank {rank} is not part of group {group!r} (its "
-                         f"global ranks: {list(group.ranks)}){why}. Pass a member's global "
-                         f"rank as {name}=, or a rank within the group as group_{name}=.")
+        raise ValueError(
+            f"{api}: Global rank {rank} is not part of group {group!r} (its "
+            f"global ranks: {list(group.ranks)}){why}. Pass a member's global "
+            f"rank as {name}=, or a rank within the group as group_{name}=."
+        )
     return group.ranks.index(rank)
 
 

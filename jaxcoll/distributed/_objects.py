@@ -90,13 +90,16 @@ def all_gather_object(obj: Any) -> list[Any]:
 # ---------------------------------------------------------------- torch's object collectives
 def _no_group(api: str, group: Any) -> None:
     if group is not None:
-        raise ValueError(f"{api}: group={group!r}: object collectives run over processes (a "
-                         f"rank here is jax.process_index()), and jaxcoll's groups are groups "
-                         f"of devices; pass group=None.")
+        raise ValueError(
+            f"{api}: group={group!r}: object collectives run over processes (a "
+            f"rank here is jax.process_index()), and jaxcoll's groups are groups "
+            f"of devices; pass group=None."
+        )
 
 
-def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any = None,
-                          device: Any = None) -> None:
+def broadcast_object_list(
+    object_list: list[Any], src: int = 0, group: Any = None, device: Any = None
+) -> None:
     """Fill every process's ``object_list`` in place with process ``src``'s objects.
 
     ``torch.distributed.broadcast_object_list(object_list, src, group, device)``: every
@@ -123,14 +126,17 @@ def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any = Non
     _no_group(api, group)
     got = broadcast_object(list(object_list), src)
     if len(got) != len(object_list):
-        raise ValueError(f"{api}: this process passed a list of {len(object_list)} objects but "
-                         f"process {src} sent {len(got)}; every process must pass a list of "
-                         f"the same length.")
+        raise ValueError(
+            f"{api}: this process passed a list of {len(object_list)} objects but "
+            f"process {src} sent {len(got)}; every process must pass a list of "
+            f"the same length."
+        )
     object_list[:] = got
 
 
-def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0,
-                  group: Any = None) -> None:
+def gather_object(
+    obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: Any = None
+) -> None:
     """Process ``dst`` gets every process's ``obj`` in ``object_gather_list``, in process order.
 
     ``torch.distributed.gather_object(obj, object_gather_list, dst, group)``: on ``dst``
@@ -160,18 +166,25 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     objs = all_gather_object(obj)
     if jax.process_index() != dst:
         if object_gather_list is not None:
-            raise ValueError(f"{api}: object_gather_list must be None on processes other than "
-                             f"dst={dst} (as in torch); got {object_gather_list!r}.")
+            raise ValueError(
+                f"{api}: object_gather_list must be None on processes other than "
+                f"dst={dst} (as in torch); got {object_gather_list!r}."
+            )
         return
     if not isinstance(object_gather_list, list) or len(object_gather_list) != count:
-        raise ValueError(f"{api}: on dst={dst}, object_gather_list must be a list of {count} "
-                         f"entries (one per process) to fill; got {object_gather_list!r}.")
+        raise ValueError(
+            f"{api}: on dst={dst}, object_gather_list must be a list of {count} "
+            f"entries (one per process) to fill; got {object_gather_list!r}."
+        )
     object_gather_list[:] = objs
 
 
-def scatter_object_list(scatter_object_output_list: list[Any],
-                        scatter_object_input_list: Sequence[Any] | None = None, src: int = 0,
-                        group: Any = None) -> None:
+def scatter_object_list(
+    scatter_object_output_list: list[Any],
+    scatter_object_input_list: Sequence[Any] | None = None,
+    src: int = 0,
+    group: Any = None,
+) -> None:
     """Process p gets ``scatter_object_input_list[p]`` of process ``src`` in its output list.
 
     ``torch.distributed.scatter_object_list(output_list, input_list, src, group)``: on ``src``
@@ -201,18 +214,21 @@ def scatter_object_list(scatter_object_output_list: list[Any],
     count = jax.process_count()
     src = check_rank(api, "src", src, count)
     if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
-        raise ValueError(f"{api}: scatter_object_output_list must be a list of at least one "
-                         f"entry (its first entry receives the object); got "
-                         f"{scatter_object_output_list!r}.")
+        raise ValueError(
+            f"{api}: scatter_object_output_list must be a list of at least one "
+            f"entry (its first entry receives the object); got "
+            f"{scatter_object_output_list!r}."
+        )
     payload: Any = None
     if jax.process_index() == src:
         objs = scatter_object_input_list
-        if isinstance(objs, Sequence) and not isinstance(objs, (str, bytes)) \
-                and len(objs) == count:
+        if isinstance(objs, Sequence) and not isinstance(objs, (str, bytes)) and len(objs) == count:
             payload = list(objs)
         else:
-            payload = _Bad(f"{api}: on src={src}, scatter_object_input_list must hold one object "
-                           f"per process ({count}); got {objs!r}.")
+            payload = _Bad(
+                f"{api}: on src={src}, scatter_object_input_list must hold one object "
+                f"per process ({count}); got {objs!r}."
+            )
     payload = broadcast_object(payload, src)
     if isinstance(payload, _Bad):
         raise ValueError(payload.message)
@@ -233,8 +249,10 @@ _RECEIVED: collections.Counter[tuple[int, int]] = collections.Counter()
 def _client(api: str) -> Any:
     client = getattr(distributed_state(), "client", None)
     if client is None:
-        raise RuntimeError(f"{api}: JAX's distributed runtime is not initialized; call "
-                           f"jaxcoll.init() first (and start the processes with jaxcoll-run).")
+        raise RuntimeError(
+            f"{api}: JAX's distributed runtime is not initialized; call "
+            f"jaxcoll.init() first (and start the processes with jaxcoll-run)."
+        )
     return client
 
 
@@ -242,13 +260,16 @@ def _peer(api: str, argname: str, value: Any) -> int:
     count = jax.process_count()
     value = check_rank(api, argname, value, count)
     if value == jax.process_index():
-        raise ValueError(f"{api}: {argname}={value} is this process; the {argname} of a "
-                         f"point-to-point transfer must be another process (as torch requires).")
+        raise ValueError(
+            f"{api}: {argname}={value} is this process; the {argname} of a "
+            f"point-to-point transfer must be another process (as torch requires)."
+        )
     return value
 
 
-def send_object_list(object_list: list[Any], dst: int, group: Any = None,
-                     device: Any = None) -> None:
+def send_object_list(
+    object_list: list[Any], dst: int, group: Any = None, device: Any = None
+) -> None:
     """Send ``object_list`` (picklable objects) to process ``dst``; only ``dst`` must match it.
 
     ``torch.distributed.send_object_list(object_list, dst, group, device)``: ``dst`` calls
@@ -276,13 +297,20 @@ def send_object_list(object_list: list[Any], dst: int, group: Any = None,
     dst = _peer(api, "dst", dst)
     me = jax.process_index()
     seq = _SENT[(me, dst)]
-    _client(api).key_value_set_bytes(f"jaxcoll/objects/{me}/{dst}/{seq}",
-                                     pickle.dumps(list(object_list)))
+    _client(api).key_value_set_bytes(
+        f"jaxcoll/objects/{me}/{dst}/{seq}", pickle.dumps(list(object_list))
+    )
     _SENT[(me, dst)] += 1
 
 
-def recv_object_list(object_list: list[Any], src: int | None = None, group: Any = None,
-                     device: Any = None, *, timeout: float = 1800.0) -> int:
+def recv_object_list(
+    object_list: list[Any],
+    src: int | None = None,
+    group: Any = None,
+    device: Any = None,
+    *,
+    timeout: float = 1800.0,
+) -> int:
     """Receive the list process ``src`` sent with :func:`send_object_list`, in place.
 
     ``torch.distributed.recv_object_list(object_list, src, group, device)``: fills
@@ -308,8 +336,10 @@ def recv_object_list(object_list: list[Any], src: int | None = None, group: Any 
     api = "dist.recv_object_list"
     _no_group(api, group)
     if src is None:
-        raise ValueError(f"{api}: src=None (receive from any process) is not supported; pass "
-                         f"the sender's process index as src.")
+        raise ValueError(
+            f"{api}: src=None (receive from any process) is not supported; pass "
+            f"the sender's process index as src."
+        )
     src = _peer(api, "src", src)
     me = jax.process_index()
     key = f"jaxcoll/objects/{src}/{me}/{_RECEIVED[(src, me)]}"
@@ -319,7 +349,9 @@ def recv_object_list(object_list: list[Any], src: int | None = None, group: Any 
     _RECEIVED[(src, me)] += 1
     got = pickle.loads(data)
     if len(got) != len(object_list):
-        raise ValueError(f"{api}: process {src} sent {len(got)} objects but object_list has "
-                         f"{len(object_list)} entries; pass a list of the sent length.")
+        raise ValueError(
+            f"{api}: process {src} sent {len(got)} objects but object_list has "
+            f"{len(object_list)} entries; pass a list of the sent length."
+        )
     object_list[:] = got
     return src

@@ -56,23 +56,31 @@ def per_rank(
         get = values
     else:
         if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-            raise TypeError(f"{api}: values must be a sequence of {n} arrays or a function "
-                            f"row -> array, got {type(values).__name__} instead.")
+            raise TypeError(
+                f"{api}: values must be a sequence of {n} arrays or a function "
+                f"row -> array, got {type(values).__name__} instead."
+            )
         if len(values) != n:
-            raise ValueError(f"{api}: got {len(values)} values but the group has {n} rows "
-                             f"(ranks {list(group.ranks)}); pass exactly one value per row.")
+            raise ValueError(
+                f"{api}: got {len(values)} values but the group has {n} rows "
+                f"(ranks {list(group.ranks)}); pass exactly one value per row."
+            )
         get = values.__getitem__
     if not mine:
-        raise ValueError(f"{api}: this process drives none of the group's devices, so it cannot "
-                         f"tell the rows' shape; call dist collectives on this group only from "
-                         f"the processes that drive its ranks.")
+        raise ValueError(
+            f"{api}: this process drives none of the group's devices, so it cannot "
+            f"tell the rows' shape; call dist collectives on this group only from "
+            f"the processes that drive its ranks."
+        )
     rows = {i: np.asarray(get(i)) for i in mine}
     first = rows[mine[0]]
     for i, row in rows.items():
         if row.shape != first.shape or row.dtype != first.dtype:
-            raise ValueError(f"{api}: row {i} has shape {row.shape} and dtype {row.dtype}, but "
-                             f"row {mine[0]} has {first.shape} and {first.dtype}; every rank must "
-                             f"hold the same shape and dtype (pad or cast first).")
+            raise ValueError(
+                f"{api}: row {i} has shape {row.shape} and dtype {row.dtype}, but "
+                f"row {mine[0]} has {first.shape} and {first.dtype}; every rank must "
+                f"hold the same shape and dtype (pad or cast first)."
+            )
     for i, row in rows.items():
         _check_survives(api, i, row)
     shards = [jax.device_put(rows[i][None], devices[group.ranks[i]]) for i in mine]
@@ -101,7 +109,8 @@ def _check_survives(api: str, i: int, row: np.ndarray) -> None:
             f"{api}: row {i} holds {row.dtype} values that {held} cannot hold (e.g. "
             f"{row[where]!r} at {where}); JAX keeps 64-bit data in 32 bits unless "
             f"jax_enable_x64 is set. Enable it (jax.config.update('jax_enable_x64', True)) "
-            f"before creating arrays, or pass values that fit {held}.")
+            f"before creating arrays, or pass values that fit {held}."
+        )
 
 
 def to_ranks(x: jax.Array) -> list[np.ndarray]:
@@ -117,8 +126,9 @@ def to_ranks(x: jax.Array) -> list[np.ndarray]:
         array(28., dtype=float32)
     """
     if not isinstance(x, jax.Array):
-        raise TypeError(f"dist.to_ranks: x must be a per-rank jax.Array, got "
-                        f"{type(x).__name__} instead.")
+        raise TypeError(
+            f"dist.to_ranks: x must be a per-rank jax.Array, got {type(x).__name__} instead."
+        )
     if x.ndim == 0:
         raise ValueError("dist.to_ranks: x is a scalar; a per-rank array has one row per rank.")
     rows: dict[int, np.ndarray] = {}
@@ -144,8 +154,9 @@ def check_per_rank(api: str, x: Any, group: Group) -> list[jax.Array]:
     """Every leaf of ``x`` must be a per-rank array for ``group``; return the leaves."""
     leaves = jax.tree_util.tree_leaves(x)
     target = group_sharding(group)
-    if len(leaves) == 1 and _placed_like(getattr(leaves[0], "sharding", None), target,
-                                         getattr(leaves[0], "ndim", -1)):
+    if len(leaves) == 1 and _placed_like(
+        getattr(leaves[0], "sharding", None), target, getattr(leaves[0], "ndim", -1)
+    ):
         return leaves  # the common case, one lookup: a dist result passed on
     if not leaves:
         raise ValueError(f"{api}: x has no arrays; pass a per-rank array from dist.per_rank.")
@@ -153,16 +164,22 @@ def check_per_rank(api: str, x: Any, group: Group) -> list[jax.Array]:
     for i, leaf in enumerate(leaves):
         where = "x" if len(leaves) == 1 else f"leaf {i} of x"
         if not isinstance(leaf, jax.Array):
-            raise TypeError(f"{api}: {where} must be a per-rank jax.Array, got "
-                            f"{type(leaf).__name__} instead. Build it with "
-                            f"dist.per_rank(values, group=group).")
+            raise TypeError(
+                f"{api}: {where} must be a per-rank jax.Array, got "
+                f"{type(leaf).__name__} instead. Build it with "
+                f"dist.per_rank(values, group=group)."
+            )
         if leaf.ndim == 0 or leaf.shape[0] != n:
             got = "a scalar" if leaf.ndim == 0 else f"{leaf.shape[0]} rows"
-            raise ValueError(f"{api}: {where} has {got} but the group {group!r} has {n} rows, "
-                             f"one per rank. Build it with dist.per_rank(values, group=group).")
+            raise ValueError(
+                f"{api}: {where} has {got} but the group {group!r} has {n} rows, "
+                f"one per rank. Build it with dist.per_rank(values, group=group)."
+            )
         if not _placed_like(leaf.sharding, target, leaf.ndim):
-            raise ValueError(f"{api}: {where} is not placed one row per rank of {group!r} "
-                             f"(its sharding is {leaf.sharding}). Build it with "
-                             f"dist.per_rank(values, group=group), or pass the result of a "
-                             f"dist call on this group.")
+            raise ValueError(
+                f"{api}: {where} is not placed one row per rank of {group!r} "
+                f"(its sharding is {leaf.sharding}). Build it with "
+                f"dist.per_rank(values, group=group), or pass the result of a "
+                f"dist call on this group."
+            )
     return leaves

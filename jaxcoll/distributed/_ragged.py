@@ -55,33 +55,49 @@ def _width(api: str, x: PyTree, group: Group) -> int:
     widths = set()
     for leaf in leaves:
         if leaf.ndim < 2:
-            raise ValueError(f"{api}: x has shape {leaf.shape}, one scalar per rank; each rank's "
-                             f"row must be a tensor to split along its first axis (shape "
-                             f"(rows, width, ...)).")
+            raise ValueError(
+                f"{api}: x has shape {leaf.shape}, one scalar per rank; each rank's "
+                f"row must be a tensor to split along its first axis (shape "
+                f"(rows, width, ...))."
+            )
         widths.add(leaf.shape[1])
     if len(widths) > 1:
-        raise ValueError(f"{api}: the leaves of x have row widths {sorted(widths)}; every leaf "
-                         f"must have the same width.")
+        raise ValueError(
+            f"{api}: the leaves of x have row widths {sorted(widths)}; every leaf "
+            f"must have the same width."
+        )
     return widths.pop()
 
 
 def _table(api: str, argname: str, value: Any, rows: int, k: int) -> tuple[tuple[int, ...], ...]:
     """A list of ``rows`` lists of ``k`` non-negative ints (row r: what rank r passes)."""
-    shape = f"a list of {rows} lists (one per rank, as each rank would pass it to torch) " \
-            f"of {k} ints each"
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence | np.ndarray) \
-            or len(value) != rows:
+    shape = (
+        f"a list of {rows} lists (one per rank, as each rank would pass it to torch) "
+        f"of {k} ints each"
+    )
+    if (
+        isinstance(value, (str, bytes))
+        or not isinstance(value, Sequence | np.ndarray)
+        or len(value) != rows
+    ):
         raise ValueError(f"{api}: {argname} must be {shape}; got {value!r}.")
     out = []
     for r, row in enumerate(value):
-        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence | np.ndarray) \
-                or len(row) != k:
-            raise ValueError(f"{api}: {argname}[{r}]={row!r} must be a list of {k} ints (one "
-                             f"per rank of the group); {argname} must be {shape}.")
+        if (
+            isinstance(row, (str, bytes))
+            or not isinstance(row, Sequence | np.ndarray)
+            or len(row) != k
+        ):
+            raise ValueError(
+                f"{api}: {argname}[{r}]={row!r} must be a list of {k} ints (one "
+                f"per rank of the group); {argname} must be {shape}."
+            )
         ints = tuple(check_static_int(api, f"{argname}[{r}] entry", v) for v in row)
         if min(ints) < 0:
-            raise ValueError(f"{api}: {argname}[{r}]={list(ints)} has a negative size; split "
-                             f"sizes count rows and must be >= 0.")
+            raise ValueError(
+                f"{api}: {argname}[{r}]={list(ints)} has a negative size; split "
+                f"sizes count rows and must be >= 0."
+            )
         out.append(ints)
     return tuple(out)
 
@@ -94,9 +110,11 @@ def _split_tables(api: str, ins: Any, outs: Any, group: Group, width: int):
     peer = {row: sub for sub in subs for row in sub}  # row -> its subgroup's rows
     if ins is None:
         if width % k:
-            raise ValueError(f"{api}: input_split_sizes=None splits each rank's input evenly, "
-                             f"but x's rows have width {width}, not divisible by the group size "
-                             f"{k}. Pass input_split_sizes.")
+            raise ValueError(
+                f"{api}: input_split_sizes=None splits each rank's input evenly, "
+                f"but x's rows have width {width}, not divisible by the group size "
+                f"{k}. Pass input_split_sizes."
+            )
         ins = tuple((width // k,) * k for _ in range(rows))
     else:
         ins = _table(api, "input_split_sizes", ins, rows, k)
@@ -107,7 +125,8 @@ def _split_tables(api: str, ins: Any, outs: Any, group: Group, width: int):
                 raise ValueError(
                     f"{api}: output_split_sizes=None means rank {r} receives an equal part from "
                     f"every rank (torch splits the output evenly), but input_split_sizes sends "
-                    f"it {list(row)} rows. Pass output_split_sizes.")
+                    f"it {list(row)} rows. Pass output_split_sizes."
+                )
     else:
         outs = _table(api, "output_split_sizes", outs, rows, k)
     for r in range(rows):
@@ -115,14 +134,16 @@ def _split_tables(api: str, ins: Any, outs: Any, group: Group, width: int):
             raise ValueError(
                 f"{api}: input_split_sizes[{r}]={list(ins[r])} sums to {sum(ins[r])}, more than "
                 f"the width {width} of x's rows. Pad every rank's input to the longest (width >= "
-                f"{max(sum(v) for v in ins)}).")
+                f"{max(sum(v) for v in ins)})."
+            )
         for j, dst in enumerate(peer[r]):
             if ins[r][j] != outs[dst][grank[r]]:
                 raise ValueError(
                     f"{api}: input_split_sizes[{r}][{j}]={ins[r][j]} but output_split_sizes"
                     f"[{dst}][{grank[r]}]={outs[dst][grank[r]]}: rank {r} sends {ins[r][j]} rows "
                     f"to rank {dst}, which expects {outs[dst][grank[r]]}. Make "
-                    f"output_split_sizes[j][r] equal input_split_sizes[r][j].")
+                    f"output_split_sizes[j][r] equal input_split_sizes[r][j]."
+                )
     return ins, outs
 
 
@@ -137,16 +158,17 @@ def _a2a_program(group: Group, out_width: int):
 
     def body(x, sizes):
         local = jax.tree_util.tree_map(lambda a: a[0], x)
-        out, _ = primitives.ragged_all_to_all(local, group.axis_name, sizes[0],
-                                              out_size=out_width)
+        out, _ = primitives.ragged_all_to_all(local, group.axis_name, sizes[0], out_size=out_width)
         return jax.tree_util.tree_map(lambda a: a[None], out)
 
     return jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=(spec, spec), out_specs=spec))
 
 
 def all_to_all_single(
-    x: PyTree, output_split_sizes: Sequence[Sequence[int]] | None = None,
-    input_split_sizes: Sequence[Sequence[int]] | None = None, group: Group | None = None,
+    x: PyTree,
+    output_split_sizes: Sequence[Sequence[int]] | None = None,
+    input_split_sizes: Sequence[Sequence[int]] | None = None,
+    group: Group | None = None,
     async_op: bool = False,
 ) -> PyTree | Work:
     """Rank r sends ``input_split_sizes[r][j]`` rows of its input to rank j, as torch does.
@@ -207,9 +229,11 @@ def all_to_all_single(
     width = _width(api, x, group)
     if output_split_sizes is None and input_split_sizes is None:
         if width % group.size:
-            raise ValueError(f"{api}: without split sizes each rank's input is split evenly, but "
-                             f"x's rows have width {width}, not divisible by the group size "
-                             f"{group.size}. Pass input_split_sizes and output_split_sizes.")
+            raise ValueError(
+                f"{api}: without split sizes each rank's input is split evenly, but "
+                f"x's rows have width {width}, not divisible by the group size "
+                f"{group.size}. Pass input_split_sizes and output_split_sizes."
+            )
         return all_to_all(x, group, async_op, tiled=True)
     ins, outs = _split_tables(api, input_split_sizes, output_split_sizes, group, width)
     out_width = max(sum(row) for row in outs)
@@ -228,40 +252,55 @@ def _gather_program(group: Group, sizes: tuple[int, ...], dst: int | None):
             padded, _ = primitives.all_gather_uneven(local, group.axis_name, size)
         else:
             padded, _ = primitives.gather_uneven(local, group.axis_name, size, dst)
-        return [jax.tree_util.tree_map(lambda a, j=j: a[j, :sizes[j]][None], padded)
-                for j in range(len(sizes))]
+        return [
+            jax.tree_util.tree_map(lambda a, j=j: a[j, : sizes[j]][None], padded)
+            for j in range(len(sizes))
+        ]
 
-    return jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=spec,
-                                 out_specs=[spec] * len(sizes)))
+    return jax.jit(
+        jax.shard_map(body, mesh=group.mesh, in_specs=spec, out_specs=[spec] * len(sizes))
+    )
 
 
 def _gather_sizes(api: str, sizes: Any, group: Group, width: int) -> tuple[int, ...]:
     """One size per row; the same for a group rank in every subgroup (static shapes)."""
     rows = len(group.ranks)
-    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence | np.ndarray) \
-            or len(sizes) != rows:
-        raise ValueError(f"{api}: sizes must be a list of {rows} ints, one per rank (its "
-                         f"tensor's length along the first axis); got {sizes!r}.")
+    if (
+        isinstance(sizes, (str, bytes))
+        or not isinstance(sizes, Sequence | np.ndarray)
+        or len(sizes) != rows
+    ):
+        raise ValueError(
+            f"{api}: sizes must be a list of {rows} ints, one per rank (its "
+            f"tensor's length along the first axis); got {sizes!r}."
+        )
     sizes = [check_static_int(api, f"sizes[{r}]", s) for r, s in enumerate(sizes)]
     for r, s in enumerate(sizes):
         if not 0 <= s <= width:
-            raise ValueError(f"{api}: sizes[{r}]={s} is outside 0..{width}, the width of x's "
-                             f"rows. Pad every rank's tensor to the longest (width >= "
-                             f"{max(sizes)}).")
+            raise ValueError(
+                f"{api}: sizes[{r}]={s} is outside 0..{width}, the width of x's "
+                f"rows. Pad every rank's tensor to the longest (width >= "
+                f"{max(sizes)})."
+            )
     subs = _subgroup_rows(group)
     by_rank = tuple(sizes[row] for row in subs[0])
     for sub in subs[1:]:
         got = tuple(sizes[row] for row in sub)
         if got != by_rank:
-            raise ValueError(f"{api}: the subgroups of {group!r} would gather tensors of "
-                             f"different sizes ({list(by_rank)} and {list(got)} per group "
-                             f"rank), which one program cannot return. Call it on each subgroup "
-                             f"(dist.new_group) instead.")
+            raise ValueError(
+                f"{api}: the subgroups of {group!r} would gather tensors of "
+                f"different sizes ({list(by_rank)} and {list(got)} per group "
+                f"rank), which one program cannot return. Call it on each subgroup "
+                f"(dist.new_group) instead."
+            )
     return by_rank
 
 
 def all_gather_uneven(
-    x: PyTree, sizes: Sequence[int], group: Group | None = None, async_op: bool = False,
+    x: PyTree,
+    sizes: Sequence[int],
+    group: Group | None = None,
+    async_op: bool = False,
 ) -> list[PyTree] | Work:
     """Every rank gets the list of every rank's tensor, whose lengths differ per rank.
 
@@ -306,8 +345,13 @@ def all_gather_uneven(
 
 
 def gather_uneven(
-    x: PyTree, sizes: Sequence[int], dst: int | None = None, group: Group | None = None,
-    async_op: bool = False, *, group_dst: int | None = None,
+    x: PyTree,
+    sizes: Sequence[int],
+    dst: int | None = None,
+    group: Group | None = None,
+    async_op: bool = False,
+    *,
+    group_dst: int | None = None,
 ) -> list[PyTree] | Work:
     """Rank ``dst`` gets the list of every rank's tensor (lengths differ); other rows are zeros.
 
@@ -349,8 +393,11 @@ def _reduce_scatter_program(group: Group, sizes: tuple[int, ...], op: ReduceOp):
 
 
 def reduce_scatter_uneven(
-    x: PyTree, sizes: Sequence[int], op: ReduceOp | str = ReduceOp.SUM,
-    group: Group | None = None, async_op: bool = False,
+    x: PyTree,
+    sizes: Sequence[int],
+    op: ReduceOp | str = ReduceOp.SUM,
+    group: Group | None = None,
+    async_op: bool = False,
 ) -> PyTree | Work:
     """Rank r gets part r of ``op`` over all ranks' inputs, where part r has ``sizes[r]`` rows.
 

@@ -10,8 +10,9 @@ from ._group import resolve_group
 from ._work import Work
 
 
-def scan(x: PyTree, op: ReduceOp | str = ReduceOp.SUM, group: Group | None = None,
-         async_op: bool = False) -> PyTree | Work:
+def scan(
+    x: PyTree, op: ReduceOp | str = ReduceOp.SUM, group: Group | None = None, async_op: bool = False
+) -> PyTree | Work:
     """Rank r gets ``op`` over the values of group ranks 0..r (``MPI_Scan``).
 
     jaxcoll's own (torch.distributed has no prefix reduction; mpi4jax calls it ``scan``).
@@ -29,8 +30,9 @@ def scan(x: PyTree, op: ReduceOp | str = ReduceOp.SUM, group: Group | None = Non
     return _run(api, "scan", x, group, async_op, op=_op(api, x, op))
 
 
-def exscan(x: PyTree, op: ReduceOp | str = ReduceOp.SUM, group: Group | None = None,
-           async_op: bool = False) -> PyTree | Work:
+def exscan(
+    x: PyTree, op: ReduceOp | str = ReduceOp.SUM, group: Group | None = None, async_op: bool = False
+) -> PyTree | Work:
     """Rank r gets ``op`` over the values of group ranks 0..r-1 (``MPI_Exscan``); rank 0 gets
     the op's identity (see :func:`jaxcoll.primitives.exscan`; MPI leaves it undefined).
 

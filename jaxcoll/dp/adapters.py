@@ -43,16 +43,19 @@ class Model:
       form (:meth:`Trainer.to_module <jaxcoll.dp.Trainer.to_module>`).
     """
 
-    def loss_fn(self, params: PyTree, model_state: PyTree, batch: PyTree,
-                rng: jax.Array | None) -> ModelOutput:  # pragma: no cover - protocol
+    def loss_fn(
+        self, params: PyTree, model_state: PyTree, batch: PyTree, rng: jax.Array | None
+    ) -> ModelOutput:  # pragma: no cover - protocol
         raise NotImplementedError
 
     def init(self, rng: jax.Array, batch: PyTree) -> tuple[PyTree, PyTree]:  # pragma: no cover
         raise NotImplementedError
 
     def to_module(self, params: PyTree, model_state: PyTree) -> Any:
-        raise NotImplementedError(f"{type(self).__name__}.to_module: this adapter has no "
-                                  f"module form; use the state's params and model_state.")
+        raise NotImplementedError(
+            f"{type(self).__name__}.to_module: this adapter has no "
+            f"module form; use the state's params and model_state."
+        )
 
 
 class Linen(Model):
@@ -82,27 +85,38 @@ class Linen(Model):
 
     def __init__(self, module: linen.Module, loss: OutputLoss, *, input_key: str = "x") -> None:
         if not callable(loss):
-            raise TypeError(f"dp.Linen: loss must be a callable loss(outputs, batch), got "
-                            f"{type(loss).__name__} instead.")
+            raise TypeError(
+                f"dp.Linen: loss must be a callable loss(outputs, batch), got "
+                f"{type(loss).__name__} instead."
+            )
         self.module = module
         self.loss = loss
         self.input_key = input_key
 
     def init(self, rng: jax.Array, batch: PyTree) -> tuple[PyTree, PyTree]:
-        variables = self.module.init({"params": rng, "dropout": rng}, batch[self.input_key],
-                                     train=False)
+        variables = self.module.init(
+            {"params": rng, "dropout": rng}, batch[self.input_key], train=False
+        )
         variables = dict(variables)
         params = variables.pop("params")
         return params, variables
 
-    def loss_fn(self, params: PyTree, model_state: PyTree, batch: PyTree, rng: jax.Array | None,
-                *, step: jax.Array | None = None) -> ModelOutput:
+    def loss_fn(
+        self,
+        params: PyTree,
+        model_state: PyTree,
+        batch: PyTree,
+        rng: jax.Array | None,
+        *,
+        step: jax.Array | None = None,
+    ) -> ModelOutput:
         train = rng is not None
         variables = {"params": params, **model_state}
         kwargs: dict[str, Any] = {"rngs": {"dropout": rng}} if train else {}
         if train and model_state:
-            outputs, new_state = self.module.apply(variables, batch[self.input_key], train=True,
-                                                   mutable=list(model_state), **kwargs)
+            outputs, new_state = self.module.apply(
+                variables, batch[self.input_key], train=True, mutable=list(model_state), **kwargs
+            )
             new_state = dict(new_state)
         else:
             outputs = self.module.apply(variables, batch[self.input_key], train=train, **kwargs)
@@ -149,20 +163,32 @@ class Nnx(Model):
         >>> model = trainer.to_module(state)        # an nnx module with the trained weights
     """
 
-    def __init__(self, module: nnx.Module, loss: OutputLoss, *, input_key: str = "x",
-                 call: NnxCall | None = None) -> None:
+    def __init__(
+        self,
+        module: nnx.Module,
+        loss: OutputLoss,
+        *,
+        input_key: str = "x",
+        call: NnxCall | None = None,
+    ) -> None:
         from flax import nnx
 
         if not isinstance(module, nnx.Module):
-            raise TypeError(f"dp.Nnx: module must be a flax.nnx.Module, got "
-                            f"{type(module).__name__} instead (a linen module goes to "
-                            f"dp.Linen).")
+            raise TypeError(
+                f"dp.Nnx: module must be a flax.nnx.Module, got "
+                f"{type(module).__name__} instead (a linen module goes to "
+                f"dp.Linen)."
+            )
         if not callable(loss):
-            raise TypeError(f"dp.Nnx: loss must be a callable loss(outputs, batch), got "
-                            f"{type(loss).__name__} instead.")
+            raise TypeError(
+                f"dp.Nnx: loss must be a callable loss(outputs, batch), got "
+                f"{type(loss).__name__} instead."
+            )
         if call is not None and not callable(call):
-            raise TypeError(f"dp.Nnx: call must be a callable call(model, batch, *, train, "
-                            f"rngs), got {type(call).__name__} instead.")
+            raise TypeError(
+                f"dp.Nnx: call must be a callable call(model, batch, *, train, "
+                f"rngs), got {type(call).__name__} instead."
+            )
         self.loss = loss
         self.input_key = input_key
         self.call = call
@@ -188,8 +214,15 @@ class Nnx(Model):
         nnx.replace_by_pure_dict(s, model_state)
         return nnx.merge(self._graph, p, s, rest)
 
-    def loss_fn(self, params: PyTree, model_state: PyTree, batch: PyTree, rng: jax.Array | None,
-                *, step: jax.Array | None = None) -> ModelOutput:
+    def loss_fn(
+        self,
+        params: PyTree,
+        model_state: PyTree,
+        batch: PyTree,
+        rng: jax.Array | None,
+        *,
+        step: jax.Array | None = None,
+    ) -> ModelOutput:
         from flax import nnx
 
         model = self.merge(params, model_state)
@@ -197,15 +230,24 @@ class Nnx(Model):
         rngs = None
         if rng is not None:  # training
             model.train()
-            key = rng if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) \
+            key = (
+                rng
+                if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
                 else jax.random.wrap_key_data(rng)
-            tags = sorted({stream.key.tag for _, stream in nnx.iter_graph(model)
-                           if isinstance(stream, nnx.RngStream)})
+            )
+            tags = sorted(
+                {
+                    stream.key.tag
+                    for _, stream in nnx.iter_graph(model)
+                    if isinstance(stream, nnx.RngStream)
+                }
+            )
             if tags:  # every stream of the module draws from this rank's step key
                 # Typed Any: a dict[str, Array] could, as far as mypy knows, hold reseed's own
                 # keywords (graph, policy), which take other types.
-                keys: dict[str, Any] = {t: jax.random.fold_in(key, i + 1)
-                                        for i, t in enumerate(tags)}
+                keys: dict[str, Any] = {
+                    t: jax.random.fold_in(key, i + 1) for i, t in enumerate(tags)
+                }
                 nnx.reseed(model, policy="match_shape", **keys)
             rngs = nnx.Rngs(jax.random.fold_in(key, 0))
         else:

@@ -78,8 +78,15 @@ def mean_gradients(
     hook = AllReduceHook() if grad_dtype is None else Compress(grad_dtype)
     leaves = jax.tree_util.tree_leaves(grads)
     states = [() for _ in plan_buckets(leaves, bucket_bytes)]
-    means, _ = sync_buckets(grads, axis_name, bucket_bytes=bucket_bytes, hook=hook,
-                            states=states, step=jnp.zeros((), jnp.int32), algorithm=algorithm)
+    means, _ = sync_buckets(
+        grads,
+        axis_name,
+        bucket_bytes=bucket_bytes,
+        hook=hook,
+        states=states,
+        step=jnp.zeros((), jnp.int32),
+        algorithm=algorithm,
+    )
     return means
 
 
@@ -122,14 +129,17 @@ def sync_buckets(
         means, state = hook(states[k], view)
         means = list(means)
         if len(means) != len(bucket):
-            raise ValueError(f"hook {hook!r} returned {len(means)} gradients for a bucket "
-                             f"of {len(bucket)}; it must return one mean per gradient.")
+            raise ValueError(
+                f"hook {hook!r} returned {len(means)} gradients for a bucket "
+                f"of {len(bucket)}; it must return one mean per gradient."
+            )
         for i, g in zip(bucket, means, strict=True):
             if g.shape != leaves[i].shape or g.dtype != leaves[i].dtype:
                 raise ValueError(
                     f"hook {hook!r} returned a gradient of {g.dtype}{list(g.shape)} for "
                     f"one of {leaves[i].dtype}{list(leaves[i].shape)}; it must return each "
-                    f"gradient's mean in that gradient's shape and dtype.")
+                    f"gradient's mean in that gradient's shape and dtype."
+                )
             out[i] = g
         new_states.append(state)
     return jax.tree_util.tree_unflatten(treedef, out), new_states

@@ -57,8 +57,9 @@ class JsonlWriter(Callback):
 
     def write_scalars(self, step: int, scalars: dict[str, float]) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": int(step), **{k: float(v) for k, v in scalars.items()}})
-                    + "\n")
+            f.write(
+                json.dumps({"step": int(step), **{k: float(v) for k, v in scalars.items()}}) + "\n"
+            )
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self.write_scalars(step, metrics)
@@ -99,15 +100,19 @@ class _Function(Callback):
         self.fn(step, {f"eval_{k}": v for k, v in results.items()})
 
 
-def as_callbacks(api: str, callbacks: CallbackLike | Iterable[CallbackLike] | None
-                 ) -> list[Callback]:
+def as_callbacks(
+    api: str, callbacks: CallbackLike | Iterable[CallbackLike] | None
+) -> list[Callback]:
     """Each entry of ``callbacks`` as a :class:`Callback` (see the module docstring)."""
     if callbacks is None:
         return []
     # Each entry is checked below, whatever its static type says.
     entries: Iterable[object]
-    if isinstance(callbacks, Callback) or callable(callbacks) \
-            or hasattr(callbacks, "write_scalars"):
+    if (
+        isinstance(callbacks, Callback)
+        or callable(callbacks)
+        or hasattr(callbacks, "write_scalars")
+    ):
         entries = [callbacks]
     else:
         entries = cast("Iterable[object]", callbacks)
@@ -120,7 +125,9 @@ def as_callbacks(api: str, callbacks: CallbackLike | Iterable[CallbackLike] | No
         elif callable(cb):
             out.append(_Function(cb))
         else:
-            raise TypeError(f"{api}: callbacks must hold dp.Callback objects, metric writers "
-                            f"(write_scalars(step, scalars)) or functions fn(step, metrics), "
-                            f"got {type(cb).__name__} instead.")
+            raise TypeError(
+                f"{api}: callbacks must hold dp.Callback objects, metric writers "
+                f"(write_scalars(step, scalars)) or functions fn(step, metrics), "
+                f"got {type(cb).__name__} instead."
+            )
     return out

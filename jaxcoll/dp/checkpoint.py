@@ -20,19 +20,26 @@ def check_directory(api: str, argname: str, path: str | os.PathLike) -> str:
     try:
         path = os.path.abspath(os.fspath(path))
     except TypeError:
-        raise TypeError(f"{api}: {argname} must be a path (str or os.PathLike), got "
-                        f"{type(path).__name__} instead.") from None
+        raise TypeError(
+            f"{api}: {argname} must be a path (str or os.PathLike), got "
+            f"{type(path).__name__} instead."
+        ) from None
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{api}: {argname}={path!r} is a file, not a directory; pass a "
-                         f"directory for the checkpoints (it is created if missing).")
+        raise ValueError(
+            f"{api}: {argname}={path!r} is a file, not a directory; pass a "
+            f"directory for the checkpoints (it is created if missing)."
+        )
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"{api}: {argname}={path!r} cannot be created ({e.strerror}: "
-                         f"{e.filename}); pass a directory you can write to.") from None
+        raise ValueError(
+            f"{api}: {argname}={path!r} cannot be created ({e.strerror}: "
+            f"{e.filename}); pass a directory you can write to."
+        ) from None
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{api}: {argname}={path!r} is not writable; pass a directory you "
-                         f"can write to.")
+        raise ValueError(
+            f"{api}: {argname}={path!r} is not writable; pass a directory you can write to."
+        )
     return path
 
 
@@ -66,16 +73,20 @@ class Checkpointer:
         >>> state = Checkpointer("/tmp/run1").restore_latest(template_state)
     """
 
-    def __init__(self, directory: str | os.PathLike, *, every: int = 100,
-                 max_to_keep: int = 2) -> None:
-        for name, value, what in (("every", every, "steps between saves"),
-                                  ("max_to_keep", max_to_keep, "checkpoints kept")):
+    def __init__(
+        self, directory: str | os.PathLike, *, every: int = 100, max_to_keep: int = 2
+    ) -> None:
+        for name, value, what in (
+            ("every", every, "steps between saves"),
+            ("max_to_keep", max_to_keep, "checkpoints kept"),
+        ):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"Checkpointer: {name} must be an int ({what}), got {value!r} "
-                                f"of type {type(value).__name__} instead.")
+                raise TypeError(
+                    f"Checkpointer: {name} must be an int ({what}), got {value!r} "
+                    f"of type {type(value).__name__} instead."
+                )
             if value < 1:
-                raise ValueError(f"Checkpointer: {name}={value!r} must be a positive int "
-                                 f"({what}).")
+                raise ValueError(f"Checkpointer: {name}={value!r} must be a positive int ({what}).")
         self.directory = check_directory("Checkpointer", "directory", directory)
         self.every = int(every)
         self.options = ocp.CheckpointManagerOptions(max_to_keep=int(max_to_keep), create=True)
@@ -123,14 +134,19 @@ class Checkpointer:
                 # with wrong ideas about the checkpoints' layout.
                 self.manager.close()
                 self._manager = None
-                warnings.warn(f"Checkpointer: the checkpoint of step {step} in "
-                              f"{self.directory} cannot be restored ({reason}); skipping it "
-                              f"for an older one.", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"Checkpointer: the checkpoint of step {step} in "
+                    f"{self.directory} cannot be restored ({reason}); skipping it "
+                    f"for an older one.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         if errors:
             raise RuntimeError(
                 f"Checkpointer: no checkpoint in {self.directory} can be restored into this "
                 f"state:\n  " + "\n  ".join(errors) + "\nIf the model or optimizer changed, "
-                "start in a new directory; otherwise remove the damaged steps.")
+                "start in a new directory; otherwise remove the damaged steps."
+            )
         return template
 
     def close(self) -> None:

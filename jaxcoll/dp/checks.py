@@ -27,8 +27,10 @@ import numpy as np
 from .._core.typing import PyTree
 from .state import TrainState
 
-RETURN_HINT = ("return (loss, metrics): the per-example mean loss, a scalar, and a dict of "
-               "scalar metrics (per-example means too), e.g. `return loss, {}`")
+RETURN_HINT = (
+    "return (loss, metrics): the per-example mean loss, a scalar, and a dict of "
+    "scalar metrics (per-example means too), e.g. `return loss, {}`"
+)
 
 
 class LossOutputError(Exception):
@@ -50,8 +52,10 @@ def accepts(fn: Callable, name: str) -> bool:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return True
     p = params.get(name)
-    return p is not None and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                        inspect.Parameter.KEYWORD_ONLY)
+    return p is not None and p.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
 
 
 def _describe(x: Any) -> str:
@@ -77,57 +81,90 @@ def loss_output(who: str, out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         if hasattr(out, "shape") and np.shape(out) == ():
-            raise LossOutputError(TypeError, f"{who} returned a bare loss ({_describe(out)}) "
-                                             f"instead of (loss, metrics); {RETURN_HINT}.")
-        raise LossOutputError(TypeError, f"{who} returned {_describe(out)} instead of "
-                                         f"(loss, metrics); {RETURN_HINT}.")
+            raise LossOutputError(
+                TypeError,
+                f"{who} returned a bare loss ({_describe(out)}) "
+                f"instead of (loss, metrics); {RETURN_HINT}.",
+            )
+        raise LossOutputError(
+            TypeError, f"{who} returned {_describe(out)} instead of (loss, metrics); {RETURN_HINT}."
+        )
     loss, metrics = out
     if not (hasattr(loss, "shape") or isinstance(loss, (int, float))):
-        raise LossOutputError(TypeError, f"{who} returned a loss that is {_describe(loss)}; "
-                                         f"{RETURN_HINT}.")
+        raise LossOutputError(
+            TypeError, f"{who} returned a loss that is {_describe(loss)}; {RETURN_HINT}."
+        )
     if np.shape(loss) != ():
-        raise LossOutputError(ValueError, f"{who} returned a loss of shape "
-                                          f"{tuple(np.shape(loss))}; the loss must be a scalar: "
-                                          f"the mean over the batch (e.g. jnp.mean(...)).")
+        raise LossOutputError(
+            ValueError,
+            f"{who} returned a loss of shape "
+            f"{tuple(np.shape(loss))}; the loss must be a scalar: "
+            f"the mean over the batch (e.g. jnp.mean(...)).",
+        )
     if not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
-        raise LossOutputError(TypeError, f"{who} returned a loss of dtype "
-                                         f"{jnp.result_type(loss)}; it must be a floating "
-                                         f"scalar to be differentiated.")
+        raise LossOutputError(
+            TypeError,
+            f"{who} returned a loss of dtype "
+            f"{jnp.result_type(loss)}; it must be a floating "
+            f"scalar to be differentiated.",
+        )
     if metrics is None:
         metrics = {}
     if not isinstance(metrics, Mapping):
-        raise LossOutputError(TypeError, f"{who} returned metrics that are "
-                                         f"{_describe(metrics)}; metrics must be a dict of "
-                                         f"scalars ({{}} for none).")
+        raise LossOutputError(
+            TypeError,
+            f"{who} returned metrics that are "
+            f"{_describe(metrics)}; metrics must be a dict of "
+            f"scalars ({{}} for none).",
+        )
     for name, value in metrics.items():
         if not isinstance(name, str):
-            raise LossOutputError(TypeError, f"{who} returned a metric named {name!r}; metric "
-                                             f"names must be strings.")
+            raise LossOutputError(
+                TypeError, f"{who} returned a metric named {name!r}; metric names must be strings."
+            )
         if name == "loss":
-            raise LossOutputError(ValueError, f"{who} returned a metric named 'loss', which "
-                                              f"the Trainer reports itself (the returned "
-                                              f"loss); rename the metric.")
+            raise LossOutputError(
+                ValueError,
+                f"{who} returned a metric named 'loss', which "
+                f"the Trainer reports itself (the returned "
+                f"loss); rename the metric.",
+            )
         ok = hasattr(value, "dtype") or isinstance(value, (bool, int, float))
-        if not ok or not (jnp.issubdtype(jnp.result_type(value), jnp.number)
-                          or jnp.result_type(value) == jnp.bool_):
-            raise LossOutputError(TypeError, f"{who} returned metric {name!r} as "
-                                             f"{_describe(value)}; metrics must be numeric "
-                                             f"scalars (per-example means over the batch).")
+        if not ok or not (
+            jnp.issubdtype(jnp.result_type(value), jnp.number)
+            or jnp.result_type(value) == jnp.bool_
+        ):
+            raise LossOutputError(
+                TypeError,
+                f"{who} returned metric {name!r} as "
+                f"{_describe(value)}; metrics must be numeric "
+                f"scalars (per-example means over the batch).",
+            )
         if np.shape(value) != ():
-            raise LossOutputError(ValueError, f"{who} returned metric {name!r} of shape "
-                                              f"{tuple(np.shape(value))}; metrics must be "
-                                              f"scalars, per-example means over the batch (e.g. "
-                                              f"jnp.mean(...)), so the Trainer can average "
-                                              f"them over devices and batches.")
+            raise LossOutputError(
+                ValueError,
+                f"{who} returned metric {name!r} of shape "
+                f"{tuple(np.shape(value))}; metrics must be "
+                f"scalars, per-example means over the batch (e.g. "
+                f"jnp.mean(...)), so the Trainer can average "
+                f"them over devices and batches.",
+            )
     return loss, dict(metrics)
 
 
 def model_output(who: str, out: Any) -> tuple[jax.Array, tuple[dict[str, jax.Array], PyTree]]:
     """A :class:`~jaxcoll.dp.Model`'s ``(loss, (metrics, model_state))``, checked."""
-    if not (isinstance(out, (tuple, list)) and len(out) == 2
-            and isinstance(out[1], (tuple, list)) and len(out[1]) == 2):
-        raise LossOutputError(TypeError, f"{who} returned {_describe(out)}; a dp.Model's "
-                                         f"loss_fn must return (loss, (metrics, model_state)).")
+    if not (
+        isinstance(out, (tuple, list))
+        and len(out) == 2
+        and isinstance(out[1], (tuple, list))
+        and len(out[1]) == 2
+    ):
+        raise LossOutputError(
+            TypeError,
+            f"{who} returned {_describe(out)}; a dp.Model's "
+            f"loss_fn must return (loss, (metrics, model_state)).",
+        )
     loss, metrics = loss_output(who, (out[0], out[1][0]))
     return loss, (metrics, out[1][1])
 
@@ -155,8 +192,10 @@ def float_params(api: str, params: PyTree, grad_route: str) -> None:
 def check_state(api: str, state: Any) -> None:
     """``state`` must be a live :class:`~jaxcoll.dp.TrainState` (see :func:`check_live`)."""
     if not isinstance(state, TrainState):
-        raise TypeError(f"{api}: state must be the TrainState that Trainer.init returned, got "
-                        f"{type(state).__name__} instead.")
+        raise TypeError(
+            f"{api}: state must be the TrainState that Trainer.init returned, got "
+            f"{type(state).__name__} instead."
+        )
     check_live(api, state)
 
 

@@ -48,15 +48,19 @@ class Batches:
             raise ValueError("Batches: arrays holds no array; pass a pytree of NumPy arrays.")
         sizes = {np.shape(leaf)[0] for leaf in leaves}
         if len(sizes) != 1:
-            raise ValueError(f"Batches: the arrays disagree on the number of examples "
-                             f"(leading sizes {sorted(sizes)}); give every array one row per "
-                             f"example.")
+            raise ValueError(
+                f"Batches: the arrays disagree on the number of examples "
+                f"(leading sizes {sorted(sizes)}); give every array one row per "
+                f"example."
+            )
         self.num_examples = sizes.pop()
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
             raise TypeError(f"Batches: batch_size must be an int, got {batch_size!r} instead.")
         if not 1 <= batch_size <= self.num_examples:
-            raise ValueError(f"Batches: batch_size={batch_size} must be between 1 and the "
-                             f"number of examples ({self.num_examples}).")
+            raise ValueError(
+                f"Batches: batch_size={batch_size} must be between 1 and the "
+                f"number of examples ({self.num_examples})."
+            )
         self.arrays = jax.tree_util.tree_map(np.asarray, arrays)
         self.batch_size = int(batch_size)
         self.shuffle = shuffle
@@ -75,7 +79,7 @@ class Batches:
         order = np.arange(self.num_examples)
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
-        idx = order[i * self.batch_size:(i + 1) * self.batch_size]
+        idx = order[i * self.batch_size : (i + 1) * self.batch_size]
         return jax.tree_util.tree_map(lambda a: a[idx], self.arrays)
 
     def epoch(self, epoch: int = 0) -> Iterator[PyTree]:
@@ -101,14 +105,19 @@ def leading_size(api: str, batch: PyTree) -> int:
     """
     leaves = jax.tree_util.tree_leaves(batch)
     if not leaves:
-        raise ValueError(f"{api}: the batch holds no array; pass a pytree of arrays with one "
-                         f"row per example.")
+        raise ValueError(
+            f"{api}: the batch holds no array; pass a pytree of arrays with one row per example."
+        )
     sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
     if None in sizes or len(sizes) != 1:
-        raise ValueError(f"{api}: every array in the batch needs the same leading (example) "
-                         f"axis, got leading sizes {sizes}.")
+        raise ValueError(
+            f"{api}: every array in the batch needs the same leading (example) "
+            f"axis, got leading sizes {sizes}."
+        )
     size = np.shape(leaves[0])[0]  # every leaf's, checked above
     if size == 0:
-        raise ValueError(f"{api}: the batch has 0 examples (every array's leading axis is "
-                         f"empty); a mean over no examples is NaN. Skip empty batches.")
+        raise ValueError(
+            f"{api}: the batch has 0 examples (every array's leading axis is "
+            f"empty); a mean over no examples is NaN. Skip empty batches."
+        )
     return int(size)

@@ -65,8 +65,9 @@ def ema(decay: float | Callable[[jax.Array], jax.Array]) -> Extra:
     """
     if not callable(decay):
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay <= 1:
-            raise ValueError(f"dp.ema: decay={decay!r} must be a number in [0, 1] or a "
-                             f"schedule decay(step).")
+            raise ValueError(
+                f"dp.ema: decay={decay!r} must be a number in [0, 1] or a schedule decay(step)."
+            )
 
     def init(params: PyTree) -> PyTree:
         return jax.tree_util.tree_map(jnp.copy, params)
@@ -74,6 +75,7 @@ def ema(decay: float | Callable[[jax.Array], jax.Array]) -> Extra:
     def update(average: PyTree, state: TrainState, metrics: dict[str, jax.Array]) -> PyTree:
         d = decay(state.step) if callable(decay) else decay
         return jax.tree_util.tree_map(
-            lambda a, p: (d * a + (1 - d) * p).astype(a.dtype), average, state.params)
+            lambda a, p: (d * a + (1 - d) * p).astype(a.dtype), average, state.params
+        )
 
     return Extra(init, update)

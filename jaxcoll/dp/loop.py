@@ -32,35 +32,37 @@ from .state import TrainState
 class Steps(Protocol):
     """What :func:`fit` uses of a :class:`~jaxcoll.dp.Trainer`."""
 
-    def step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
-        ...
+    def step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]: ...
 
-    def shard_batch(self, batch: PyTree) -> PyTree:
-        ...
+    def shard_batch(self, batch: PyTree) -> PyTree: ...
 
-    def evaluate(self, state: TrainState, data: Batches | Iterable[PyTree]) -> dict[str, float]:
-        ...
+    def evaluate(self, state: TrainState, data: Batches | Iterable[PyTree]) -> dict[str, float]: ...
 
 
 def total_steps(data: Any, steps: int | None, epochs: int | None) -> int:
     if (steps is None) == (epochs is None):
-        raise ValueError("Trainer.fit: pass exactly one of steps= (the total step count to "
-                         "reach) or epochs=.")
+        raise ValueError(
+            "Trainer.fit: pass exactly one of steps= (the total step count to reach) or epochs=."
+        )
     if steps is not None:
         return check_static_int("Trainer.fit", "steps", steps)
     epochs = check_static_int("Trainer.fit", "epochs", epochs)
     try:
         return epochs * len(data)
     except TypeError:
-        raise TypeError("Trainer.fit: epochs= needs data with a length (e.g. dp.Batches); "
-                        "pass steps= for an iterator.") from None
+        raise TypeError(
+            "Trainer.fit: epochs= needs data with a length (e.g. dp.Batches); "
+            "pass steps= for an iterator."
+        ) from None
 
 
 def check_data(api: str, argname: str, data: Any) -> None:
     """``data`` must be batches, not one batch: a dict would iterate over its keys."""
     if isinstance(data, Mapping):
-        raise TypeError(f"{api}: {argname} is a dict (one batch?); pass an iterable of global "
-                        f"batches, e.g. [{argname}], or a dp.Batches.")
+        raise TypeError(
+            f"{api}: {argname} is a dict (one batch?); pass an iterable of global "
+            f"batches, e.g. [{argname}], or a dp.Batches."
+        )
 
 
 def batch_source(data: Any, start: int) -> Callable[[int], PyTree]:
@@ -74,8 +76,9 @@ def batch_source(data: Any, start: int) -> Callable[[int], PyTree]:
         try:
             return next(iterator)
         except StopIteration:
-            raise ValueError("Trainer.fit: data ran out of batches before steps= was "
-                             "reached.") from None
+            raise ValueError(
+                "Trainer.fit: data ran out of batches before steps= was reached."
+            ) from None
 
     return source
 
@@ -85,8 +88,9 @@ def _rows(batch: PyTree, lo: int, hi: int) -> PyTree:
     return jax.tree_util.tree_map(lambda a: a[lo:hi], batch)
 
 
-def evaluate(metrics_of: Callable[[PyTree], dict[str, jax.Array]],
-             data: Batches | Iterable[PyTree], n: int) -> dict[str, float]:
+def evaluate(
+    metrics_of: Callable[[PyTree], dict[str, jax.Array]], data: Batches | Iterable[PyTree], n: int
+) -> dict[str, float]:
     """The mean of every metric over every example of ``data``, exactly.
 
     ``metrics_of(batch)`` gives the global batch means of a batch whose size is a multiple of
@@ -109,16 +113,20 @@ def evaluate(metrics_of: Callable[[PyTree], dict[str, jax.Array]],
         if full:
             parts.append((metrics_of(batch if full == size else _rows(batch, 0, full)), full))
         if size > full:
-            rest = jax.tree_util.tree_map(lambda a: np.concatenate([np.asarray(a)] * n),
-                                          _rows(batch, full, size))
+            rest = jax.tree_util.tree_map(
+                lambda a: np.concatenate([np.asarray(a)] * n), _rows(batch, full, size)
+            )
             parts.append((metrics_of(rest), size - full))
     if not parts:
-        raise ValueError("Trainer.evaluate: data yielded no batch; pass an iterable of "
-                         "global batches (or a dp.Batches).")
+        raise ValueError(
+            "Trainer.evaluate: data yielded no batch; pass an iterable of "
+            "global batches (or a dp.Batches)."
+        )
     host = jax.device_get([m for m, _ in parts])  # one transfer for all batches
     count = sum(w for _, w in parts)
-    return {name: sum(float(m[name]) * w for m, (_, w) in zip(host, parts)) / count
-            for name in host[0]}
+    return {
+        name: sum(float(m[name]) * w for m, (_, w) in zip(host, parts)) / count for name in host[0]
+    }
 
 
 # ------------------------------------------------------------------------------------ fit
@@ -202,14 +210,21 @@ def fit(
     if eval_every is not None:
         eval_every = check_static_int(api, "eval_every", eval_every)
         if eval_every < 1:
-            raise ValueError(f"{api}: eval_every={eval_every} must be a positive number of "
-                             f"steps (len(train_batches) for once per epoch), or None.")
+            raise ValueError(
+                f"{api}: eval_every={eval_every} must be a positive number of "
+                f"steps (len(train_batches) for once per epoch), or None."
+            )
     cbs = as_callbacks(api, callbacks)
     if checkpoint is not None and not isinstance(checkpoint, Checkpointer):
-        hint = (f" (a path: pass dp.Checkpointer({os.fspath(checkpoint)!r}, every=100))"
-                if isinstance(checkpoint, (str, os.PathLike)) else "")
-        raise TypeError(f"{api}: checkpoint must be a dp.Checkpointer(directory, every=...) "
-                        f"or None, got {type(checkpoint).__name__} instead{hint}.")
+        hint = (
+            f" (a path: pass dp.Checkpointer({os.fspath(checkpoint)!r}, every=100))"
+            if isinstance(checkpoint, (str, os.PathLike))
+            else ""
+        )
+        raise TypeError(
+            f"{api}: checkpoint must be a dp.Checkpointer(directory, every=...) "
+            f"or None, got {type(checkpoint).__name__} instead{hint}."
+        )
     if progress is None:  # a bar only where someone watches it; not in logs or CI
         progress = sys.stderr.isatty()
     history: list[dict[str, Any]] = []
@@ -219,8 +234,9 @@ def fit(
             state = checkpoint.restore_latest(state)
         start = int(jax.device_get(state.step))
         source = batch_source(data, start)
-        bar = tqdm(total=total, initial=start, disable=not progress, unit="step",
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=total, initial=start, disable=not progress, unit="step", dynamic_ncols=True
+        )
         clock = [time.perf_counter()]
 
         def complete(p: Pending) -> None:
@@ -295,8 +311,10 @@ def _preempted(api: str, ckpt: Checkpointer, state: TrainState, step: int) -> No
     """Save ``state`` (after ``step``) and end the process as a preempted one: exit 143."""
     ckpt.save(state)
     ckpt.manager.wait_until_finished()
-    print(f"{api}: SIGTERM: saved a checkpoint at step {step} in {ckpt.directory}; exiting "
-          f"with code {128 + signal.SIGTERM}. Start the same run again to resume there.",
-          file=sys.stderr, flush=True)
+    print(
+        f"{api}: SIGTERM: saved a checkpoint at step {step} in {ckpt.directory}; exiting "
+        f"with code {128 + signal.SIGTERM}. Start the same run again to resume there.",
+        file=sys.stderr,
+        flush=True,
+    )
     raise SystemExit(128 + signal.SIGTERM)
-

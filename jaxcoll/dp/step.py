@@ -28,9 +28,18 @@ from .sync.base import Strategy, specs_like
 StateLoss = Callable[..., tuple[jax.Array, tuple[dict[str, jax.Array], PyTree]]]
 
 
-def local_grads(loss: StateLoss, params: PyTree, model_state: PyTree, batch: PyTree,
-                key: jax.Array, step: jax.Array, axis_name: AxisName, accum_steps: int,
-                strategy: Strategy | None = None, like: PyTree = None):
+def local_grads(
+    loss: StateLoss,
+    params: PyTree,
+    model_state: PyTree,
+    batch: PyTree,
+    key: jax.Array,
+    step: jax.Array,
+    axis_name: AxisName,
+    accum_steps: int,
+    strategy: Strategy | None = None,
+    like: PyTree = None,
+):
     """This rank's mean gradient over ``accum_steps`` micro-batches of its share of the batch.
 
     ``params`` are as the train state holds them; the loss sees ``strategy.materialize``'s
@@ -44,14 +53,14 @@ def local_grads(loss: StateLoss, params: PyTree, model_state: PyTree, batch: PyT
         of_params = lambda p, ms, b, r: loss(p, ms, b, r, step)  # noqa: E731
     else:
         of_params = strategy.wrap_loss(
-            lambda p, ms, b, r: loss(strategy.materialize(p, like), ms, b, r, step))
+            lambda p, ms, b, r: loss(strategy.materialize(p, like), ms, b, r, step)
+        )
     grad_fn = jax.value_and_grad(of_params, has_aux=True)
     k = accum_steps
     if k == 1:
         (value, (aux, model_state)), grads = grad_fn(params, model_state, batch, key)
         return grads, value, aux, model_state
-    micro = jax.tree_util.tree_map(lambda a: a.reshape((k, a.shape[0] // k) + a.shape[1:]),
-                                   batch)
+    micro = jax.tree_util.tree_map(lambda a: a.reshape((k, a.shape[0] // k) + a.shape[1:]), batch)
     model_state = to_varying(model_state, names)  # one carry type through the scan
 
     def one(carry, xs):
@@ -62,26 +71,30 @@ def local_grads(loss: StateLoss, params: PyTree, model_state: PyTree, batch: PyT
         add = jax.tree_util.tree_map(jnp.add, (g_sum, loss_sum, aux_sum), (g, value, aux))
         return (*add, ms), None
 
-    shapes = jax.eval_shape(grad_fn, params, model_state,
-                            jax.tree_util.tree_map(lambda a: a[0], micro), key)
+    shapes = jax.eval_shape(
+        grad_fn, params, model_state, jax.tree_util.tree_map(lambda a: a[0], micro), key
+    )
     (_, (aux0, _)), g0 = shapes
     zeros = jax.tree_util.tree_map(
-        lambda s: to_varying(jnp.zeros(s.shape, s.dtype), names), (g0, aux0))
+        lambda s: to_varying(jnp.zeros(s.shape, s.dtype), names), (g0, aux0)
+    )
     init = (zeros[0], to_varying(jnp.zeros((), jnp.float32), names), zeros[1], model_state)
     (g_sum, loss_sum, aux_sum, model_state), _ = lax.scan(one, init, (micro, jnp.arange(k)))
     scale = lambda t: jax.tree_util.tree_map(lambda a: a / k, t)  # noqa: E731
     return scale(g_sum), loss_sum / k, scale(aux_sum), model_state
 
 
-def mean_metrics(metrics: dict[str, jax.Array], axis_name: AxisName,
-                 algorithm: str) -> dict[str, jax.Array]:
+def mean_metrics(
+    metrics: dict[str, jax.Array], axis_name: AxisName, algorithm: str
+) -> dict[str, jax.Array]:
     """Average scalar metrics over ranks in one collective (each rank holds equal shares)."""
     names = sorted(metrics)
     if not names:
         return {}
     vec = jnp.stack([jnp.asarray(metrics[k], jnp.float32).reshape(()) for k in names])
-    vec = primitives.all_reduce(to_varying(vec, axis_names(axis_name)), axis_name, "avg",
-                                algorithm=algorithm)
+    vec = primitives.all_reduce(
+        to_varying(vec, axis_names(axis_name)), axis_name, "avg", algorithm=algorithm
+    )
     return {k: vec[i] for i, k in enumerate(names)}
 
 
@@ -100,14 +113,14 @@ def sync_model_state(model_state: PyTree, axis_name: AxisName, algorithm: str) -
     out = list(leaves)
     if floats:
         # Model state crosses devices here: one all-reduce (per dtype) for every float leaf.
-        mean = primitives.all_reduce(to_varying([leaves[i] for i in floats], names), axis_name,
-                                     "avg", algorithm=algorithm)
+        mean = primitives.all_reduce(
+            to_varying([leaves[i] for i in floats], names), axis_name, "avg", algorithm=algorithm
+        )
         for i, x in zip(floats, mean, strict=True):
             out[i] = x
     for i, x in enumerate(leaves):
         if i not in floats:
-            out[i] = primitives.broadcast(to_varying(x, names), axis_name, 0,
-                                          algorithm=algorithm)
+            out[i] = primitives.broadcast(to_varying(x, names), axis_name, 0, algorithm=algorithm)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -119,12 +132,15 @@ def state_shardings(strategy: Strategy, state: TrainState) -> TrainState:
     rep = lambda t: jax.tree_util.tree_map(lambda _: replicated, t)  # noqa: E731
     named = strategy.named
     per_rank = NamedSharding(strategy.mesh, P(strategy.axis_name))
-    return state.replace(params=named(strategy.state_param_specs(state.params)),
-                         opt_state=named(strategy.opt_specs(state.opt_state, state.params)),
-                         model_state=rep(state.model_state), step=replicated, rng=replicated,
-                         extra=named(strategy.extra_specs(state.extra, state.params)),
-                         comm_state=jax.tree_util.tree_map(lambda _: per_rank,
-                                                           state.comm_state))
+    return state.replace(
+        params=named(strategy.state_param_specs(state.params)),
+        opt_state=named(strategy.opt_specs(state.opt_state, state.params)),
+        model_state=rep(state.model_state),
+        step=replicated,
+        rng=replicated,
+        extra=named(strategy.extra_specs(state.extra, state.params)),
+        comm_state=jax.tree_util.tree_map(lambda _: per_rank, state.comm_state),
+    )
 
 
 def abstract(tree: PyTree) -> PyTree:
@@ -144,16 +160,28 @@ def _stack(tree: PyTree, names: tuple) -> PyTree:
 
 def all_finite(*trees: PyTree) -> jax.Array:
     """True when every element of every floating leaf is finite (a scalar bool)."""
-    leaves = [x for t in trees for x in jax.tree_util.tree_leaves(t)
-              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    leaves = [
+        x
+        for t in trees
+        for x in jax.tree_util.tree_leaves(t)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
     ok = jnp.asarray(True)
     for x in leaves:
         ok = ok & jnp.all(jnp.isfinite(x))
     return ok
 
 
-def build_step(loss: StateLoss, strategy: Strategy, state: TrainState, *, accum_steps: int,
-               donate: bool, extra: Extra | None = None, skip_nonfinite: bool = False):
+def build_step(
+    loss: StateLoss,
+    strategy: Strategy,
+    state: TrainState,
+    *,
+    accum_steps: int,
+    donate: bool,
+    extra: Extra | None = None,
+    skip_nonfinite: bool = False,
+):
     """The jitted step ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
 
     Per rank (``shard_map``, params replicated, the batch split over the data axis): the
@@ -172,8 +200,9 @@ def build_step(loss: StateLoss, strategy: Strategy, state: TrainState, *, accum_
     def per_rank(params, model_state, comm_state, batch, step, rng):
         rank = lax.axis_index(axis)
         key = jax.random.fold_in(jax.random.fold_in(rng, step), rank)
-        grads, value, aux, model_state = local_grads(loss, params, model_state, batch, key,
-                                                     step, axis, accum_steps, strategy, like)
+        grads, value, aux, model_state = local_grads(
+            loss, params, model_state, batch, key, step, axis, accum_steps, strategy, like
+        )
         metrics = mean_metrics({"loss": value, **aux}, axis, algorithm)
         model_state = sync_model_state(model_state, axis, algorithm)
         grads, comm_state = strategy.reduce(grads, _own(comm_state), step, like)
@@ -181,32 +210,42 @@ def build_step(loss: StateLoss, strategy: Strategy, state: TrainState, *, accum_
 
     per_rank_spec = specs_like(state.comm_state, P(axis))
     mapped = jax.shard_map(
-        per_rank, mesh=strategy.mesh,
-        in_specs=(strategy.state_param_specs(state.params), P(), per_rank_spec, P(axis), P(),
-                  P()),
-        out_specs=(strategy.grad_specs(state.params), specs_like(state.model_state, P()),
-                   per_rank_spec, P()))
+        per_rank,
+        mesh=strategy.mesh,
+        in_specs=(strategy.state_param_specs(state.params), P(), per_rank_spec, P(axis), P(), P()),
+        out_specs=(
+            strategy.grad_specs(state.params),
+            specs_like(state.model_state, P()),
+            per_rank_spec,
+            P(),
+        ),
+    )
 
     def step(state: TrainState, batch: PyTree):
         # Checked when traced (each new state signature): an integer param would otherwise
         # fail inside jax.grad, unnamed.
         float_params("Trainer.step", state.params, strategy.grad_route)
         grads, model_state, comm_state, metrics = mapped(
-            state.params, state.model_state, state.comm_state, batch, state.step, state.rng)
+            state.params, state.model_state, state.comm_state, batch, state.step, state.rng
+        )
         params, opt_state = strategy.update(grads, state.opt_state, state.params)
-        new = TrainState(params, opt_state, model_state, state.step + 1, state.rng, state.extra,
-                         comm_state)
+        new = TrainState(
+            params, opt_state, model_state, state.step + 1, state.rng, state.extra, comm_state
+        )
         if extra is not None:
             new = new.replace(extra=extra.update(state.extra, new, metrics))
         if skip_nonfinite:
             ok = all_finite(grads, metrics["loss"])
             keep = lambda a, b: jax.tree_util.tree_map(  # noqa: E731
-                lambda x, y: jnp.where(ok, x, y), a, b)
-            new = new.replace(params=keep(new.params, state.params),
-                              opt_state=keep(new.opt_state, state.opt_state),
-                              model_state=keep(new.model_state, state.model_state),
-                              extra=keep(new.extra, state.extra),
-                              comm_state=keep(new.comm_state, state.comm_state))
+                lambda x, y: jnp.where(ok, x, y), a, b
+            )
+            new = new.replace(
+                params=keep(new.params, state.params),
+                opt_state=keep(new.opt_state, state.opt_state),
+                model_state=keep(new.model_state, state.model_state),
+                extra=keep(new.extra, state.extra),
+                comm_state=keep(new.comm_state, state.comm_state),
+            )
             metrics = {**metrics, "skipped": 1.0 - ok.astype(jnp.float32)}
         return new, metrics
 
@@ -230,6 +269,11 @@ def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree):
         value, (aux, _) = loss(whole, model_state, batch, None, step)
         return mean_metrics({"loss": value, **aux}, axis, strategy.algorithm)
 
-    return jax.jit(jax.shard_map(per_rank, mesh=strategy.mesh,
-                                 in_specs=(strategy.state_param_specs(params), P(), P(),
-                                           P(axis)), out_specs=P()))
+    return jax.jit(
+        jax.shard_map(
+            per_rank,
+            mesh=strategy.mesh,
+            in_specs=(strategy.state_param_specs(params), P(), P(), P(axis)),
+            out_specs=P(),
+        )
+    )

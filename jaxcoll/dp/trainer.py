@@ -140,23 +140,31 @@ class Trainer:
             self.model = None
             self._loss = _stateless(loss_fn)
         else:
-            raise TypeError(f"{api}: loss_fn must be a callable loss_fn(params, batch, rng) or a "
-                            f"dp.Model adapter, got {type(loss_fn).__name__} instead.")
+            raise TypeError(
+                f"{api}: loss_fn must be a callable loss_fn(params, batch, rng) or a "
+                f"dp.Model adapter, got {type(loss_fn).__name__} instead."
+            )
         optimizer = _check_optimizer(api, optimizer)
         sync = _check_sync(api, sync)
         if extra is not None and not isinstance(extra, Extra):
-            raise TypeError(f"{api}: extra must be a dp.Extra(init, update) (e.g. dp.ema(0.999)), "
-                            f"got {type(extra).__name__} instead.")
+            raise TypeError(
+                f"{api}: extra must be a dp.Extra(init, update) (e.g. dp.ema(0.999)), "
+                f"got {type(extra).__name__} instead."
+            )
         if mesh is None:
             if isinstance(axis_name, (tuple, list)):
-                raise ValueError(f"{api}: axis_name={axis_name!r} names several axes; pass the "
-                                 f"mesh that has them.")
+                raise ValueError(
+                    f"{api}: axis_name={axis_name!r} names several axes; pass the "
+                    f"mesh that has them."
+                )
             mesh = Mesh(np.array(jax.devices()), (axis_name,))
         names = axis_names(axis_name)
         missing = [a for a in names if a not in mesh.axis_names]
         if missing:
-            raise ValueError(f"{api}: axis_name={axis_name!r} is not an axis of the mesh "
-                             f"(axes {mesh.axis_names}). Pass one of them.")
+            raise ValueError(
+                f"{api}: axis_name={axis_name!r} is not an axis of the mesh "
+                f"(axes {mesh.axis_names}). Pass one of them."
+            )
         accum_steps = check_static_int(api, "accum_steps", accum_steps)
         if accum_steps < 1:
             raise ValueError(f"{api}: accum_steps={accum_steps} must be at least 1.")
@@ -181,8 +189,9 @@ class Trainer:
         size = leading_size(api, batch)
         unit = self.n * (self.accum_steps if api == "Trainer.step" else 1)
         if size % unit:
-            what = f"{self.n} devices" + (f" x accum_steps={self.accum_steps}"
-                                          if unit != self.n else "")
+            what = f"{self.n} devices" + (
+                f" x accum_steps={self.accum_steps}" if unit != self.n else ""
+            )
             raise ValueError(
                 f"{api}: the global batch has {size} examples, which does not split evenly over "
                 f"{what} (a multiple of {unit} is needed); an uneven split would bias the "
@@ -236,32 +245,46 @@ class Trainer:
             rng = jax.random.key_data(rng)
         rng = jnp.asarray(rng, jnp.uint32)
         if rng.shape != (2,):
-            raise ValueError(f"Trainer.init: rng must be a PRNG key, e.g. jax.random.key(0), got "
-                             f"an array of shape {rng.shape} instead.")
+            raise ValueError(
+                f"Trainer.init: rng must be a PRNG key, e.g. jax.random.key(0), got "
+                f"an array of shape {rng.shape} instead."
+            )
         replicated = self._sharding(P())
         if per_rank:
             params, model_state = self._broadcast_from_rank0((params, model_state))
         placed = self.sync.named(self.sync.state_param_specs(params))
         # A copy: the step donates the state's buffers, and the caller's arrays must survive.
-        copy = jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t),
-                       out_shardings=(placed, replicated))
+        copy = jax.jit(
+            lambda t: jax.tree_util.tree_map(jnp.copy, t), out_shardings=(placed, replicated)
+        )
         params, model_state = copy((params, model_state))
         opt_state = self.sync.init(params)
         extra = {}
         if self.extra is not None:
             shapes = jax.eval_shape(self.extra.init, params)
-            extra = jax.jit(self.extra.init, out_shardings=self.sync.named(
-                self.sync.extra_specs(shapes, params)))(params)
+            extra = jax.jit(
+                self.extra.init,
+                out_shardings=self.sync.named(self.sync.extra_specs(shapes, params)),
+            )(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-        return TrainState(params, opt_state, model_state, step, jax.device_put(rng, replicated),
-                          extra, self.sync.init_comm(params))
+        return TrainState(
+            params,
+            opt_state,
+            model_state,
+            step,
+            jax.device_put(rng, replicated),
+            extra,
+            self.sync.init_comm(params),
+        )
 
     def _broadcast_from_rank0(self, tree: PyTree) -> PyTree:
         for leaf in jax.tree_util.tree_leaves(tree):
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] != self.n:
-                raise ValueError(f"Trainer.init: per_rank=True needs every leaf to have a leading "
-                                 f"axis of size {self.n} (one copy per rank), got shape "
-                                 f"{np.shape(leaf)}.")
+                raise ValueError(
+                    f"Trainer.init: per_rank=True needs every leaf to have a leading "
+                    f"axis of size {self.n} (one copy per rank), got shape "
+                    f"{np.shape(leaf)}."
+                )
         tree = jax.device_put(tree, self._sharding(P(self.axis_name)))
 
         def body(t):
@@ -306,10 +329,15 @@ class Trainer:
         if sync.phased:
             sync = key = sync.phase(self._host_step(state) if host_step is None else host_step)
         if key not in self._step_fns:
-            self._step_fns[key] = build_step(self._loss, sync, state,
-                                             accum_steps=self.accum_steps, donate=self.donate,
-                                             extra=self.extra,
-                                             skip_nonfinite=self.skip_nonfinite)
+            self._step_fns[key] = build_step(
+                self._loss,
+                sync,
+                state,
+                accum_steps=self.accum_steps,
+                donate=self.donate,
+                extra=self.extra,
+                skip_nonfinite=self.skip_nonfinite,
+            )
         return self._step_fns[key]
 
     def _host_step(self, state: TrainState) -> int:
@@ -386,8 +414,12 @@ class Trainer:
             self._eval_fn = build_eval(self._loss, self.sync, state.params)
         eval_fn = self._eval_fn
         return loop.evaluate(
-            lambda b: self._run(api, eval_fn, state.params, state.model_state, state.step,
-                                self.shard_batch(b, api)), data, self.n)
+            lambda b: self._run(
+                api, eval_fn, state.params, state.model_state, state.step, self.shard_batch(b, api)
+            ),
+            data,
+            self.n,
+        )
 
     # ----------------------------------------------------------------------------------- fit
     # The host loop: its signature, options and docstring are written once, in dp/loop.py.
@@ -405,8 +437,10 @@ class Trainer:
         api = "Trainer.to_module"
         check_state(api, state)
         if self.model is None:
-            raise TypeError(f"{api}: this Trainer trains a plain loss_fn, which has no module; "
-                            f"its trained params are state.params.")
+            raise TypeError(
+                f"{api}: this Trainer trains a plain loss_fn, which has no module; "
+                f"its trained params are state.params."
+            )
         params, model_state = jax.device_put(jax.device_get((state.params, state.model_state)))
         return self.model.to_module(params, model_state)
 
@@ -418,22 +452,30 @@ def _check_optimizer(api: str, optimizer: Any) -> optax.GradientTransformation:
         return optimizer
     hint = ""
     if callable(optimizer) and getattr(optimizer, "__module__", "").startswith("optax"):
-        hint = f" (optax.{optimizer.__name__} is a function: call it, e.g. " \
-               f"optax.{optimizer.__name__}(1e-3))"
-    raise TypeError(f"{api}: optimizer must be an optax.GradientTransformation (e.g. "
-                    f"optax.adam(1e-3)) or an optax.MultiSteps, got "
-                    f"{type(optimizer).__name__} instead{hint}.")
+        hint = (
+            f" (optax.{optimizer.__name__} is a function: call it, e.g. "
+            f"optax.{optimizer.__name__}(1e-3))"
+        )
+    raise TypeError(
+        f"{api}: optimizer must be an optax.GradientTransformation (e.g. "
+        f"optax.adam(1e-3)) or an optax.MultiSteps, got "
+        f"{type(optimizer).__name__} instead{hint}."
+    )
 
 
 def _check_sync(api: str, sync: Any) -> Strategy:
     if isinstance(sync, Strategy):
         return sync
     if isinstance(sync, type) and issubclass(sync, Strategy):
-        raise TypeError(f"{api}: sync=dp.sync.{sync.__name__} is a class: pass a value, e.g. "
-                        f"sync=dp.sync.{sync.__name__}().")
-    raise TypeError(f"{api}: sync must be a gradient-sync strategy (dp.sync.DDP(), "
-                    f"dp.sync.ZeRO1() or dp.sync.FSDP()), got {sync!r} of type "
-                    f"{type(sync).__name__} instead.")
+        raise TypeError(
+            f"{api}: sync=dp.sync.{sync.__name__} is a class: pass a value, e.g. "
+            f"sync=dp.sync.{sync.__name__}()."
+        )
+    raise TypeError(
+        f"{api}: sync must be a gradient-sync strategy (dp.sync.DDP(), "
+        f"dp.sync.ZeRO1() or dp.sync.FSDP()), got {sync!r} of type "
+        f"{type(sync).__name__} instead."
+    )
 
 
 def _stateless(loss_fn: LossFn):
@@ -442,8 +484,7 @@ def _stateless(loss_fn: LossFn):
     takes_step = accepts(loss_fn, "step")
 
     def loss(params, model_state, batch, rng, step):
-        out = loss_fn(params, batch, rng, step=step) if takes_step else loss_fn(params, batch,
-                                                                                 rng)
+        out = loss_fn(params, batch, rng, step=step) if takes_step else loss_fn(params, batch, rng)
         value, metrics = loss_output(who, out)
         return value, (metrics, model_state)
 

@@ -25,8 +25,14 @@ class Routing(NamedTuple):
     recv_sizes: jax.Array  # (n,) tokens this rank kept from each rank
 
 
-def dispatch(x: PyTree, expert: jax.Array, axis_name: AxisName, *, experts_per_rank: int,
-             capacity: int | None = None) -> tuple[PyTree, jax.Array, jax.Array, Routing]:
+def dispatch(
+    x: PyTree,
+    expert: jax.Array,
+    axis_name: AxisName,
+    *,
+    experts_per_rank: int,
+    capacity: int | None = None,
+) -> tuple[PyTree, jax.Array, jax.Array, Routing]:
     """Send each token to the rank holding its expert; return what this rank's experts get.
 
     Expert ``e`` lives on rank ``e // experts_per_rank`` as local expert
@@ -60,8 +66,10 @@ def dispatch(x: PyTree, expert: jax.Array, axis_name: AxisName, *, experts_per_r
     dest = expert // experts_per_rank
     order = jnp.argsort(dest, stable=True)
     send = jnp.zeros((n,), jnp.int32).at[dest].add(1)
-    payload = {"x": jax.tree_util.tree_map(lambda a: a[order], x),
-               "e": (expert % experts_per_rank)[order].astype(jnp.int32)}
+    payload = {
+        "x": jax.tree_util.tree_map(lambda a: a[order], x),
+        "e": (expert % experts_per_rank)[order].astype(jnp.int32),
+    }
     got, recv = primitives.ragged_all_to_all(payload, axis_name, send, out_size=cap)
     valid = jnp.arange(cap) < jnp.sum(recv)
     return got["x"], got["e"], valid, Routing(order, send, recv)

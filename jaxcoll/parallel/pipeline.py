@@ -44,9 +44,11 @@ def _microbatches(api: str, x: jax.Array, m: int) -> jax.Array:
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         raise ValueError(f"{api}: num_microbatches={m!r} must be a positive int.")
     if x.ndim == 0 or x.shape[0] % m:
-        raise ValueError(f"{api}: the batch has {x.shape[0] if x.ndim else 0} examples, which "
-                         f"do not split into num_microbatches={m} equal micro-batches. Pick a "
-                         f"divisor of the per-replica batch size.")
+        raise ValueError(
+            f"{api}: the batch has {x.shape[0] if x.ndim else 0} examples, which "
+            f"do not split into num_microbatches={m} equal micro-batches. Pick a "
+            f"divisor of the per-replica batch size."
+        )
     return x.reshape((m, x.shape[0] // m) + x.shape[1:])
 
 
@@ -57,15 +59,18 @@ def _check_targets(api: str, examples: int, y: PyTree) -> None:
         shape = jnp.shape(leaf)
         if not shape or shape[0] != examples:
             got = f"{shape[0]} examples" if shape else "no leading axis (a scalar)"
-            raise ValueError(f"{api}: y{jax.tree_util.keystr(path)} has {got} but x has "
-                             f"{examples}; the last stage scores micro-batch i of x against "
-                             f"the same rows of y, so y needs one target per example of x. "
-                             f"Pass the targets of exactly this replica's rows of x (a leading "
-                             f"axis of {examples}).")
+            raise ValueError(
+                f"{api}: y{jax.tree_util.keystr(path)} has {got} but x has "
+                f"{examples}; the last stage scores micro-batch i of x against "
+                f"the same rows of y, so y needs one target per example of x. "
+                f"Pass the targets of exactly this replica's rows of x (a leading "
+                f"axis of {examples})."
+            )
 
 
-def _forward(api: str, stage_fn: Callable, params: PyTree, xs: jax.Array,
-             stage_axis: Hashable) -> tuple[jax.Array, jax.Array]:
+def _forward(
+    api: str, stage_fn: Callable, params: PyTree, xs: jax.Array, stage_axis: Hashable
+) -> tuple[jax.Array, jax.Array]:
     """The forward schedule: at step t stage s runs micro-batch t - s. Returns each stage's
     saved inputs ``(M, mb, ...)`` and, on the last stage, the outputs."""
     n_stages = primitives.world_size(stage_axis)
@@ -73,10 +78,12 @@ def _forward(api: str, stage_fn: Callable, params: PyTree, xs: jax.Array,
     s = primitives.rank(stage_axis)
     probe = jax.eval_shape(stage_fn, params, xs[0])
     if (probe.shape, probe.dtype) != (xs.shape[1:], xs.dtype):
-        raise ValueError(f"{api}: stage_fn maps a micro-batch of shape {xs.shape[1:]} "
-                         f"{xs.dtype} to {probe.shape} {probe.dtype}; every stage must keep the "
-                         f"activation's shape and dtype (one SPMD program runs every stage). "
-                         f"Pad or project the activations to one width.")
+        raise ValueError(
+            f"{api}: stage_fn maps a micro-batch of shape {xs.shape[1:]} "
+            f"{xs.dtype} to {probe.shape} {probe.dtype}; every stage must keep the "
+            f"activation's shape and dtype (one SPMD program runs every stage). "
+            f"Pad or project the activations to one width."
+        )
     names = _names(params, xs, s)
     zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
     buffers = cast_varying(jnp.zeros(xs.shape, xs.dtype), names)
@@ -94,13 +101,18 @@ def _forward(api: str, stage_fn: Callable, params: PyTree, xs: jax.Array,
         # -> the activation crosses to the next stage (send/recv: one ppermute)
         return (primitives.sendrecv(out, stage_axis, forward), saved, outs), None
 
-    (_, saved, outs), _ = lax.scan(step, (zero, buffers, buffers),
-                                   jnp.arange(m + n_stages - 1))
+    (_, saved, outs), _ = lax.scan(step, (zero, buffers, buffers), jnp.arange(m + n_stages - 1))
     return saved, outs
 
 
-def pipeline_apply(stage_fn: Callable[[PyTree, jax.Array], jax.Array], params: PyTree,
-                   x: jax.Array, *, stage_axis: Hashable, num_microbatches: int) -> jax.Array:
+def pipeline_apply(
+    stage_fn: Callable[[PyTree, jax.Array], jax.Array],
+    params: PyTree,
+    x: jax.Array,
+    *,
+    stage_axis: Hashable,
+    num_microbatches: int,
+) -> jax.Array:
     """Run ``x`` through every stage of the pipeline; every stage gets the last one's output.
 
     Call inside ``jax.shard_map`` with this stage's ``params`` (stage s holds stage s's).
@@ -132,7 +144,12 @@ def pipeline_apply(stage_fn: Callable[[PyTree, jax.Array], jax.Array], params: P
 def pipeline_value_and_grad(
     stage_fn: Callable[[PyTree, jax.Array], jax.Array],
     loss_fn: Callable[[jax.Array, PyTree], jax.Array],
-    params: PyTree, x: jax.Array, y: PyTree, *, stage_axis: Hashable, num_microbatches: int,
+    params: PyTree,
+    x: jax.Array,
+    y: PyTree,
+    *,
+    stage_axis: Hashable,
+    num_microbatches: int,
     data_axis: Hashable | None = None,
 ) -> tuple[jax.Array, PyTree]:
     """The loss of a staged model and this stage's gradient, by a GPipe schedule.
@@ -204,14 +221,16 @@ def pipeline_value_and_grad(
         ct = jnp.where(s == n_stages - 1, grads_out[k], received)
         _, vjp = jax.vjp(stage_fn, own, saved[k])
         d_params, d_input = vjp(ct)
-        acc = jax.tree_util.tree_map(lambda a, d: a + jnp.where(active, d, jnp.zeros_like(d)),
-                                     acc, d_params)
+        acc = jax.tree_util.tree_map(
+            lambda a, d: a + jnp.where(active, d, jnp.zeros_like(d)), acc, d_params
+        )
         # <- the cotangent crosses back to the previous stage (send/recv: one ppermute)
         return (primitives.sendrecv(d_input, stage_axis, backward), acc), None
 
     zero_ct = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
-    zeros = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros(p.shape, p.dtype),
-                                                          _names(p)), own)
+    zeros = jax.tree_util.tree_map(
+        lambda p: cast_varying(jnp.zeros(p.shape, p.dtype), _names(p)), own
+    )
     (_, grads), _ = lax.scan(step, (zero_ct, zeros), jnp.arange(m + n_stages - 1))
 
     loss = primitives.all_reduce(jnp.where(s == n_stages - 1, jnp.mean(losses), 0.0), stage_axis)

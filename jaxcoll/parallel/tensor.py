@@ -30,8 +30,14 @@ def column_parallel(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> j
     return y if b is None else y + b
 
 
-def row_parallel(h: jax.Array, w: jax.Array, axis_name: AxisName, b: jax.Array | None = None,
-                 *, scatter: bool = False) -> jax.Array:
+def row_parallel(
+    h: jax.Array,
+    w: jax.Array,
+    axis_name: AxisName,
+    b: jax.Array | None = None,
+    *,
+    scatter: bool = False,
+) -> jax.Array:
     """``h @ W + b`` where ``h`` and ``w`` are this rank's slices along the contracted axis.
 
     Each rank's partial product ``h @ w`` is summed over ``axis_name`` by one
@@ -47,9 +53,14 @@ def row_parallel(h: jax.Array, w: jax.Array, axis_name: AxisName, b: jax.Array |
     return y if b is None else y + b
 
 
-def mlp(params: PyTree, x: jax.Array, axis_name: AxisName, *,
-        activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
-        sequence_parallel: bool = False) -> jax.Array:
+def mlp(
+    params: PyTree,
+    x: jax.Array,
+    axis_name: AxisName,
+    *,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+    sequence_parallel: bool = False,
+) -> jax.Array:
     """A Megatron MLP block ``activation(x @ W1 + b1) @ W2 + b2`` over ``axis_name``.
 
     ``params``: ``{"w1": (d, f/n), "b1": (f/n,), "w2": (f/n, d), "b2": (d,)}``, this rank's
@@ -73,10 +84,14 @@ def shard_mlp(params: PyTree, n: int) -> PyTree:
     ``b2`` is replicated). ``f`` must divide by n."""
     f = params["w1"].shape[1]
     if f % n:
-        raise ValueError(f"shard_mlp: the hidden width {f} does not split over {n} ranks; "
-                         f"pick a hidden width divisible by {n}.")
+        raise ValueError(
+            f"shard_mlp: the hidden width {f} does not split over {n} ranks; "
+            f"pick a hidden width divisible by {n}."
+        )
     k = f // n
-    return {"w1": jnp.stack([params["w1"][:, r * k:(r + 1) * k] for r in range(n)]),
-            "b1": params["b1"].reshape(n, k),
-            "w2": params["w2"].reshape(n, k, -1),
-            "b2": params["b2"]}
+    return {
+        "w1": jnp.stack([params["w1"][:, r * k : (r + 1) * k] for r in range(n)]),
+        "b1": params["b1"].reshape(n, k),
+        "w2": params["w2"].reshape(n, k, -1),
+        "b2": params["b2"],
+    }

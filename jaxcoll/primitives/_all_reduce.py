@@ -25,14 +25,16 @@ def _validated(
     return rop, ax, leaves, kinds, treedef
 
 
-def _in_accumulator(op: ReduceOp, leaves: list[jax.Array],
-                    run: Callable[[list[jax.Array]], list[jax.Array]]) -> list[jax.Array]:
+def _in_accumulator(
+    op: ReduceOp, leaves: list[jax.Array], run: Callable[[list[jax.Array]], list[jax.Array]]
+) -> list[jax.Array]:
     """Run the reduction with each leaf in its accumulation dtype (float16 SUM/AVG in
     float32: see :func:`jaxcoll._core.ops.accumulator`); results come back in the leaf's."""
-    wide = [leaf.astype(acc) if (acc := accumulator(op, leaf.dtype)) else leaf
-            for leaf in leaves]
-    return [out if out.dtype == leaf.dtype else out.astype(leaf.dtype)
-            for out, leaf in zip(run(wide), leaves, strict=True)]
+    wide = [leaf.astype(acc) if (acc := accumulator(op, leaf.dtype)) else leaf for leaf in leaves]
+    return [
+        out if out.dtype == leaf.dtype else out.astype(leaf.dtype)
+        for out, leaf in zip(run(wide), leaves, strict=True)
+    ]
 
 
 def all_reduce(
@@ -85,9 +87,18 @@ def all_reduce(
     if (own := handler(axis_name)) is not None:
         return own(all_reduce, x, op=op, algorithm=algorithm)
     rop, ax, leaves, kinds, treedef = _validated("all_reduce", x, axis_name, op)
-    out = _in_accumulator(rop, leaves, lambda wide: registry.run(
-        "all_reduce", "all_reduce", algorithm, wide, ax,
-        lambda mod, v, i: mod.all_reduce(v, ax, rop, kinds[i])))
+    out = _in_accumulator(
+        rop,
+        leaves,
+        lambda wide: registry.run(
+            "all_reduce",
+            "all_reduce",
+            algorithm,
+            wide,
+            ax,
+            lambda mod, v, i: mod.all_reduce(v, ax, rop, kinds[i]),
+        ),
+    )
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -136,7 +147,16 @@ def reduce(
         return own(reduce, x, dst=dst, op=op, algorithm=algorithm)
     rop, ax, leaves, kinds, treedef = _validated("reduce", x, axis_name, op)
     dst = check_rank("reduce", "dst", dst, ax.size)
-    out = _in_accumulator(rop, leaves, lambda wide: registry.run(
-        "reduce", "reduce", algorithm, wide, ax,
-        lambda mod, v, i: mod.reduce(v, ax, dst, rop, kinds[i])))
+    out = _in_accumulator(
+        rop,
+        leaves,
+        lambda wide: registry.run(
+            "reduce",
+            "reduce",
+            algorithm,
+            wide,
+            ax,
+            lambda mod, v, i: mod.reduce(v, ax, dst, rop, kinds[i]),
+        ),
+    )
     return jax.tree_util.tree_unflatten(treedef, out)

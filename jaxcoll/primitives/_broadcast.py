@@ -56,6 +56,7 @@ def broadcast(x: PyTree, axis_name: AxisName, src: int, *, algorithm: str = "aut
     ax = resolve("broadcast", axis_name)
     src = check_rank("broadcast", "src", src, ax.size)
     leaves, treedef = as_array_leaves("broadcast", x)
-    out = registry.run("broadcast", "broadcast", algorithm, leaves, ax,
-                       lambda mod, v, i: mod.broadcast(v, ax, src))
+    out = registry.run(
+        "broadcast", "broadcast", algorithm, leaves, ax, lambda mod, v, i: mod.broadcast(v, ax, src)
+    )
     return jax.tree_util.tree_unflatten(treedef, out)

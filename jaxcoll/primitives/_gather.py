@@ -13,7 +13,11 @@ from ..algorithms import registry
 
 
 def all_gather(
-    x: PyTree, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
+    x: PyTree,
+    axis_name: AxisName,
+    *,
+    axis: int = 0,
+    tiled: bool = False,
     algorithm: str = "auto",
 ) -> PyTree:
     """Every rank gets all ranks' ``x``, stacked along ``axis`` in rank order.
@@ -58,8 +62,14 @@ def all_gather(
     ax = resolve(api, axis_name)
     leaves, treedef = as_array_leaves(api, x)
     axes = [check_gather_axis(api, leaf.shape, axis, bool(tiled)) for leaf in leaves]
-    out = registry.each(api, api, algorithm, leaves, ax,
-                        lambda mod, v, i: mod.all_gather(v, ax, axes[i], bool(tiled)))
+    out = registry.each(
+        api,
+        api,
+        algorithm,
+        leaves,
+        ax,
+        lambda mod, v, i: mod.all_gather(v, ax, axes[i], bool(tiled)),
+    )
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -105,6 +115,10 @@ def gather(
     ax = resolve(api, axis_name)
     dst = check_rank(api, "dst", dst, ax.size)
     leaves, treedef = as_array_leaves(api, x)
-    out = [lowering.gather(leaf, ax, dst, check_gather_axis(api, leaf.shape, axis, bool(tiled)),
-                           bool(tiled)) for leaf in leaves]
+    out = [
+        lowering.gather(
+            leaf, ax, dst, check_gather_axis(api, leaf.shape, axis, bool(tiled)), bool(tiled)
+        )
+        for leaf in leaves
+    ]
     return jax.tree_util.tree_unflatten(treedef, out)

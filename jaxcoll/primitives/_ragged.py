@@ -38,20 +38,25 @@ def delegate(own: Any, primitive: Any, x: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
             f"{primitive.__name__}: a group that is not its whole mesh axis in order is not "
             f"supported inside shard_map yet. Use jaxcoll.distributed on the group (it runs on the "
-            f"member devices), or a mesh axis of the members.") from None
+            f"member devices), or a mesh axis of the members."
+        ) from None
 
 
 def _leading(api: str, leaves: list[jax.Array], what: str) -> int:
     """Every leaf's leading axis is the ragged one; all must have the same length."""
     for leaf in leaves:
         if leaf.ndim == 0:
-            raise ValueError(f"{api}: x holds a scalar, but every leaf needs a leading axis of "
-                             f"{what} rows. Reshape it to (rows, ...).")
+            raise ValueError(
+                f"{api}: x holds a scalar, but every leaf needs a leading axis of "
+                f"{what} rows. Reshape it to (rows, ...)."
+            )
     m = leaves[0].shape[0]
     bad = [leaf.shape for leaf in leaves if leaf.shape[0] != m]
     if bad:
-        raise ValueError(f"{api}: the leaves of x have leading sizes {m} and {bad[0][0]}; every "
-                         f"leaf must hold the same number of {what} rows.")
+        raise ValueError(
+            f"{api}: the leaves of x have leading sizes {m} and {bad[0][0]}; every "
+            f"leaf must hold the same number of {what} rows."
+        )
     return m
 
 
@@ -60,19 +65,28 @@ def _int_array(api: str, argname: str, value: Any, shape: tuple[int, ...]) -> ja
     try:
         v = jnp.asarray(value)
     except TypeError:
-        raise TypeError(f"{api}: {argname} must be an integer array, got {value!r} of type "
-                        f"{type(value).__name__} instead.") from None
+        raise TypeError(
+            f"{api}: {argname} must be an integer array, got {value!r} of type "
+            f"{type(value).__name__} instead."
+        ) from None
     if not jnp.issubdtype(v.dtype, jnp.integer):
-        raise TypeError(f"{api}: {argname} must hold integers, got dtype {v.dtype} instead. "
-                        f"Cast it with .astype(jnp.int32).")
+        raise TypeError(
+            f"{api}: {argname} must hold integers, got dtype {v.dtype} instead. "
+            f"Cast it with .astype(jnp.int32)."
+        )
     if v.shape != shape:
-        raise ValueError(f"{api}: {argname} has shape {v.shape}, but it must have shape "
-                         f"{shape} ({'one entry per rank' if shape else 'a scalar'}).")
+        raise ValueError(
+            f"{api}: {argname} has shape {v.shape}, but it must have shape "
+            f"{shape} ({'one entry per rank' if shape else 'a scalar'})."
+        )
     return v.astype(jnp.int32)
 
 
 def ragged_all_to_all(
-    x: PyTree, axis_name: AxisName, send_sizes: jax.typing.ArrayLike, *,
+    x: PyTree,
+    axis_name: AxisName,
+    send_sizes: jax.typing.ArrayLike,
+    *,
     out_size: int | None = None,
 ) -> tuple[PyTree, jax.Array]:
     """Each rank sends ``send_sizes[j]`` rows to rank j; each receives them packed in rank order.
@@ -138,8 +152,10 @@ def ragged_all_to_all(
     m = _leading(api, leaves, "buffer")
     cap = m if out_size is None else check_static_int(api, "out_size", out_size)
     if cap < 0:
-        raise ValueError(f"{api}: out_size={cap} is negative; pass the number of rows each "
-                         f"rank can receive (>= 0).")
+        raise ValueError(
+            f"{api}: out_size={cap} is negative; pass the number of rows each "
+            f"rank can receive (>= 0)."
+        )
     sizes = _int_array(api, "send_sizes", send_sizes, (ax.size,))
     plan = lowering.ragged_plan(sizes, ax, m, cap)
     out = lowering.ragged_all_to_all(leaves, ax, plan, cap)
@@ -237,12 +253,17 @@ def gather_uneven(
     dst = check_rank(api, "dst", dst, ax.size)
     padded, sizes = all_gather_uneven(x, ax.name, size)
     here = ax.rank() == dst
-    return (jax.tree_util.tree_map(lambda a: jnp.where(here, a, jnp.zeros((), a.dtype)), padded),
-            jnp.where(here, sizes, np.int32(0)))
+    return (
+        jax.tree_util.tree_map(lambda a: jnp.where(here, a, jnp.zeros((), a.dtype)), padded),
+        jnp.where(here, sizes, np.int32(0)),
+    )
 
 
 def reduce_scatter_uneven(
-    x: PyTree, axis_name: AxisName, sizes: Sequence[int], op: ReduceOp | str = ReduceOp.SUM,
+    x: PyTree,
+    axis_name: AxisName,
+    sizes: Sequence[int],
+    op: ReduceOp | str = ReduceOp.SUM,
 ) -> tuple[PyTree, jax.Array]:
     """Rank r gets part r (``sizes[r]`` rows) of ``op`` over every rank's ``x``, padded.
 
@@ -308,8 +329,9 @@ def reduce_scatter_uneven(
     return jax.tree_util.tree_unflatten(treedef, out), size
 
 
-def _reduce_scatter_parts(leaves: list[jax.Array], ax: Axis, op: ReduceOp,
-                          sizes: tuple[int, ...]) -> tuple[list[jax.Array], jax.Array]:
+def _reduce_scatter_parts(
+    leaves: list[jax.Array], ax: Axis, op: ReduceOp, sizes: tuple[int, ...]
+) -> tuple[list[jax.Array], jax.Array]:
     """Part ``rank`` of ``op`` over the ranks' leaves (checked), padded to ``max(sizes)`` rows:
     by a reduce-scatter of the padded parts, or an all-reduce when that moves fewer bytes."""
     m, n, cap = sum(sizes), ax.size, max(sizes)
@@ -332,7 +354,7 @@ def _windows(a: jax.Array, starts: list[int], rows: int) -> jax.Array:
     them after the reduction)."""
     # Not each part padded alone: jax 0.11.2's eager shard_map segfaults padding an empty part.
     a = _padded(a, a.shape[0] + rows)
-    return jnp.concatenate([a[s:s + rows] for s in starts])
+    return jnp.concatenate([a[s : s + rows] for s in starts])
 
 
 def _padded(a: jax.Array, rows: int) -> jax.Array:

@@ -57,20 +57,36 @@ def reduce_scatter(
         Array([12., 13., 14., 15.], dtype=float32)
     """
     if (own := handler(axis_name)) is not None:
-        return own(reduce_scatter, x, op=op, scatter_dimension=scatter_dimension, tiled=tiled,
-                   algorithm=algorithm)
+        return own(
+            reduce_scatter,
+            x,
+            op=op,
+            scatter_dimension=scatter_dimension,
+            tiled=tiled,
+            algorithm=algorithm,
+        )
     api = "reduce_scatter"
     op = coerce_op(api, op)
     ax = resolve(api, axis_name)
     leaves, treedef = as_array_leaves(api, x)
     kinds = [check_op_dtype(api, op, leaf.dtype) for leaf in leaves]
-    dims = [check_split(api, leaf.shape, scatter_dimension, ax.size, bool(tiled),
-                        "scatter_dimension") for leaf in leaves]
-    wide = [leaf.astype(acc) if (acc := accumulator(op, leaf.dtype)) else leaf
-            for leaf in leaves]  # float16 SUM/AVG in float32, as all_reduce
-    out = registry.each(api, api, algorithm, wide, ax,
-                        lambda mod, v, i: mod.reduce_scatter(v, ax, op, kinds[i], dims[i],
-                                                             bool(tiled)))
-    out = [o if o.dtype == leaf.dtype else o.astype(leaf.dtype)
-           for o, leaf in zip(out, leaves, strict=True)]
+    dims = [
+        check_split(api, leaf.shape, scatter_dimension, ax.size, bool(tiled), "scatter_dimension")
+        for leaf in leaves
+    ]
+    wide = [
+        leaf.astype(acc) if (acc := accumulator(op, leaf.dtype)) else leaf for leaf in leaves
+    ]  # float16 SUM/AVG in float32, as all_reduce
+    out = registry.each(
+        api,
+        api,
+        algorithm,
+        wide,
+        ax,
+        lambda mod, v, i: mod.reduce_scatter(v, ax, op, kinds[i], dims[i], bool(tiled)),
+    )
+    out = [
+        o if o.dtype == leaf.dtype else o.astype(leaf.dtype)
+        for o, leaf in zip(out, leaves, strict=True)
+    ]
     return jax.tree_util.tree_unflatten(treedef, out)

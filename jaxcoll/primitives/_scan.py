@@ -13,8 +13,9 @@ from .._core.typing import AxisName, PyTree
 from ._ragged import delegate
 
 
-def _prefix(api: str, x: PyTree, axis_name: AxisName, op: ReduceOp | str,
-            exclusive: bool) -> PyTree:
+def _prefix(
+    api: str, x: PyTree, axis_name: AxisName, op: ReduceOp | str, exclusive: bool
+) -> PyTree:
     rop = coerce_op(api, op)
     ax = resolve(api, axis_name)
     leaves, treedef = as_array_leaves(api, x)

@@ -56,6 +56,10 @@ def scatter(
     ax = resolve(api, axis_name)
     src = check_rank(api, "src", src, ax.size)
     leaves, treedef = as_array_leaves(api, x)
-    out = [lowering.scatter(leaf, ax, src, check_split(api, leaf.shape, axis, ax.size, bool(tiled)),
-                            bool(tiled)) for leaf in leaves]
+    out = [
+        lowering.scatter(
+            leaf, ax, src, check_split(api, leaf.shape, axis, ax.size, bool(tiled)), bool(tiled)
+        )
+        for leaf in leaves
+    ]
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -68,7 +68,7 @@ def _run(algorithm: str, shape: tuple[int, ...]):
     flat_in = [rs_in] + [data[d][k] for d in DTYPES for k in SHAPES]
 
     def body(rs, *leaves):
-        trees = {d: dict(zip(SHAPES, leaves[2 * i:2 * i + 2])) for i, d in enumerate(DTYPES)}
+        trees = {d: dict(zip(SHAPES, leaves[2 * i : 2 * i + 2])) for i, d in enumerate(DTYPES)}
         out = {}
         for op in ("sum", "avg", "product", "min", "max", "band", "bor", "bxor"):
             tree = {d: t for d, t in trees.items() if op in ALLOWED[KINDS[d]]}
@@ -79,12 +79,13 @@ def _run(algorithm: str, shape: tuple[int, ...]):
         out["reduce_sum"] = C.reduce(trees["complex64"], axis, src, "sum", algorithm=algorithm)
         out["broadcast"] = C.broadcast(trees, axis, src, algorithm=algorithm)
         out["all_gather"] = C.all_gather(trees, axis, algorithm=algorithm)
-        out["all_gather_tiled"] = C.all_gather(trees["int32"]["b"], axis, axis=1, tiled=True,
-                                               algorithm=algorithm)
-        out["reduce_scatter"] = C.reduce_scatter(rs, axis, "sum", tiled=True,
-                                                 algorithm=algorithm)
-        out["reduce_scatter_min"] = C.reduce_scatter(rs, axis, "min", tiled=True,
-                                                     algorithm=algorithm)
+        out["all_gather_tiled"] = C.all_gather(
+            trees["int32"]["b"], axis, axis=1, tiled=True, algorithm=algorithm
+        )
+        out["reduce_scatter"] = C.reduce_scatter(rs, axis, "sum", tiled=True, algorithm=algorithm)
+        out["reduce_scatter_min"] = C.reduce_scatter(
+            rs, axis, "min", tiled=True, algorithm=algorithm
+        )
         return out
 
     got = run_per_rank(body, mesh, flat_in, jit=True)
@@ -114,8 +115,12 @@ def test_all_reduce_every_op_and_dtype(algorithm, shape):
                 for r in range(n):
                     _check(got[f"all_reduce/{op}"][d][key][r], want, KINDS[d], op)
                     # exact agreement with the native lowering where the fold is exact
-                    _check(got[f"all_reduce/{op}"][d][key][r], got[f"native/{op}"][d][key][r],
-                           KINDS[d], op)
+                    _check(
+                        got[f"all_reduce/{op}"][d][key][r],
+                        got[f"native/{op}"][d][key][r],
+                        KINDS[d],
+                        op,
+                    )
                 checked += 1
     assert checked == 2 * sum(len(ALLOWED[KINDS[d]]) for d in DTYPES)
 
@@ -129,25 +134,30 @@ def test_rooted_and_gathers(algorithm, shape):
             want_max = oracle.fold("max", [oracle.widen(x) for x in xs])
             for r in range(n):
                 if d != "complex64":
-                    _check(got["reduce_max"][d][key][r], want_max if r == src else xs[r],
-                           KINDS[d], "max")
+                    _check(
+                        got["reduce_max"][d][key][r],
+                        want_max if r == src else xs[r],
+                        KINDS[d],
+                        "max",
+                    )
                 np.testing.assert_array_equal(got["broadcast"][d][key][r], xs[src])
                 np.testing.assert_array_equal(got["all_gather"][d][key][r], xs)
     for r in range(n):
         xs = data["complex64"]["a"]
         want = xs.astype(np.complex128).sum(0) if r == src else xs[r]
         np.testing.assert_allclose(got["reduce_sum"]["a"][r], want, rtol=2e-5, atol=2e-5)
-        np.testing.assert_array_equal(got["all_gather_tiled"][r],
-                                      np.concatenate(list(data["int32"]["b"]), axis=1))
+        np.testing.assert_array_equal(
+            got["all_gather_tiled"][r], np.concatenate(list(data["int32"]["b"]), axis=1)
+        )
         total = rs_in.sum(0)
         lo = rs_in.min(0)
-        np.testing.assert_array_equal(got["reduce_scatter"][r], total[r * ROWS:(r + 1) * ROWS])
-        np.testing.assert_array_equal(got["reduce_scatter_min"][r], lo[r * ROWS:(r + 1) * ROWS])
+        np.testing.assert_array_equal(got["reduce_scatter"][r], total[r * ROWS : (r + 1) * ROWS])
+        np.testing.assert_array_equal(got["reduce_scatter_min"][r], lo[r * ROWS : (r + 1) * ROWS])
 
 
-@pytest.mark.parametrize("algorithm,shape",
-                         [("ring", (5,)), ("tree", (3,)), ("tree", (8,)),
-                          ("hierarchical", (2, 4))])
+@pytest.mark.parametrize(
+    "algorithm,shape", [("ring", (5,)), ("tree", (3,)), ("tree", (8,)), ("hierarchical", (2, 4))]
+)
 def test_grad_matches_native(algorithm, shape):
     n = int(np.prod(shape))
     mesh = mesh_1d(n) if len(shape) == 1 else mesh_2d(*shape)
@@ -160,16 +170,18 @@ def test_grad_matches_native(algorithm, shape):
         def loss(v, alg, with_broadcast):
             y = C.all_reduce(v, axis, "sum", algorithm=alg)
             g = C.all_gather(v, axis, algorithm=alg)
-            out = jnp.sum(y * w) + jnp.sum(g ** 2)
+            out = jnp.sum(y * w) + jnp.sum(g**2)
             if with_broadcast:
                 out = out + jnp.sum(C.broadcast(v, axis, n - 1, algorithm=alg) * w)
             return out
 
         # The native broadcast is left out of the native comparison: its grad does not trace
         # on CPU in jax 0.10 (platform_dependent around pbroadcast); the oracle covers it.
-        return (jax.grad(functools.partial(loss, alg=algorithm, with_broadcast=True))(x),
-                jax.grad(functools.partial(loss, alg=algorithm, with_broadcast=False))(x),
-                jax.grad(functools.partial(loss, alg="native", with_broadcast=False))(x))
+        return (
+            jax.grad(functools.partial(loss, alg=algorithm, with_broadcast=True))(x),
+            jax.grad(functools.partial(loss, alg=algorithm, with_broadcast=False))(x),
+            jax.grad(functools.partial(loss, alg="native", with_broadcast=False))(x),
+        )
 
     got, got_nb, want_nb = run_per_rank(body, mesh, [xs, ws], jit=True)
     # Independent oracle: d/dx_r of sum_s (sum_j x_j) . w_s + n * |x_r|^2 + [r = n-1] sum_s w_s
@@ -188,5 +200,6 @@ def test_bad_algorithm_errors():
     with pytest.raises(TypeError, match=r"broadcast: algorithm must be a string"):
         run_per_rank(lambda v: C.broadcast(v, "x", 0, algorithm=3), mesh, [xs])
     with pytest.raises(ValueError, match=r"reduce_scatter: algorithm='hierarchical' needs a 2-D"):
-        run_per_rank(lambda v: C.reduce_scatter(v, "x", tiled=True, algorithm="hierarchical"),
-                     mesh, [xs])
+        run_per_rank(
+            lambda v: C.reduce_scatter(v, "x", tiled=True, algorithm="hierarchical"), mesh, [xs]
+        )

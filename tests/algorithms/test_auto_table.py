@@ -20,15 +20,18 @@ PACKAGE = Path(jaxcoll.__file__).parent
 
 
 def _pick(op="all_reduce", nbytes=4096, platform="cpu"):
-    return algorithms.choose(op, nbytes, group_size=8, two_level=False, platform=platform,
-                             topo="single_process")
+    return algorithms.choose(
+        op, nbytes, group_size=8, two_level=False, platform=platform, topo="single_process"
+    )
 
 
 def _package_hashes() -> dict[str, str]:
     """sha256 of every file of the installed package (bytecode caches aside)."""
-    return {str(p.relative_to(PACKAGE)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(PACKAGE.rglob("*"))
-            if p.is_file() and "__pycache__" not in p.parts}
+    return {
+        str(p.relative_to(PACKAGE)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(PACKAGE.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 @pytest.fixture
@@ -69,35 +72,62 @@ def test_user_table_path_env_then_xdg(monkeypatch, tmp_path):
 
 def test_user_entries_win_per_op_and_a_rewrite_is_seen(user_file):
     assert _pick() == "native"  # caches the defaults-only table
-    _write(user_file, dumps({"cpu": {"single_process": {"all_reduce": [(4096, "tree"),
-                                                                       (None, "ring")]}},
-                             "gpu": {"multi_process": {"broadcast": [(None, "tree")]}}}))
+    _write(
+        user_file,
+        dumps(
+            {
+                "cpu": {"single_process": {"all_reduce": [(4096, "tree"), (None, "ring")]}},
+                "gpu": {"multi_process": {"broadcast": [(None, "tree")]}},
+            }
+        ),
+    )
     assert _pick(nbytes=4096) == "tree" and _pick(nbytes=4097) == "ring"
     assert _pick("reduce") == "native"  # ops the user file lacks keep the defaults
     assert _pick("broadcast", platform="gpu") == "native"  # other topology
-    assert algorithms.choose("broadcast", 4, group_size=8, two_level=False, platform="gpu",
-                             topo="multi_process") == "tree"
+    assert (
+        algorithms.choose(
+            "broadcast", 4, group_size=8, two_level=False, platform="gpu", topo="multi_process"
+        )
+        == "tree"
+    )
     _write(user_file, dumps({"cpu": {"single_process": {"all_reduce": [(None, "tree")]}}}))
     os.utime(user_file, ns=(1, 1))  # a different mtime even on a coarse clock
     assert _pick(nbytes=1 << 30) == "tree"
 
 
-@pytest.mark.parametrize("text, match", [
-    ("{not json", r"not valid JSON: .* line 1, column 2"),
-    ('["cpu"]', r"the top level must be an object, got list"),
-    ('{"cpu": {"one_process": {}}}', r"\['cpu'\]: key 'one_process' is not one of "
-                                     r"single_process, multi_process"),
-    ('{"cpu": {"single_process": {"allreduce": []}}}', r"key 'allreduce' is not one of"),
-    ('{"cpu": {"single_process": {"all_reduce": []}}}', r"\['all_reduce'\] must be a non-empty"),
-    ('{"cpu": {"single_process": {"all_reduce": [["4K", "tree"]]}}}',
-     r"\['all_reduce'\]\[0\]: max_bytes must be a non-negative integer or null, got '4K'"),
-    ('{"cpu": {"single_process": {"all_reduce": [[null, "fast"]]}}}',
-     r"algorithm must be one of native, ring, tree, hierarchical, got 'fast'"),
-    ('{"cpu": {"single_process": {"all_reduce": [[8, "tree"], [4, "ring"]]}}}',
-     r"\[1\]: max_bytes must grow from entry to entry, got 4 after 8"),
-    ('{"cpu": {"single_process": {"all_reduce": [[null, "tree"], [4, "ring"]]}}}',
-     r"\[1\] follows an entry with max_bytes null"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("{not json", r"not valid JSON: .* line 1, column 2"),
+        ('["cpu"]', r"the top level must be an object, got list"),
+        (
+            '{"cpu": {"one_process": {}}}',
+            r"\['cpu'\]: key 'one_process' is not one of "
+            r"single_process, multi_process",
+        ),
+        ('{"cpu": {"single_process": {"allreduce": []}}}', r"key 'allreduce' is not one of"),
+        (
+            '{"cpu": {"single_process": {"all_reduce": []}}}',
+            r"\['all_reduce'\] must be a non-empty",
+        ),
+        (
+            '{"cpu": {"single_process": {"all_reduce": [["4K", "tree"]]}}}',
+            r"\['all_reduce'\]\[0\]: max_bytes must be a non-negative integer or null, got '4K'",
+        ),
+        (
+            '{"cpu": {"single_process": {"all_reduce": [[null, "fast"]]}}}',
+            r"algorithm must be one of native, ring, tree, hierarchical, got 'fast'",
+        ),
+        (
+            '{"cpu": {"single_process": {"all_reduce": [[8, "tree"], [4, "ring"]]}}}',
+            r"\[1\]: max_bytes must grow from entry to entry, got 4 after 8",
+        ),
+        (
+            '{"cpu": {"single_process": {"all_reduce": [[null, "tree"], [4, "ring"]]}}}',
+            r"\[1\] follows an entry with max_bytes null",
+        ),
+    ],
+)
 def test_malformed_user_file_raises_naming_it(user_file, text, match):
     _write(user_file, text)
     with pytest.raises(ValueError, match=match) as info:
@@ -110,9 +140,24 @@ def test_update_table_writes_the_user_file_never_the_package(user_file, capsys):
     before = _package_hashes()
     # a user file with another platform's entries, which the update must keep
     _write(user_file, dumps({"gpu": {"single_process": {"reduce": [(None, "tree")]}}}))
-    code = main(["--ops", "all_reduce", "--algorithms", "tree", "--min-bytes", "1K",
-                 "--max-bytes", "1K", "--iters", "1", "--warmup", "1", "--no-progress",
-                 "--update-table"])
+    code = main(
+        [
+            "--ops",
+            "all_reduce",
+            "--algorithms",
+            "tree",
+            "--min-bytes",
+            "1K",
+            "--max-bytes",
+            "1K",
+            "--iters",
+            "1",
+            "--warmup",
+            "1",
+            "--no-progress",
+            "--update-table",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert f"# wrote the auto table for cpu to {user_file}" in out
@@ -126,9 +171,26 @@ def test_update_table_writes_the_user_file_never_the_package(user_file, capsys):
 
 def test_table_file_option(tmp_path, user_file, capsys):
     target = tmp_path / "deep" / "dir" / "t.json"
-    code = main(["--ops", "broadcast", "--algorithms", "ring", "--min-bytes", "1K",
-                 "--max-bytes", "1K", "--iters", "1", "--warmup", "1", "--no-progress",
-                 "--update-table", "--table-file", str(target)])
+    code = main(
+        [
+            "--ops",
+            "broadcast",
+            "--algorithms",
+            "ring",
+            "--min-bytes",
+            "1K",
+            "--max-bytes",
+            "1K",
+            "--iters",
+            "1",
+            "--warmup",
+            "1",
+            "--no-progress",
+            "--update-table",
+            "--table-file",
+            str(target),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and f"JAXCOLL_AUTO_TABLE={target}" in out
     assert auto.read_table(target)["cpu"]["single_process"] == {"broadcast": [(None, "ring")]}

@@ -13,10 +13,29 @@ from jaxcoll.bench.output import format_row, header
 
 def test_bench_small_table(tmp_path, capsys):
     out_json = tmp_path / "rows.json"
-    code = main(["--ops", "all_reduce,reduce_scatter,broadcast", "--algorithms",
-                 "native,ring,tree", "--min-bytes", "1K", "--max-bytes", "2K", "--iters", "2",
-                 "--warmup", "1", "--no-progress", "--json", str(out_json),
-                 "--csv", str(tmp_path / "rows.csv"), "--plot", str(tmp_path / "bw.png")])
+    code = main(
+        [
+            "--ops",
+            "all_reduce,reduce_scatter,broadcast",
+            "--algorithms",
+            "native,ring,tree",
+            "--min-bytes",
+            "1K",
+            "--max-bytes",
+            "2K",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out_json),
+            "--csv",
+            str(tmp_path / "rows.csv"),
+            "--plot",
+            str(tmp_path / "bw.png"),
+        ]
+    )
     text = capsys.readouterr().out
     assert code == 0
     assert "memory copy bandwidth" in text and "busbw(GB/s)" in text
@@ -44,18 +63,42 @@ def test_parse_bytes_and_table_from_results():
     table = algorithms.table_from_results(rows, platform="cpu", topo="single_process")
     entries = table["cpu"]["single_process"]["all_reduce"]
     assert entries == [(4096, "tree"), (None, "native")]  # the wrong ring row never wins
-    pick = lambda b: algorithms.choose("all_reduce", b, group_size=8, two_level=False,  # noqa: E731
-                                       platform="cpu", topo="single_process", table=table)
+
+    def pick(b):
+        return algorithms.choose(
+            "all_reduce",
+            b,
+            group_size=8,
+            two_level=False,
+            platform="cpu",
+            topo="single_process",
+            table=table,
+        )
+
     assert pick(100) == "tree" and pick(4096) == "tree" and pick(1 << 30) == "native"
-    assert algorithms.choose("all_reduce", 100, group_size=1, two_level=False, table=table,
-                             platform="cpu", topo="single_process") == "native"
+    assert (
+        algorithms.choose(
+            "all_reduce",
+            100,
+            group_size=1,
+            two_level=False,
+            table=table,
+            platform="cpu",
+            topo="single_process",
+        )
+        == "native"
+    )
 
 
 def test_auto_is_native_for_small_messages_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXCOLL_AUTO_TABLE", str(tmp_path / "none.json"))  # defaults only
     for op in algorithms.OPS:
-        assert algorithms.choose(op, 4096, group_size=8, two_level=False, platform="cpu",
-                                 topo="single_process") == "native"
+        assert (
+            algorithms.choose(
+                op, 4096, group_size=8, two_level=False, platform="cpu", topo="single_process"
+            )
+            == "native"
+        )
 
 
 def test_launcher_variables_are_the_defaults(monkeypatch):
@@ -67,22 +110,26 @@ def test_launcher_variables_are_the_defaults(monkeypatch):
     monkeypatch.setenv("JAXCOLL_PROCESS_ID", "1")
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "4")
     a = parse_args([])
-    assert (a.coordinator, a.num_processes, a.process_id, a.devices) == \
-        ("127.0.0.1:1234", 2, 1, 4)
+    assert (a.coordinator, a.num_processes, a.process_id, a.devices) == ("127.0.0.1:1234", 2, 1, 4)
     assert parse_args(["--coordinator", "h:1"]).coordinator == "h:1"
     monkeypatch.delenv("JAXCOLL_COORDINATOR_ADDRESS")
     monkeypatch.setenv("JAXCOLL_COORDINATOR", "old:5")
     assert parse_args([]).coordinator == "old:5"
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--ops", "allreduce"], "--ops: 'allreduce' is not one of all_reduce, all_gather"),
-    (["--algorithms", "fast"], "--algorithms: 'fast' is not one of native, ring, tree, "
-                               "hierarchical, auto"),
-    (["--min-bytes", "2K", "--max-bytes", "1K"], "--min-bytes 2048 is larger than"),
-    (["--mesh", "2by4"], "--mesh: expected OUTERxINNER such as 2x4, got '2by4'"),
-    (["--table-file", "t.json"], "--table-file is only used with --update-table"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--ops", "allreduce"], "--ops: 'allreduce' is not one of all_reduce, all_gather"),
+        (
+            ["--algorithms", "fast"],
+            "--algorithms: 'fast' is not one of native, ring, tree, hierarchical, auto",
+        ),
+        (["--min-bytes", "2K", "--max-bytes", "1K"], "--min-bytes 2048 is larger than"),
+        (["--mesh", "2by4"], "--mesh: expected OUTERxINNER such as 2x4, got '2by4'"),
+        (["--table-file", "t.json"], "--table-file is only used with --update-table"),
+    ],
+)
 def test_bad_arguments_exit_naming_the_flag(argv, match, capsys):
     with pytest.raises(SystemExit) as info:
         parse_args(argv)
@@ -90,10 +137,23 @@ def test_bad_arguments_exit_naming_the_flag(argv, match, capsys):
 
 
 def test_row_format_is_fixed_width():
-    row = {"op": "all_reduce", "algorithm": "ring", "bytes": 4096, "count": 1024,
-           "dtype": "float32", "time_us": 12.345, "algbw": 0.5, "busbw": 0.875, "wrong": 0}
-    assert format_row(row) == ("  all_reduce     ring               4K       1024  float32"
-                               "        12.3        0.500        0.875       0")
+    row = {
+        "op": "all_reduce",
+        "algorithm": "ring",
+        "bytes": 4096,
+        "count": 1024,
+        "dtype": "float32",
+        "time_us": 12.345,
+        "algbw": 0.5,
+        "busbw": 0.875,
+        "wrong": 0,
+    }
+    assert format_row(row) == (
+        "  all_reduce     ring               4K       1024  float32"
+        "        12.3        0.500        0.875       0"
+    )
     assert header(["x"]).splitlines() == [
-        "# x", "# op             algorithm        size      count    dtype    time(us)"
-               "  algbw(GB/s)  busbw(GB/s)  #wrong"]
+        "# x",
+        "# op             algorithm        size      count    dtype    time(us)"
+        "  algbw(GB/s)  busbw(GB/s)  #wrong",
+    ]

@@ -50,11 +50,17 @@ def check(got: list[np.ndarray], want: list[np.ndarray], dtype: str, what: str) 
         assert g.shape == np.shape(w), f"{what}: row {r} shape {g.shape} != {np.shape(w)}"
         if dtype in ("float32", "complex64", "bfloat16"):
             tol = 3e-2 if dtype == "bfloat16" else 1e-5
-            np.testing.assert_allclose(np.asarray(g, np.complex128), np.asarray(w, np.complex128),
-                                       rtol=tol, atol=tol / 10, err_msg=f"{what} row {r}")
+            np.testing.assert_allclose(
+                np.asarray(g, np.complex128),
+                np.asarray(w, np.complex128),
+                rtol=tol,
+                atol=tol / 10,
+                err_msg=f"{what} row {r}",
+            )
         else:
-            np.testing.assert_array_equal(g, np.asarray(w).astype(g.dtype),
-                                          err_msg=f"{what} row {r}")
+            np.testing.assert_array_equal(
+                g, np.asarray(w).astype(g.dtype), err_msg=f"{what} row {r}"
+            )
 
 
 def snapshot(tree) -> dict:
@@ -92,12 +98,18 @@ def test_reducing_collectives(name: str, op: str) -> None:
     dst = k - 1
     for async_op in (False, True):
         calls = {
-            "all_reduce": (dist.all_reduce(x, op=op, group=group, async_op=async_op),
-                           lambda xs: oracle.all_reduce(xs, op)),
-            "reduce": (dist.reduce(x, group_dst=dst, op=op, group=group, async_op=async_op),
-                       lambda xs: oracle.reduce(xs, op, dst)),
-            "reduce_scatter": (dist.reduce_scatter(x, op=op, group=group, async_op=async_op),
-                               lambda xs: oracle.reduce_scatter(xs, op, tiled=False)),
+            "all_reduce": (
+                dist.all_reduce(x, op=op, group=group, async_op=async_op),
+                lambda xs: oracle.all_reduce(xs, op),
+            ),
+            "reduce": (
+                dist.reduce(x, group_dst=dst, op=op, group=group, async_op=async_op),
+                lambda xs: oracle.reduce(xs, op, dst),
+            ),
+            "reduce_scatter": (
+                dist.reduce_scatter(x, op=op, group=group, async_op=async_op),
+                lambda xs: oracle.reduce_scatter(xs, op, tiled=False),
+            ),
         }
         for what, (out, fn) in calls.items():
             got = results(out, async_op)
@@ -120,29 +132,42 @@ def test_data_movement(name: str) -> None:
         calls = {
             "broadcast": (dist.broadcast(x, group_src=src, **a), lambda xs: o.broadcast(xs, src)),
             "all_gather": (dist.all_gather(x, **a), lambda xs: o.all_gather(xs, False)),
-            "all_gather tiled": (dist.all_gather(x, tiled=True, **a),
-                                 lambda xs: o.all_gather(xs, True)),
+            "all_gather tiled": (
+                dist.all_gather(x, tiled=True, **a),
+                lambda xs: o.all_gather(xs, True),
+            ),
             "gather": (dist.gather(x, group_dst=dst, **a), lambda xs: o.gather(xs, dst)),
             "scatter": (dist.scatter(x, group_src=src, **a), lambda xs: o.scatter(xs, src, False)),
-            "scatter tiled": (dist.scatter(x, group_src=src, tiled=True, **a),
-                              lambda xs: o.scatter(xs, src, True)),
-            "all_to_all": (dist.all_to_all(x, split_axis=0, concat_axis=1, **a),
-                           lambda xs: o.all_to_all_untiled(xs, 0, 1)),
-            "all_to_all tiled": (dist.all_to_all(x, tiled=True, **a),
-                                 lambda xs: o.all_to_all_tiled(xs)),
+            "scatter tiled": (
+                dist.scatter(x, group_src=src, tiled=True, **a),
+                lambda xs: o.scatter(xs, src, True),
+            ),
+            "all_to_all": (
+                dist.all_to_all(x, split_axis=0, concat_axis=1, **a),
+                lambda xs: o.all_to_all_untiled(xs, 0, 1),
+            ),
+            "all_to_all tiled": (
+                dist.all_to_all(x, tiled=True, **a),
+                lambda xs: o.all_to_all_tiled(xs),
+            ),
             "sendrecv": (dist.sendrecv(x, pairs, **a), lambda xs: o.sendrecv(xs, pairs)),
         }
         for what, (out, fn) in calls.items():
             got = results(out, async_op)
             for d in DTYPES:
                 check(got[d], expected(rows, data[d], fn), d, f"{what} on {name}, {d}")
+
     # send / recv / isend / irecv: one pair, the same exchange
     def want_fn(xs):
         return o.sendrecv(xs, [(src, dst)])
 
     ends = {"group_dst": dst, "group_src": src, "group": group}
-    for out in (dist.send(x, **ends), dist.recv(x, **ends), dist.isend(x, **ends).wait(),
-                dist.irecv(x, **ends).wait()):
+    for out in (
+        dist.send(x, **ends),
+        dist.recv(x, **ends),
+        dist.isend(x, **ends).wait(),
+        dist.irecv(x, **ends).wait(),
+    ):
         got = results(out, False)
         for d in DTYPES:
             check(got[d], expected(rows, data[d], want_fn), d, f"send on {name}, {d}")

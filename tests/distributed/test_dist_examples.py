@@ -26,8 +26,10 @@ def test_02_dist_form() -> None:
         "dist: rank 1 x = [10, 20, 30], y = [11, 21, 31], reduce result = [10, 20, 30]",
     ]
     after = re.findall(r"^dist: rank \d after async reduce (.*)$", out, flags=re.M)
-    assert after == ["x = [1, 2, 3], y = [4, 5, 6], reduce result = [11, 22, 33]",
-                     "x = [10, 20, 30], y = [13, 23, 33], reduce result = [10, 20, 30]"]
+    assert after == [
+        "x = [1, 2, 3], y = [4, 5, 6], reduce result = [11, 22, 33]",
+        "x = [10, 20, 30], y = [13, 23, 33], reduce result = [10, 20, 30]",
+    ]
 
 
 def test_03_dist_form_with_async() -> None:

@@ -24,10 +24,12 @@ CASES = {
     "size4": (lambda: dist.new_group([6, 0, 3, 4]), lambda: mesh_1d(8), [[0, 3, 4, 6]]),
     "ordered4": (lambda: dist.ordered_group([6, 0, 3, 4]), lambda: mesh_1d(8), [[6, 0, 3, 4]]),
     "sub2": (lambda: dist.new_subgroups(2), lambda: mesh_1d(8), [[0, 1], [2, 3], [4, 5], [6, 7]]),
-    "node": (lambda: dist.hierarchy(4).node, lambda: mesh_2d(2, 4),
-             [[0, 4], [1, 5], [2, 6], [3, 7]]),
-    "local": (lambda: dist.hierarchy(4).local, lambda: mesh_2d(2, 4),
-              [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    "node": (
+        lambda: dist.hierarchy(4).node,
+        lambda: mesh_2d(2, 4),
+        [[0, 4], [1, 5], [2, 6], [3, 7]],
+    ),
+    "local": (lambda: dist.hierarchy(4).local, lambda: mesh_2d(2, 4), [[0, 1, 2, 3], [4, 5, 6, 7]]),
 }
 
 
@@ -37,16 +39,23 @@ def body_for(g, k):
     def body(f, i):
         pairs = [(j, (j + 1) % k) for j in range(k)] if k > 1 else []
         return {
-            "sum": C.all_reduce(f, g), "max_i": C.all_reduce(i, g, op="max"),
-            "prod": C.all_reduce(f, g, op="product"), "bxor": C.all_reduce(i, g, op="bxor"),
-            "reduce": C.reduce(f, g, dst=dst), "broadcast": C.broadcast(f, g, src=src),
-            "all_gather": C.all_gather(f, g), "gather": C.gather(f, g, dst=dst),
+            "sum": C.all_reduce(f, g),
+            "max_i": C.all_reduce(i, g, op="max"),
+            "prod": C.all_reduce(f, g, op="product"),
+            "bxor": C.all_reduce(i, g, op="bxor"),
+            "reduce": C.reduce(f, g, dst=dst),
+            "broadcast": C.broadcast(f, g, src=src),
+            "all_gather": C.all_gather(f, g),
+            "gather": C.gather(f, g, dst=dst),
             "scatter": C.scatter(f, g, src=src),
             "reduce_scatter": C.reduce_scatter(f, g, op="max"),
             "all_to_all": C.all_to_all(f, g, 0, 1),
-            "sendrecv": C.sendrecv(f, g, pairs), "shift": C.shift(i, g, offset=-1),
-            "rank": C.rank(g), "size": jnp.full((), C.world_size(g), jnp.int32),
+            "sendrecv": C.sendrecv(f, g, pairs),
+            "shift": C.shift(i, g, offset=-1),
+            "rank": C.rank(g),
+            "size": jnp.full((), C.world_size(g), jnp.int32),
         }
+
     return body
 
 
@@ -97,8 +106,9 @@ def test_group_as_axis_name(name: str) -> None:
                 w = x[p]  # non-members keep their input
             else:
                 w = np.zeros_like(got[key][p])
-            np.testing.assert_allclose(got[key][p], w, rtol=1e-5, atol=1e-6,
-                                       err_msg=f"{key} on {name}, rank {p}")
+            np.testing.assert_allclose(
+                got[key][p], w, rtol=1e-5, atol=1e-6, err_msg=f"{key} on {name}, rank {p}"
+            )
 
 
 def test_group_larger_than_axis_is_rejected() -> None:

@@ -34,9 +34,12 @@ def test_init_has_initializes_parameters_plus_timeout_and_debug():
 
 def test_init_documents_every_parameter():
     doc = inspect.getdoc(init)
-    args = doc[doc.index("\nArgs:\n"):doc.index("\nReturns:\n")]
-    documented = [line.split(":")[0].strip() for line in args.splitlines()[2:]
-                  if line.startswith("    ") and not line.startswith("     ")]
+    args = doc[doc.index("\nArgs:\n") : doc.index("\nReturns:\n")]
+    documented = [
+        line.split(":")[0].strip()
+        for line in args.splitlines()[2:]
+        if line.startswith("    ") and not line.startswith("     ")
+    ]
     assert documented == list(inspect.signature(init).parameters)
 
 

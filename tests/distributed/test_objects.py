@@ -25,26 +25,50 @@ def test_single_process_object_collectives_copy_locally():
     assert got == [("for", 0), "kept"]  # only the first entry is set, as in torch
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda: dist.gather_object(1, None, dst=0), ValueError,
-     r"dist.gather_object: on dst=0, object_gather_list must be a list of 1 entries"),
-    (lambda: dist.gather_object(1, [None, None], dst=0), ValueError, r"must be a list of 1"),
-    (lambda: dist.gather_object(1, [None], dst=1), ValueError,
-     r"dist.gather_object: dst=1 is out of range for a group of 1 ranks"),
-    (lambda: dist.scatter_object_list([], [1], src=0), ValueError,
-     r"scatter_object_output_list must be a list of at least one entry"),
-    (lambda: dist.scatter_object_list([None], [1, 2], src=0), ValueError,
-     r"on src=0, scatter_object_input_list must hold one object per process \(1\)"),
-    (lambda: dist.broadcast_object_list([1], src=2), ValueError, r"src=2 is out of range"),
-    (lambda: dist.broadcast_object_list([1], group=dist.world()), ValueError,
-     r"object collectives run over processes .* pass group=None"),
-    (lambda: dist.send_object_list([1], dst=0), ValueError,
-     r"dist.send_object_list: dst=0 is this process; the dst of a point-to-point transfer "
-     r"must be another process"),
-    (lambda: dist.recv_object_list([None], src=None), ValueError,
-     r"src=None \(receive from any process\) is not supported"),
-    (lambda: dist.recv_object_list([None], src=3), ValueError, r"src=3 is out of range"),
-])
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (
+            lambda: dist.gather_object(1, None, dst=0),
+            ValueError,
+            r"dist.gather_object: on dst=0, object_gather_list must be a list of 1 entries",
+        ),
+        (lambda: dist.gather_object(1, [None, None], dst=0), ValueError, r"must be a list of 1"),
+        (
+            lambda: dist.gather_object(1, [None], dst=1),
+            ValueError,
+            r"dist.gather_object: dst=1 is out of range for a group of 1 ranks",
+        ),
+        (
+            lambda: dist.scatter_object_list([], [1], src=0),
+            ValueError,
+            r"scatter_object_output_list must be a list of at least one entry",
+        ),
+        (
+            lambda: dist.scatter_object_list([None], [1, 2], src=0),
+            ValueError,
+            r"on src=0, scatter_object_input_list must hold one object per process \(1\)",
+        ),
+        (lambda: dist.broadcast_object_list([1], src=2), ValueError, r"src=2 is out of range"),
+        (
+            lambda: dist.broadcast_object_list([1], group=dist.world()),
+            ValueError,
+            r"object collectives run over processes .* pass group=None",
+        ),
+        (
+            lambda: dist.send_object_list([1], dst=0),
+            ValueError,
+            r"dist.send_object_list: dst=0 is this process; the dst of a point-to-point transfer "
+            r"must be another process",
+        ),
+        (
+            lambda: dist.recv_object_list([None], src=None),
+            ValueError,
+            r"src=None \(receive from any process\) is not supported",
+        ),
+        (lambda: dist.recv_object_list([None], src=3), ValueError, r"src=3 is out of range"),
+    ],
+)
 def test_errors_as_torch_raises_them(call, error, match):
     with pytest.raises(error, match=match):
         call()
@@ -104,8 +128,11 @@ def test_gather_object_on_a_non_destination_must_not_pass_a_list(monkeypatch):
     monkeypatch.setattr(_objects.jax, "process_index", lambda: 1)
     monkeypatch.setattr(_objects, "all_gather_object", lambda obj: ["p0", obj])
     dist.gather_object("p1", None, dst=1 - 1)  # fine: returns without touching anything
-    with pytest.raises(ValueError, match=r"object_gather_list must be None on processes other "
-                                         r"than dst=0"):
+    with pytest.raises(
+        ValueError,
+        match=r"object_gather_list must be None on processes other "
+        r"than dst=0",
+    ):
         dist.gather_object("p1", [None, None], dst=0)
     out = [None, None]
     dist.gather_object("p1", out, dst=1)

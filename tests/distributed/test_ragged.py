@@ -22,8 +22,12 @@ def test_all_to_all_single_uneven_is_torchs_documented_example():
     input_splits = [[2, 2, 1, 1], [3, 2, 2, 2], [2, 1, 1, 1], [2, 2, 2, 1]]
     output_splits = [[2, 3, 2, 2], [2, 2, 1, 2], [1, 2, 1, 2], [1, 2, 1, 1]]
     y = dist.all_to_all_single(x, output_splits, input_splits, group=g)
-    torch_output = [[0, 1, 10, 11, 12, 20, 21, 30, 31], [2, 3, 13, 14, 22, 32, 33],
-                    [4, 15, 16, 23, 34, 35], [5, 17, 18, 24, 36]]
+    torch_output = [
+        [0, 1, 10, 11, 12, 20, 21, 30, 31],
+        [2, 3, 13, 14, 22, 32, 33],
+        [4, 15, 16, 23, 34, 35],
+        [5, 17, 18, 24, 36],
+    ]
     assert y.shape == (4, 9)
     for r, row in enumerate(dist.to_ranks(y)):
         k = sum(output_splits[r])
@@ -52,9 +56,11 @@ def test_all_to_all_single_matches_numpy_on_groups(gname):
     width = 2 * k
     ins = _tables(n_rows, k, n_rows + k)
     rng = np.random.default_rng(k)
-    xs = {"f": rng.normal(size=(n_rows, width, 2)).astype(np.float32),
-          "i": rng.integers(-9, 9, (n_rows, width)).astype(np.int32),
-          "b": rng.random((n_rows, width)) < 0.5}
+    xs = {
+        "f": rng.normal(size=(n_rows, width, 2)).astype(np.float32),
+        "i": rng.integers(-9, 9, (n_rows, width)).astype(np.int32),
+        "b": rng.random((n_rows, width)) < 0.5,
+    }
     outs = [[0] * k for _ in range(n_rows)]
     for sub in rows:
         for a, ra in enumerate(sub):
@@ -82,8 +88,9 @@ def test_new_tables_of_the_same_widths_reuse_the_program():
         b[r][(r + 1) % 8] = 8  # all 8 rows to the next rank: widths 8 in and out, as for a
     before = _ragged._a2a_program.cache_info().misses
     ya = dist.all_to_all_single(x, a, a)
-    yb = dist.all_to_all_single(x, [[8 if j == (r - 1) % 8 else 0 for j in range(8)]
-                                     for r in range(8)], b)
+    yb = dist.all_to_all_single(
+        x, [[8 if j == (r - 1) % 8 else 0 for j in range(8)] for r in range(8)], b
+    )
     assert _ragged._a2a_program.cache_info().misses - before <= 1
     assert _ragged._a2a_program(dist.world(), 8)._cache_size() == 1  # compiled once
     np.testing.assert_array_equal(dist.to_ranks(yb)[3], np.arange(8.0) + 20)
@@ -104,25 +111,44 @@ def test_one_table_none_splits_that_side_evenly_as_torch():
     assert dist.to_ranks(y)[2].tolist() == [3, 4, 5, 13, 14, 15, 23, 24, 25, 33, 34, 35]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"output_split_sizes": [[1] * 4] * 4, "input_split_sizes": [[1] * 4] * 3},
-     r"input_split_sizes must be a list of 4 lists \(one per rank"),
-    ({"output_split_sizes": [[1] * 4] * 4, "input_split_sizes": [[1, 1, 1]] * 4},
-     r"input_split_sizes\[0\]=\[1, 1, 1\] must be a list of 4 ints"),
-    ({"output_split_sizes": [[1] * 4] * 4, "input_split_sizes": [[1, 1, 1, -1]] * 4},
-     r"input_split_sizes\[0\]=\[1, 1, 1, -1\] has a negative size"),
-    ({"output_split_sizes": [[3] * 4] * 4, "input_split_sizes": [[3] * 4] * 4},
-     r"input_split_sizes\[0\]=\[3, 3, 3, 3\] sums to 12, more than the width 8"),
-    ({"output_split_sizes": [[1] * 4] * 4, "input_split_sizes": [[1, 2, 1, 1]] * 4},
-     r"input_split_sizes\[0\]\[1\]=2 but output_split_sizes\[1\]\[0\]=1: rank 0 sends 2 rows "
-     r"to rank 1, which expects 1"),
-    ({"input_split_sizes": [[1, 2, 3, 0]] * 3 + [[0, 2, 3, 1]]},
-     r"output_split_sizes=None means rank 0 receives an equal part from every rank"),
-    ({"output_split_sizes": [[1] * 4] * 4, "input_split_sizes": [[1] * 4] * 4, "group": 3},
-     r"group must be a Group"),
-    ({"output_split_sizes": [[1.5] * 4] * 4, "input_split_sizes": [[1] * 4] * 4},
-     r"output_split_sizes\[0\] entry must be an int, got 1.5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"output_split_sizes": [[1] * 4] * 4, "input_split_sizes": [[1] * 4] * 3},
+            r"input_split_sizes must be a list of 4 lists \(one per rank",
+        ),
+        (
+            {"output_split_sizes": [[1] * 4] * 4, "input_split_sizes": [[1, 1, 1]] * 4},
+            r"input_split_sizes\[0\]=\[1, 1, 1\] must be a list of 4 ints",
+        ),
+        (
+            {"output_split_sizes": [[1] * 4] * 4, "input_split_sizes": [[1, 1, 1, -1]] * 4},
+            r"input_split_sizes\[0\]=\[1, 1, 1, -1\] has a negative size",
+        ),
+        (
+            {"output_split_sizes": [[3] * 4] * 4, "input_split_sizes": [[3] * 4] * 4},
+            r"input_split_sizes\[0\]=\[3, 3, 3, 3\] sums to 12, more than the width 8",
+        ),
+        (
+            {"output_split_sizes": [[1] * 4] * 4, "input_split_sizes": [[1, 2, 1, 1]] * 4},
+            r"input_split_sizes\[0\]\[1\]=2 but output_split_sizes\[1\]\[0\]=1: rank 0 sends "
+            r"2 rows to rank 1, which expects 1",
+        ),
+        (
+            {"input_split_sizes": [[1, 2, 3, 0]] * 3 + [[0, 2, 3, 1]]},
+            r"output_split_sizes=None means rank 0 receives an equal part from every rank",
+        ),
+        (
+            {"output_split_sizes": [[1] * 4] * 4, "input_split_sizes": [[1] * 4] * 4, "group": 3},
+            r"group must be a Group",
+        ),
+        (
+            {"output_split_sizes": [[1.5] * 4] * 4, "input_split_sizes": [[1] * 4] * 4},
+            r"output_split_sizes\[0\] entry must be an int, got 1.5",
+        ),
+    ],
+)
 def test_all_to_all_single_errors(kwargs, match):
     g = dist.new_group([0, 1, 2, 3])
     kwargs.setdefault("group", g)
@@ -133,11 +159,17 @@ def test_all_to_all_single_errors(kwargs, match):
 
 def test_all_to_all_single_errors_on_shapes():
     g = dist.new_group([0, 1, 2])
-    with pytest.raises(ValueError, match=r"x's rows have width 4, not divisible by the group "
-                                         r"size 3. Pass input_split_sizes and output_split_"):
+    with pytest.raises(
+        ValueError,
+        match=r"x's rows have width 4, not divisible by the group "
+        r"size 3. Pass input_split_sizes and output_split_",
+    ):
         dist.all_to_all_single(dist.per_rank(lambda r: np.zeros(4), g), group=g)
-    with pytest.raises(ValueError, match=r"input_split_sizes=None splits each rank's input "
-                                         r"evenly, but x's rows have width 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"input_split_sizes=None splits each rank's input "
+        r"evenly, but x's rows have width 4",
+    ):
         dist.all_to_all_single(dist.per_rank(lambda r: np.zeros(4), g), [[1] * 3] * 3, group=g)
     with pytest.raises(ValueError, match=r"one scalar per rank"):
         dist.all_to_all_single(dist.per_rank(lambda r: np.float32(r), g), group=g)
@@ -164,7 +196,7 @@ def test_all_gather_and_gather_uneven_return_torchs_lists(gname):
         assert gathered[j].shape == (n_rows, by_rank[j], 2)
         got, got_rooted = dist.to_ranks(gathered[j]), dist.to_ranks(rooted[j])
         for sub in rows:
-            tensor_j = xs[sub[j]][:by_rank[j]]  # rank j's tensor in this subgroup
+            tensor_j = xs[sub[j]][: by_rank[j]]  # rank j's tensor in this subgroup
             for i, r in enumerate(sub):
                 np.testing.assert_array_equal(got[r], tensor_j)
                 np.testing.assert_array_equal(got_rooted[r], tensor_j if i == dst else 0 * tensor_j)
@@ -172,17 +204,27 @@ def test_all_gather_and_gather_uneven_return_torchs_lists(gname):
 
 def test_uneven_gather_errors():
     x = dist.per_rank(lambda r: np.zeros((4, 2), np.float32))
-    with pytest.raises(ValueError, match=r"dist.all_gather_uneven: sizes must be a list of 8 "
-                                         r"ints, one per rank"):
+    with pytest.raises(
+        ValueError,
+        match=r"dist.all_gather_uneven: sizes must be a list of 8 "
+        r"ints, one per rank",
+    ):
         dist.all_gather_uneven(x, [1, 2])
     with pytest.raises(ValueError, match=r"sizes\[2\]=5 is outside 0..4, the width of x's rows"):
         dist.all_gather_uneven(x, [1, 1, 5, 1, 1, 1, 1, 1])
-    with pytest.raises(ValueError, match=r"the subgroups of .* would gather tensors of different "
-                                         r"sizes \(\[1, 2\] and \[2, 1\] per group rank\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"the subgroups of .* would gather tensors of different "
+        r"sizes \(\[1, 2\] and \[2, 1\] per group rank\)",
+    ):
         dist.all_gather_uneven(x, [1, 2, 2, 1, 1, 2, 1, 2], group=dist.new_subgroups(2))
     with pytest.raises(ValueError, match=r"dist.gather_uneven: Global rank 3 is not part"):
-        dist.gather_uneven(dist.per_rank(lambda r: np.zeros(4), dist.new_group([0, 1])),
-                           [1, 1], dst=3, group=dist.new_group([0, 1]))
+        dist.gather_uneven(
+            dist.per_rank(lambda r: np.zeros(4), dist.new_group([0, 1])),
+            [1, 1],
+            dst=3,
+            group=dist.new_group([0, 1]),
+        )
     work = dist.all_gather_uneven(x, [1] * 8, async_op=True)
     assert [a.shape for a in work.wait()] == [(8, 1, 2)] * 8
 
@@ -199,7 +241,7 @@ def test_reduce_scatter_uneven_is_torchs_reduce_scatter_v_test(gname):
 
     def tensor(j):
         t = np.full((sum_len,) * 3, 10, np.float32)
-        t[starts[j]:starts[j + 1]] = 2
+        t[starts[j] : starts[j + 1]] = 2
         return t
 
     x = dist.per_rank(tensor, g)
@@ -209,61 +251,99 @@ def test_reduce_scatter_uneven_is_torchs_reduce_scatter_v_test(gname):
         for j, row in enumerate(rows):
             k = sizes[j]
             assert row.shape == (max(sizes), sum_len, sum_len)
-            np.testing.assert_array_equal(row[:k], np.full((k, sum_len, sum_len),
-                                                           2 + 10 * (g.size - 1)))
+            np.testing.assert_array_equal(
+                row[:k], np.full((k, sum_len, sum_len), 2 + 10 * (g.size - 1))
+            )
             assert not row[k:].any()  # padding
 
 
-@pytest.mark.parametrize("gname, op, sizes", [
-    ("world", "sum", [2, 0, 1, 3, 1, 1, 2, 2]),
-    ("size1", "max", [3]),
-    ("size3", "product", [1, 3, 2]),
-    ("ordered4", "avg", [0, 6, 1, 0]),  # one long part: the all_reduce lowering
-    ("sub2", "bxor", [1, 2]),
-    ("local", "min", [2, 1, 0, 2]),
-])
+@pytest.mark.parametrize(
+    "gname, op, sizes",
+    [
+        ("world", "sum", [2, 0, 1, 3, 1, 1, 2, 2]),
+        ("size1", "max", [3]),
+        ("size3", "product", [1, 3, 2]),
+        ("ordered4", "avg", [0, 6, 1, 0]),  # one long part: the all_reduce lowering
+        ("sub2", "bxor", [1, 2]),
+        ("local", "min", [2, 1, 0, 2]),
+    ],
+)
 def test_reduce_scatter_uneven_matches_numpy_on_groups(gname, op, sizes):
     make, rows, devices = GROUPS[gname]
     g = make()
     n_rows, width = len(devices), sum(sizes)
     rng = np.random.default_rng(n_rows + width)
-    xs = {"f": rng.normal(size=(n_rows, width, 2)).astype(np.float32),
-          "i": rng.integers(-9, 9, (n_rows, width)).astype(np.int32)}
+    xs = {
+        "f": rng.normal(size=(n_rows, width, 2)).astype(np.float32),
+        "i": rng.integers(-9, 9, (n_rows, width)).astype(np.int32),
+    }
     xs = {key: v for key, v in xs.items() if (op, key) not in (("avg", "i"), ("bxor", "f"))}
     x = {key: dist.per_rank(list(v), g) for key, v in xs.items()}
     y = dist.reduce_scatter_uneven(x, sizes, op, group=g)
     for key, v in xs.items():
-        want = expected(rows, list(v), lambda m: [o for o, _ in
-                                                  oracle.reduce_scatter_uneven(m, op, sizes)])
+        want = expected(
+            rows, list(v), lambda m: [o for o, _ in oracle.reduce_scatter_uneven(m, op, sizes)]
+        )
         got = dist.to_ranks(y[key])
         for r in range(n_rows):
             assert got[r].dtype == v.dtype and got[r].shape == (max(sizes), *v.shape[2:])
-            np.testing.assert_allclose(got[r], want[r], rtol=1e-6, atol=1e-6,
-                                       err_msg=f"{gname} {key} row {r}")
+            np.testing.assert_allclose(
+                got[r], want[r], rtol=1e-6, atol=1e-6, err_msg=f"{gname} {key} row {r}"
+            )
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda x: dist.reduce_scatter_uneven(x, [1] * 7), ValueError,
-     r"dist.reduce_scatter_uneven: sizes=\[1, 1, 1, 1, 1, 1, 1\] has 7 entries, but the group "
-     r"has 8 ranks. Pass one size per rank"),
-    (lambda x: dist.reduce_scatter_uneven(x, [2, -1, 1, 1, 1, 1, 1, 0]), ValueError,
-     r"dist.reduce_scatter_uneven: sizes\[1\]=-1 is negative"),
-    (lambda x: dist.reduce_scatter_uneven(x, [1] * 8), ValueError,
-     r"dist.reduce_scatter_uneven: sizes=\[1, 1, 1, 1, 1, 1, 1, 1\] sums to 8, but x's rows "
-     r"have width 6"),
-    (lambda x: dist.reduce_scatter_uneven(x, "12"), TypeError,
-     r"dist.reduce_scatter_uneven: sizes must be a list of 8 static ints"),
-    (lambda x: dist.reduce_scatter_uneven(x, [6, 0], group=dist.new_subgroups(4)), ValueError,
-     r"sizes=\[6, 0\] has 2 entries, but the group has 4 ranks"),
-    (lambda x: dist.reduce_scatter_uneven(x.astype(np.int32), [6] + [0] * 7, "avg"), TypeError,
-     r"dist.reduce_scatter_uneven: op=ReduceOp.AVG is not defined for dtype int32"),
-    (lambda x: dist.reduce_scatter_uneven(x, [6] + [0] * 7, "mode"), ValueError,
-     r"dist.reduce_scatter_uneven: op='mode' is not a reduce op"),
-    (lambda x: dist.reduce_scatter_uneven(x[:, 0, 0], [0] * 8), ValueError,
-     r"dist.reduce_scatter_uneven: x has shape \(8,\), one scalar per rank"),
-    (lambda x: dist.reduce_scatter_uneven(x, [6] + [0] * 7, group=[0, 1]), TypeError,
-     r"dist.reduce_scatter_uneven: group must be a Group"),
-])
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (
+            lambda x: dist.reduce_scatter_uneven(x, [1] * 7),
+            ValueError,
+            r"dist.reduce_scatter_uneven: sizes=\[1, 1, 1, 1, 1, 1, 1\] has 7 entries, but the "
+            r"group has 8 ranks. Pass one size per rank",
+        ),
+        (
+            lambda x: dist.reduce_scatter_uneven(x, [2, -1, 1, 1, 1, 1, 1, 0]),
+            ValueError,
+            r"dist.reduce_scatter_uneven: sizes\[1\]=-1 is negative",
+        ),
+        (
+            lambda x: dist.reduce_scatter_uneven(x, [1] * 8),
+            ValueError,
+            r"dist.reduce_scatter_uneven: sizes=\[1, 1, 1, 1, 1, 1, 1, 1\] sums to 8, but x's rows "
+            r"have width 6",
+        ),
+        (
+            lambda x: dist.reduce_scatter_uneven(x, "12"),
+            TypeError,
+            r"dist.reduce_scatter_uneven: sizes must be a list of 8 static ints",
+        ),
+        (
+            lambda x: dist.reduce_scatter_uneven(x, [6, 0], group=dist.new_subgroups(4)),
+            ValueError,
+            r"sizes=\[6, 0\] has 2 entries, but the group has 4 ranks",
+        ),
+        (
+            lambda x: dist.reduce_scatter_uneven(x.astype(np.int32), [6] + [0] * 7, "avg"),
+            TypeError,
+            r"dist.reduce_scatter_uneven: op=ReduceOp.AVG is not defined for dtype int32",
+        ),
+        (
+            lambda x: dist.reduce_scatter_uneven(x, [6] + [0] * 7, "mode"),
+            ValueError,
+            r"dist.reduce_scatter_uneven: op='mode' is not a reduce op",
+        ),
+        (
+            lambda x: dist.reduce_scatter_uneven(x[:, 0, 0], [0] * 8),
+            ValueError,
+            r"dist.reduce_scatter_uneven: x has shape \(8,\), one scalar per rank",
+        ),
+        (
+            lambda x: dist.reduce_scatter_uneven(x, [6] + [0] * 7, group=[0, 1]),
+            TypeError,
+            r"dist.reduce_scatter_uneven: group must be a Group",
+        ),
+    ],
+)
 def test_reduce_scatter_uneven_errors(call, error, match):
     with pytest.raises(error, match=match):
         call(dist.per_rank(lambda r: np.zeros((6, 2), np.float32)))
@@ -277,21 +357,31 @@ def test_scan_and_exscan_on_groups(gname):
     g = make()
     n_rows = len(devices)
     rng = np.random.default_rng(n_rows)
-    xs = {"f": rng.normal(size=(n_rows, 3)).astype(np.float32),
-          "i": rng.integers(0, 16, (n_rows, 3)).astype(np.int32),
-          "b": rng.random((n_rows, 3)) < 0.3}
+    xs = {
+        "f": rng.normal(size=(n_rows, 3)).astype(np.float32),
+        "i": rng.integers(0, 16, (n_rows, 3)).astype(np.int32),
+        "b": rng.random((n_rows, 3)) < 0.3,
+    }
     x = {key: dist.per_rank(list(v), g) for key, v in xs.items()}
     for fn, op in ((dist.scan, "sum"), (dist.exscan, dist.ReduceOp.MAX)):
         y = fn(x, op, group=g)
         ref = getattr(oracle, fn.__name__)
         for key, v in xs.items():
-            want = expected(rows, list(v), lambda m, ref=ref, op=op: ref(m, getattr(op, "value",
-                                                                                     op)))
+            want = expected(
+                rows, list(v), lambda m, ref=ref, op=op: ref(m, getattr(op, "value", op))
+            )
             got = dist.to_ranks(y[key])
             for r in range(n_rows):
-                np.testing.assert_allclose(got[r], np.asarray(want[r]).astype(got[r].dtype),
-                                           rtol=1e-6, err_msg=f"{fn.__name__} {key} {r}")
-    with pytest.raises(TypeError, match=r"dist.exscan: op=ReduceOp.BXOR is not defined for "
-                                        r"dtype float32"):
+                np.testing.assert_allclose(
+                    got[r],
+                    np.asarray(want[r]).astype(got[r].dtype),
+                    rtol=1e-6,
+                    err_msg=f"{fn.__name__} {key} {r}",
+                )
+    with pytest.raises(
+        TypeError,
+        match=r"dist.exscan: op=ReduceOp.BXOR is not defined for "
+        r"dtype float32",
+    ):
         dist.exscan(x["f"], "bxor", group=g)
     assert isinstance(dist.scan(x["i"], group=g, async_op=True), dist.Work)

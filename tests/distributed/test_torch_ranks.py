@@ -57,9 +57,14 @@ def test_seed_003_broadcast_with_a_group():
     tensor = dist.per_rank(lambda j: np.float32([1.0 if g.ranks[j] == 4 else 0.0]), g)
     out = dist.to_ranks(dist.broadcast(tensor, src=4, group=g))
     assert [v.tolist() for v in out] == [[1.0]] * 4
-    scattered = dist.to_ranks(dist.scatter(
-        dist.per_rank(lambda j: np.float32([1, 2, 3, 4]) * (g.ranks[j] == 4), g), src=4,
-        group=g, tiled=True))
+    scattered = dist.to_ranks(
+        dist.scatter(
+            dist.per_rank(lambda j: np.float32([1, 2, 3, 4]) * (g.ranks[j] == 4), g),
+            src=4,
+            group=g,
+            tiled=True,
+        )
+    )
     assert [v.tolist() for v in scattered] == [[1.0], [2.0], [3.0], [4.0]]
 
 
@@ -92,24 +97,34 @@ def test_the_default_root_is_global_rank_0_not_group_rank_0():
     gathered = dist.to_ranks(dist.gather(_values(g), group=g))
     assert gathered[1][:, 0].tolist() == [103.0, 100.0, 105.0]
     assert not gathered[0].any() and not gathered[2].any()
-    x = dist.per_rank(lambda j: np.float32([1, 2, 3]) * (10 ** j), g)
+    x = dist.per_rank(lambda j: np.float32([1, 2, 3]) * (10**j), g)
     assert [float(v) for v in dist.to_ranks(dist.scatter(x, group=g))] == [10.0, 20.0, 30.0]
-    ragged = dist.gather_uneven(dist.per_rank(lambda j: np.float32([g.ranks[j]] * 2), g),
-                                [1, 2, 1], group=g)
+    ragged = dist.gather_uneven(
+        dist.per_rank(lambda j: np.float32([g.ranks[j]] * 2), g), [1, 2, 1], group=g
+    )
     assert [dist.to_ranks(t)[1].tolist() for t in ragged] == [[3.0], [0.0, 0.0], [5.0]]
     assert not dist.to_ranks(ragged[0])[0].any()
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda x, g: dist.gather(x, group=g),
-     r"dist.gather: Global rank 0 is not part of group Group\(ranks=\[1, 5, 6\].*; dst=0 is "
-     r"torch's default when neither dst= nor group_dst= is given. Pass a member's"),
-    (lambda x, g: dist.scatter(x, group=g),
-     r"dist.scatter: Global rank 0 is not part of group .*; src=0 is torch's default"),
-    (lambda x, g: dist.gather_uneven(x, [1, 1, 1], group=g),
-     r"dist.gather_uneven: Global rank 0 is not part of group .*; dst=0 is torch's "
-     r"default"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (
+            lambda x, g: dist.gather(x, group=g),
+            r"dist.gather: Global rank 0 is not part of group Group\(ranks=\[1, 5, 6\].*; dst=0 is "
+            r"torch's default when neither dst= nor group_dst= is given. Pass a member's",
+        ),
+        (
+            lambda x, g: dist.scatter(x, group=g),
+            r"dist.scatter: Global rank 0 is not part of group .*; src=0 is torch's default",
+        ),
+        (
+            lambda x, g: dist.gather_uneven(x, [1, 1, 1], group=g),
+            r"dist.gather_uneven: Global rank 0 is not part of group .*; dst=0 is torch's "
+            r"default",
+        ),
+    ],
+)
 def test_the_default_root_outside_the_group_is_torchs_error(call, match):
     g = dist.new_group([6, 1, 5])
     with pytest.raises(ValueError, match=match):
@@ -118,10 +133,16 @@ def test_the_default_root_outside_the_group_is_torchs_error(call, match):
 
 def test_a_partition_needs_group_src_even_by_default():
     x = dist.per_rank(lambda r: np.zeros(2, np.float32))
-    with pytest.raises(ValueError, match=r"dist.scatter: src=0 \(torch's default when neither "
-                                         r"src= nor group_src= is given\) names one global "
-                                         r"rank, but .* partition"):
+    with pytest.raises(
+        ValueError,
+        match=r"dist.scatter: src=0 \(torch's default when neither "
+        r"src= nor group_src= is given\) names one global "
+        r"rank, but .* partition",
+    ):
         dist.scatter(x, group=dist.new_subgroups(2))
-    with pytest.raises(ValueError, match=r"dist.broadcast: pass src= \(a global rank\) or "
-                                         r"group_src="):
+    with pytest.raises(
+        ValueError,
+        match=r"dist.broadcast: pass src= \(a global rank\) or "
+        r"group_src=",
+    ):
         dist.broadcast(x)  # torch's broadcast has no default src

@@ -69,10 +69,11 @@ def twin_loss(outputs, batch):
 def twin_optimizer(adam_lr: float = 1e-2, sgd_lr: float = 0.05):
     """Adam on the "adam" copy, plain SGD on the "sgd" copy (pytrees whose top keys are
     the copies, linen params or nnx pure dicts alike)."""
-    labels = lambda params: {k: jax.tree_util.tree_map(lambda _, k=k: k, v)  # noqa: E731
-                             for k, v in params.items()}
-    return optax.multi_transform({"adam": optax.adam(adam_lr), "sgd": optax.sgd(sgd_lr)},
-                                 labels)
+
+    def labels(params):
+        return {k: jax.tree_util.tree_map(lambda _, k=k: k, v) for k, v in params.items()}
+
+    return optax.multi_transform({"adam": optax.adam(adam_lr), "sgd": optax.sgd(sgd_lr)}, labels)
 
 
 def batches(kind: str, k: int, size: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -87,8 +88,17 @@ def batches(kind: str, k: int, size: int, seed: int = 0) -> list[dict[str, np.nd
     return out
 
 
-def oracle(model: dp.Model, optimizer, params, model_state, data, *, accum: int = 1,
-           n: int = 8, grad_scale: float = 1.0):
+def oracle(
+    model: dp.Model,
+    optimizer,
+    params,
+    model_state,
+    data,
+    *,
+    accum: int = 1,
+    n: int = 8,
+    grad_scale: float = 1.0,
+):
     """K steps of plain single-device optax on the whole global batches.
 
     With ``accum > 1`` each step averages the gradients of ``accum`` global micro-batches
@@ -104,13 +114,16 @@ def oracle(model: dp.Model, optimizer, params, model_state, data, *, accum: int 
             def take(a):
                 per = a.reshape((n, accum, -1) + a.shape[1:])  # rank, micro, example
                 return per[:, i].reshape((-1,) + a.shape[1:])
+
             return jax.tree_util.tree_map(take, batch)
 
         grads = None
         for i in range(accum):
+
             def loss(p, ms=model_state, i=i):
                 value, (_, new_ms) = model.loss_fn(p, ms, micro(i), jax.random.key(0))
                 return value, new_ms
+
             g, model_state = jax.grad(loss, has_aux=True)(params)
             grads = g if grads is None else jax.tree_util.tree_map(jnp.add, grads, g)
         grads = jax.tree_util.tree_map(lambda a: a * (grad_scale / accum), grads)
@@ -125,6 +138,7 @@ def oracle(model: dp.Model, optimizer, params, model_state, data, *, accum: int 
 def twin_diffs(got, want) -> dict[str, float]:
     """:func:`max_rel_diff` of each copy ("adam", "sgd") of a twin's params or model state,
     found under the copy's name at any depth of the tree ({"batch_stats": {"sgd": ...}})."""
+
     def part(tree, k):
         while k not in tree:
             (tree,) = tree.values()
@@ -136,6 +150,11 @@ def twin_diffs(got, want) -> dict[str, float]:
 def max_rel_diff(a, b) -> float:
     """Max over leaves of max|a - b| / max|b|."""
     diffs = jax.tree_util.tree_map(
-        lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
-                           / max(float(np.max(np.abs(np.asarray(y, np.float64)))), 1e-30)), a, b)
+        lambda x, y: float(
+            np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
+            / max(float(np.max(np.abs(np.asarray(y, np.float64)))), 1e-30)
+        ),
+        a,
+        b,
+    )
     return max(jax.tree_util.tree_leaves(diffs))

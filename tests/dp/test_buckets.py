@@ -27,32 +27,41 @@ def _loss(params, batch, rng):
     err = h @ params["c_v"] - batch["y"]
     # "z_frozen" is the last leaf, so its bucket is the first reduced (reverse order, as DDP).
     # d sqrt(z)/dz at z = 0 is inf: the frozen leaf's gradient is inf on every rank.
-    return jnp.mean(err ** 2) + jnp.sum(jnp.sqrt(params["z_frozen"])), {}
+    return jnp.mean(err**2) + jnp.sum(jnp.sqrt(params["z_frozen"])), {}
 
 
 def _params():
     rng = np.random.default_rng(0)
-    return {"a_w": jnp.asarray(rng.normal(size=(4, 8)), jnp.float32),
-            "b_b": jnp.zeros(8, jnp.float32),
-            "c_v": jnp.asarray(rng.normal(size=(8, 1)), jnp.float32),
-            "z_frozen": jnp.zeros(8, jnp.float32)}
+    return {
+        "a_w": jnp.asarray(rng.normal(size=(4, 8)), jnp.float32),
+        "b_b": jnp.zeros(8, jnp.float32),
+        "c_v": jnp.asarray(rng.normal(size=(8, 1)), jnp.float32),
+        "z_frozen": jnp.zeros(8, jnp.float32),
+    }
 
 
 def _data(k=4):
     rng = np.random.default_rng(1)
-    return [{"x": rng.normal(size=(32, 4)).astype(np.float32),
-             "y": rng.normal(size=(32, 1)).astype(np.float32)} for _ in range(k)]
+    return [
+        {
+            "x": rng.normal(size=(32, 4)).astype(np.float32),
+            "y": rng.normal(size=(32, 1)).astype(np.float32),
+        }
+        for _ in range(k)
+    ]
 
 
 FREEZE = {
     "multi_transform": lambda: optax.multi_transform(
         {"train": optax.adam(1e-2), "frozen": optax.set_to_zero()},
-        {"a_w": "train", "b_b": "train", "c_v": "train", "z_frozen": "frozen"}),
+        {"a_w": "train", "b_b": "train", "c_v": "train", "z_frozen": "frozen"},
+    ),
     "masked": lambda: optax.chain(
-        optax.masked(optax.set_to_zero(), {"a_w": False, "b_b": False, "c_v": False,
-                                           "z_frozen": True}),
-        optax.masked(optax.sgd(0.1), {"a_w": True, "b_b": True, "c_v": True,
-                                      "z_frozen": False})),
+        optax.masked(
+            optax.set_to_zero(), {"a_w": False, "b_b": False, "c_v": False, "z_frozen": True}
+        ),
+        optax.masked(optax.sgd(0.1), {"a_w": True, "b_b": True, "c_v": True, "z_frozen": False}),
+    ),
 }
 
 
@@ -71,10 +80,15 @@ def _single_device(optimizer, params, data):
     return params
 
 
-@pytest.mark.parametrize("sync", [dp.sync.DDP(algorithm="native", bucket_mb=BUCKET_MB),
-                                  dp.sync.DDP(algorithm="ring", bucket_mb=BUCKET_MB),
-                                  dp.sync.ZeRO1(bucket_mb=BUCKET_MB)],
-                         ids=["native", "ring", "zero1"])
+@pytest.mark.parametrize(
+    "sync",
+    [
+        dp.sync.DDP(algorithm="native", bucket_mb=BUCKET_MB),
+        dp.sync.DDP(algorithm="ring", bucket_mb=BUCKET_MB),
+        dp.sync.ZeRO1(bucket_mb=BUCKET_MB),
+    ],
+    ids=["native", "ring", "zero1"],
+)
 @pytest.mark.parametrize("freeze", list(FREEZE))
 def test_an_inf_in_a_frozen_leaf_stays_there(freeze, sync):
     params, data = _params(), _data()

@@ -35,17 +35,24 @@ def _loss(w, batch, rng):
 
 def _setup():
     rng = np.random.default_rng(0)
-    data = dp.Batches({"x": rng.normal(size=(64, 3)).astype(np.float32),
-                       "y": rng.normal(size=64).astype(np.float32)}, 16, seed=1)
+    data = dp.Batches(
+        {
+            "x": rng.normal(size=(64, 3)).astype(np.float32),
+            "y": rng.normal(size=64).astype(np.float32),
+        },
+        16,
+        seed=1,
+    )
     trainer = dp.Trainer(_loss, optax.adam(0.1), mesh=mesh_1d(8, "data"))
     fresh = lambda: trainer.init({"w": jnp.zeros(3)}, jax.random.key(0))  # noqa: E731
     return trainer, fresh, data
 
 
 def _same(a, b) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b),
-                               strict=True))
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+    )
 
 
 def _read(ckpt: dp.Checkpointer, step: int, template) -> dp.TrainState:
@@ -65,10 +72,16 @@ def _damage(step_dir: Path, target: str, mode: str) -> None:
             p.write_bytes(data[: len(data) // 2] if mode == "truncate" else b"")
 
 
-DAMAGE = [(t, m) for t in ("default/_METADATA", "default/manifest.ocdbt", "default/d/*")
-          for m in ("truncate", "empty", "delete")]
-DAMAGE += [("default/array_metadatas/process_0", "truncate"),
-           ("default/array_metadatas/process_0", "empty"), ("default", "delete")]
+DAMAGE = [
+    (t, m)
+    for t in ("default/_METADATA", "default/manifest.ocdbt", "default/d/*")
+    for m in ("truncate", "empty", "delete")
+]
+DAMAGE += [
+    ("default/array_metadatas/process_0", "truncate"),
+    ("default/array_metadatas/process_0", "empty"),
+    ("default", "delete"),
+]
 
 
 # A failed orbax restore leaves tensorstore callbacks that later hit asyncio's closed event
@@ -78,8 +91,9 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
     trainer, fresh, data = _setup()
     ref, _ = trainer.fit(fresh(), data, steps=15)  # never stopped
     pristine = tmp_path / "pristine"
-    step10 = jax.device_get(trainer.fit(fresh(), data, steps=10,
-                                        checkpoint=dp.Checkpointer(pristine, every=5))[0])
+    step10 = jax.device_get(
+        trainer.fit(fresh(), data, steps=10, checkpoint=dp.Checkpointer(pristine, every=5))[0]
+    )
     ckpt = dp.Checkpointer(pristine)
     assert ckpt.manager.all_steps() == [5, 10]
     step5 = _read(ckpt, 5, fresh())
@@ -91,8 +105,11 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
         shutil.copytree(pristine, run)
         _damage(run / "10", target, mode)
         ckpt = dp.Checkpointer(run)
-        with pytest.warns(RuntimeWarning, match=r"checkpoint of step 10 in .* cannot be "
-                                                r"restored .*skipping it"):
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"checkpoint of step 10 in .* cannot be "
+            r"restored .*skipping it",
+        ):
             got = ckpt.restore_latest(fresh())
         ckpt.close()
         assert int(got.step) == 5 and _same(got, step5), (target, mode)
@@ -105,8 +122,9 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
     shutil.copytree(pristine, run)
     _damage(run / "10", "default/_METADATA", "truncate")
     with pytest.warns(RuntimeWarning, match=r"step 10"):
-        resumed, hist = trainer.fit(fresh(), data, steps=15,
-                                    checkpoint=dp.Checkpointer(run, every=5))
+        resumed, hist = trainer.fit(
+            fresh(), data, steps=15, checkpoint=dp.Checkpointer(run, every=5)
+        )
     assert [h["step"] for h in hist] == list(range(6, 16))
     assert _same(resumed, ref)
     ckpt = dp.Checkpointer(run)
@@ -114,8 +132,10 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
     try:
         again = _read(ckpt, 10, fresh())
     except Exception as e:
-        pytest.fail(f"step 10 was not saved again after the resume: reading it fails with "
-                    f"{type(e).__name__}: {str(e)[:200]}")
+        pytest.fail(
+            f"step 10 was not saved again after the resume: reading it fails with "
+            f"{type(e).__name__}: {str(e)[:200]}"
+        )
     assert int(again.step) == 10 and _same(again, step10)
     assert _same(ckpt.restore_latest(fresh()), ref)  # step 15, the run's end
     ckpt.close()
@@ -123,9 +143,14 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
     # Nothing restorable: an error listing every step, never a silent fresh start.
     _damage(run / "10", "default/_METADATA", "empty")
     _damage(run / "15", "default/manifest.ocdbt", "delete")
-    with pytest.warns(RuntimeWarning), pytest.raises(
-            RuntimeError, match=r"no checkpoint in .* can be restored into this state:\n"
-                                r"  step 15: .*\n  step 10: .*\nIf the model or optimizer"):
+    with (
+        pytest.warns(RuntimeWarning),
+        pytest.raises(
+            RuntimeError,
+            match=r"no checkpoint in .* can be restored into this state:\n"
+            r"  step 15: .*\n  step 10: .*\nIf the model or optimizer",
+        ),
+    ):
         trainer.fit(fresh(), data, steps=20, checkpoint=dp.Checkpointer(run, every=5))
 
 
@@ -154,8 +179,14 @@ trainer.fit(fresh(), data, steps={STEPS}, checkpoint=dp.Checkpointer(sys.argv[1]
 
 def test_sigterm_saves_the_step_it_stopped_at_and_the_restart_resumes_there(tmp_path):
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-c", PREEMPTED, str(run)], cwd=ROOT,
-                         env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", PREEMPTED, str(run)],
+        cwd=ROOT,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 143, out.stderr[-3000:]
     found = re.search(r"Trainer.fit: SIGTERM: saved a checkpoint at step (\d+)", out.stderr)
     assert found, out.stderr[-3000:]
@@ -173,8 +204,9 @@ def test_sigterm_saves_the_step_it_stopped_at_and_the_restart_resumes_there(tmp_
     want, _ = trainer.fit(fresh(), data, steps=stop)  # never stopped
     assert int(got.step) == stop and _same(got, want)
     # The restart: the same call again resumes at the preempted step, not at step EVERY.
-    resumed, hist = trainer.fit(fresh(), data, steps=STEPS,
-                                checkpoint=dp.Checkpointer(run, every=EVERY))
+    resumed, hist = trainer.fit(
+        fresh(), data, steps=STEPS, checkpoint=dp.Checkpointer(run, every=EVERY)
+    )
     assert [h["step"] for h in hist] == list(range(stop + 1, STEPS + 1))
     ref, _ = trainer.fit(want, data, steps=STEPS)
     assert _same(resumed, ref)

@@ -82,8 +82,10 @@ def _train(model, params, model_state, data, optimizer=OPT, **kw):
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 def test_trainer_matches_single_device_optax_adam_and_sgd(kind):
     data, model, single, params, model_state = _setup(kind)
-    want = {1: oracle(single, OPT, params, model_state, data, accum=1),
-            4: oracle(single, OPT, params, model_state, data, accum=4)}
+    want = {
+        1: oracle(single, OPT, params, model_state, data, accum=1),
+        4: oracle(single, OPT, params, model_state, data, accum=4),
+    }
     failures, states = {}, {}
     for name, kw in VARIANTS.items():
         if kind == "cnn" and name not in CNN_VARIANTS:
@@ -92,8 +94,9 @@ def test_trainer_matches_single_device_optax_adam_and_sgd(kind):
         want_params, want_ms = want[kw.get("accum_steps", 1)]
         diffs = {f"params[{k}]": d for k, d in twin_diffs(state.params, want_params).items()}
         if kind == "cnn":  # SyncBatchNorm's running statistics follow the global batch
-            diffs.update({f"batch_stats[{k}]": d
-                          for k, d in twin_diffs(state.model_state, want_ms).items()})
+            diffs.update(
+                {f"batch_stats[{k}]": d for k, d in twin_diffs(state.model_state, want_ms).items()}
+            )
         bad = {k: d for k, d in diffs.items() if not d <= TOL}
         if bad:
             failures[name] = bad
@@ -113,8 +116,9 @@ def test_bf16_gradients_stay_close_and_update_in_float32():
     params, model_state = model.init(jax.random.key(0), data[0])
     sgd = optax.sgd(0.05)  # Adam would magnify the rounding of near-zero gradients
     want, _ = oracle(model, sgd, params, model_state, data)
-    trainer = dp.Trainer(model, sgd, mesh=mesh,
-                         sync=dp.sync.DDP(hook=dp.hooks.Compress(jnp.bfloat16)))
+    trainer = dp.Trainer(
+        model, sgd, mesh=mesh, sync=dp.sync.DDP(hook=dp.hooks.Compress(jnp.bfloat16))
+    )
     state = trainer.init(params, jax.random.key(1), model_state=model_state)
     for batch in data:
         state, _ = trainer.step(state, batch)

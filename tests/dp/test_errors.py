@@ -40,8 +40,11 @@ def test_a_donated_state_used_again_raises_instead_of_crashing(tmp_path):
         ("Trainer.evaluate", lambda: trainer.evaluate(old, [BATCH])),
         ("Trainer.fit", lambda: trainer.fit(old, [BATCH], steps=2)),
     ]:
-        with pytest.raises(ValueError, match=rf"{api}: the state passed was donated to an "
-                                             rf"earlier Trainer.step.*donate=False"):
+        with pytest.raises(
+            ValueError,
+            match=rf"{api}: the state passed was donated to an "
+            rf"earlier Trainer.step.*donate=False",
+        ):
             call()
     new, _ = trainer.step(new, BATCH)  # the returned state is the one to use
     keep, state = _trainer(lambda w, b, rng: (_ce(_logits(w, b), b), {}), donate=False)
@@ -50,22 +53,43 @@ def test_a_donated_state_used_again_raises_instead_of_crashing(tmp_path):
 
 
 BAD_RETURNS = {
-    "bare scalar": (lambda w, b, rng: _ce(_logits(w, b), b),
-                    TypeError, r"a bare loss \(a 0-d array.*return \(loss, metrics\)"),
+    "bare scalar": (
+        lambda w, b, rng: _ce(_logits(w, b), b),
+        TypeError,
+        r"a bare loss \(a 0-d array.*return \(loss, metrics\)",
+    ),
     "None": (lambda w, b, rng: None, TypeError, r"None instead of \(loss, metrics\)"),
-    "str metric": (lambda w, b, rng: (_ce(_logits(w, b), b), {"note": "hi"}),
-                   TypeError, r"metric 'note' as a str; metrics must be numeric scalars"),
-    "per-example metric": (lambda w, b, rng: (_ce(_logits(w, b), b), {"logits": _logits(w, b)}),
-                           ValueError, r"metric 'logits' of shape \(2, 4\); metrics must be "
-                                       r"scalars.*jnp.mean"),
-    "per-example loss": (lambda w, b, rng: (optax.softmax_cross_entropy_with_integer_labels(
-        _logits(w, b), b["y"]), {}), ValueError, r"a loss of shape \(2,\); the loss must be a "
-                                                 r"scalar"),
+    "str metric": (
+        lambda w, b, rng: (_ce(_logits(w, b), b), {"note": "hi"}),
+        TypeError,
+        r"metric 'note' as a str; metrics must be numeric scalars",
+    ),
+    "per-example metric": (
+        lambda w, b, rng: (_ce(_logits(w, b), b), {"logits": _logits(w, b)}),
+        ValueError,
+        r"metric 'logits' of shape \(2, 4\); metrics must be "
+        r"scalars.*jnp.mean",
+    ),
+    "per-example loss": (
+        lambda w, b, rng: (
+            optax.softmax_cross_entropy_with_integer_labels(_logits(w, b), b["y"]),
+            {},
+        ),
+        ValueError,
+        r"a loss of shape \(2,\); the loss must be a "
+        r"scalar",
+    ),
     "int loss": (lambda w, b, rng: (jnp.sum(b["y"]), {}), TypeError, r"a loss of dtype int32"),
-    "metric named loss": (lambda w, b, rng: (_ce(_logits(w, b), b), {"loss": 1.0}),
-                          ValueError, r"a metric named 'loss'"),
-    "metrics not a dict": (lambda w, b, rng: (_ce(_logits(w, b), b), [1.0]),
-                           TypeError, r"metrics that are a list; metrics must be a dict"),
+    "metric named loss": (
+        lambda w, b, rng: (_ce(_logits(w, b), b), {"loss": 1.0}),
+        ValueError,
+        r"a metric named 'loss'",
+    ),
+    "metrics not a dict": (
+        lambda w, b, rng: (_ce(_logits(w, b), b), [1.0]),
+        TypeError,
+        r"metrics that are a list; metrics must be a dict",
+    ),
 }
 
 
@@ -92,9 +116,12 @@ def test_an_adapter_loss_that_returns_the_wrong_thing_is_named():
     params, ms = model.init(jax.random.key(0), BATCH)
     trainer = dp.Trainer(model, optax.sgd(0.1), mesh=mesh_1d(8, "data"))
     state = trainer.init(params, jax.random.key(0))
-    with pytest.raises(TypeError, match=r"Trainer.step: the loss "
-                                        r"test_an_adapter_loss.*bare given to dp.Linen "
-                                        r"returned a bare loss"):
+    with pytest.raises(
+        TypeError,
+        match=r"Trainer.step: the loss "
+        r"test_an_adapter_loss.*bare given to dp.Linen "
+        r"returned a bare loss",
+    ):
         trainer.step(state, BATCH)
 
 
@@ -125,10 +152,13 @@ def test_a_batchnorm_over_another_axis_name_is_named(kind):
         params, ms = model.init()
     trainer = dp.Trainer(model, optax.sgd(0.1), mesh=mesh_1d(8, "data"))
     state = trainer.init(params, jax.random.key(0), model_state=ms)
-    with pytest.raises(ValueError, match=r"Trainer.step: the model reduces over "
-                                         r"axis_name='batch' \(a BatchNorm.*splits the batch "
-                                         r"over axis_name='data'.*Build the layer with "
-                                         r"axis_name='data'"):
+    with pytest.raises(
+        ValueError,
+        match=r"Trainer.step: the model reduces over "
+        r"axis_name='batch' \(a BatchNorm.*splits the batch "
+        r"over axis_name='data'.*Build the layer with "
+        r"axis_name='data'",
+    ):
         trainer.step(state, BATCH)
 
 
@@ -148,27 +178,39 @@ def test_empty_batches_and_bad_fit_arguments_fail_before_training(tmp_path):
 
     a_file = tmp_path / "ckpt"
     a_file.write_text("not a directory")
-    with pytest.raises(ValueError, match=r"Checkpointer: directory='.*ckpt' is a file, "
-                                         r"not a directory"):
+    with pytest.raises(
+        ValueError,
+        match=r"Checkpointer: directory='.*ckpt' is a file, "
+        r"not a directory",
+    ):
         dp.Checkpointer(a_file)
     with pytest.raises(ValueError, match=r"Checkpointer: directory='.*' cannot be created"):
         dp.Checkpointer(a_file / "sub")
-    with pytest.raises(ValueError, match=r"Checkpointer: every=0 must be a positive int "
-                                         r"\(steps between saves\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"Checkpointer: every=0 must be a positive int "
+        r"\(steps between saves\)",
+    ):
         dp.Checkpointer(tmp_path, every=0)
     with pytest.raises(TypeError, match=r"Checkpointer: max_to_keep must be an int"):
         dp.Checkpointer(tmp_path, max_to_keep=2.5)
-    with pytest.raises(TypeError, match=r"Trainer.fit: checkpoint must be a "
-                                        r"dp.Checkpointer\(directory, every=...\) or None, got "
-                                        r"str instead \(a path: pass dp.Checkpointer\('ckpt', "
-                                        r"every=100\)\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"Trainer.fit: checkpoint must be a "
+        r"dp.Checkpointer\(directory, every=...\) or None, got "
+        r"str instead \(a path: pass dp.Checkpointer\('ckpt', "
+        r"every=100\)\)",
+    ):
         trainer.fit(state, Untouchable(), steps=5, checkpoint="ckpt")
     with pytest.raises(ValueError, match=r"eval_every=0 must be a positive number"):
         trainer.fit(state, Untouchable(), steps=5, eval_every=0)
     with pytest.raises(TypeError, match=r"callbacks must hold dp.Callback objects"):
         trainer.fit(state, Untouchable(), steps=5, callbacks=[3])
-    with pytest.raises(TypeError, match=r"Trainer.fit: eval_data is a dict \(one batch\?\); "
-                                        r"pass an iterable of global batches, e.g. \[eval_data\]"):
+    with pytest.raises(
+        TypeError,
+        match=r"Trainer.fit: eval_data is a dict \(one batch\?\); "
+        r"pass an iterable of global batches, e.g. \[eval_data\]",
+    ):
         trainer.fit(state, Untouchable(), steps=5, eval_data=BATCH)
     with pytest.raises(TypeError, match=r"Trainer.evaluate: data is a dict"):
         trainer.evaluate(state, BATCH)
@@ -177,8 +219,11 @@ def test_empty_batches_and_bad_fit_arguments_fail_before_training(tmp_path):
 
 def test_constructor_errors_name_the_fix():
     loss = lambda w, b, rng: (_ce(_logits(w, b), b), {})  # noqa: E731
-    with pytest.raises(TypeError, match=r"optax.adam is a function: call it, e.g. "
-                                        r"optax.adam\(1e-3\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"optax.adam is a function: call it, e.g. "
+        r"optax.adam\(1e-3\)",
+    ):
         dp.Trainer(loss, optax.adam)
     with pytest.raises(TypeError, match=r"extra must be a dp.Extra"):
         dp.Trainer(loss, optax.sgd(0.1), extra=lambda p: p)
@@ -186,17 +231,23 @@ def test_constructor_errors_name_the_fix():
         dp.ema(1.5)
     with pytest.raises(TypeError, match=r"dp.Nnx: module must be a flax.nnx.Module"):
         dp.Nnx(LinenBN(), loss)
-    with pytest.raises(TypeError, match=r"Trainer.to_module: this Trainer trains a plain "
-                                        r"loss_fn"):
+    with pytest.raises(
+        TypeError,
+        match=r"Trainer.to_module: this Trainer trains a plain "
+        r"loss_fn",
+    ):
         trainer, state = _trainer(loss)
         trainer.to_module(state)
 
 
-@pytest.mark.parametrize("kw, route", [
-    ({}, r"averaged over the devices by all-reduce \(DDP\)"),
-    ({"sync": dp.sync.ZeRO1()}, r"reduce-scattered .*\(ZeRO-1, sync=dp.sync.ZeRO1\(\)\)"),
-    ({"sync": dp.sync.FSDP()}, r"reduce-scattered .*\(FSDP, sync=dp.sync.FSDP\(\)\)"),
-])
+@pytest.mark.parametrize(
+    "kw, route",
+    [
+        ({}, r"averaged over the devices by all-reduce \(DDP\)"),
+        ({"sync": dp.sync.ZeRO1()}, r"reduce-scattered .*\(ZeRO-1, sync=dp.sync.ZeRO1\(\)\)"),
+        ({"sync": dp.sync.FSDP()}, r"reduce-scattered .*\(FSDP, sync=dp.sync.FSDP\(\)\)"),
+    ],
+)
 def test_an_integer_param_is_named_with_its_path_dtype_and_the_fix(kw, route):
     # Before: every strategy failed inside jax.grad on the first step ("grad requires real- or
     # complex-valued inputs ... but got int32"), naming no leaf.
@@ -204,9 +255,11 @@ def test_an_integer_param_is_named_with_its_path_dtype_and_the_fix(kw, route):
         return _ce(_logits(p, b), b) + 0.0 * p["layer"]["count"].sum(), {}
 
     trainer = dp.Trainer(loss, optax.sgd(0.1), mesh=mesh_1d(8, "data"), **kw)
-    message = (rf"params\['layer'\]\['count'\] has dtype int32, but every param is trained: "
-               rf".*{route}.*Cast it \(e.g. jnp.float32\) if it should train; keep it out of "
-               rf"the params if it should not")
+    message = (
+        rf"params\['layer'\]\['count'\] has dtype int32, but every param is trained: "
+        rf".*{route}.*Cast it \(e.g. jnp.float32\) if it should train; keep it out of "
+        rf"the params if it should not"
+    )
     with pytest.raises(TypeError, match=rf"Trainer.init: {message}"):
         trainer.init({**W, "layer": {"count": np.arange(8, dtype=np.int32)}}, jax.random.key(0))
     # A state whose params were replaced after init: named when the step is traced.

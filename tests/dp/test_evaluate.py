@@ -30,5 +30,4 @@ def test_evaluate_is_exact_on_any_number_of_examples():
     }
     for name, data in cases.items():
         got = trainer.evaluate(state, data)
-        np.testing.assert_allclose((got["loss"], got["accuracy"]), want, rtol=1e-5,
-                                   err_msg=name)
+        np.testing.assert_allclose((got["loss"], got["accuracy"]), want, rtol=1e-5, err_msg=name)

@@ -13,15 +13,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(*args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
 
 def test_train_digits_short_run(tmp_path):
-    stdout = _run("examples/train_digits.py", "--steps", "60", "--no-progress",
-                  "--out", str(tmp_path))
+    stdout = _run(
+        "examples/train_digits.py", "--steps", "60", "--no-progress", "--out", str(tmp_path)
+    )
     assert "8 devices, 1437 train / 360 test images" in stdout
     accuracy = float(re.search(r"test accuracy: ([\d.]+)%", stdout).group(1))
     assert accuracy > 80.0  # 60 steps; the full 400-step run reaches > 95%
@@ -53,8 +55,7 @@ def test_nnx_cnn_digits_dropout_and_round_trip():
 
 def test_average_gradients_verdicts():
     stdout = _run("examples/04_average_gradients.py")
-    verdicts = dict(re.findall(r"^(.+?)\s+[\d.]+\s+[\d.e+-]+\s+\w+\s+(RIGHT|WRONG)$", stdout,
-                               re.M))
+    verdicts = dict(re.findall(r"^(.+?)\s+[\d.]+\s+[\d.e+-]+\s+\w+\s+(RIGHT|WRONG)$", stdout, re.M))
     assert verdicts == {
         "1. all_reduce(SUM) / n, naive port": "WRONG",
         "1. all_reduce(SUM) / n, params varying": "RIGHT",

@@ -33,10 +33,16 @@ BUCKET_MB = 0.0001  # ~100 bytes: several buckets, some with several leaves
 PLATFORMS = [("cuda",), ("cpu",), ("cuda", "cpu")]
 
 _FUNC = re.compile(r"^  func\.func (?:public|private) @(\w+)\(", re.M)
-_OP = re.compile(r'^\s*(%[\w]+)(?::\d+)? = "stablehlo\.all_reduce"\((%[\w#]+)\).*?'
-                 r"^\s*\}\) : \((tensor<[^>]*>)\)", re.M | re.S)
-_CALL = re.compile(r"^\s*(%[\w]+)(?::\d+)? = (?:func\.)?call @(\w+)\(.*?\) : \(.*?\) -> "
-                   r"\(?(tensor<[^>]*>)", re.M)
+_OP = re.compile(
+    r'^\s*(%[\w]+)(?::\d+)? = "stablehlo\.all_reduce"\((%[\w#]+)\).*?'
+    r"^\s*\}\) : \((tensor<[^>]*>)\)",
+    re.M | re.S,
+)
+_CALL = re.compile(
+    r"^\s*(%[\w]+)(?::\d+)? = (?:func\.)?call @(\w+)\(.*?\) : \(.*?\) -> "
+    r"\(?(tensor<[^>]*>)",
+    re.M,
+)
 
 
 def _functions(text: str) -> dict[str, str]:
@@ -79,8 +85,12 @@ def _trainer(kind):
     model = dp.Linen(MLP() if kind == "mlp" else CNN(None), cross_entropy)  # CNN: plain BN
     data = batches(kind, 1, 32)
     params, ms = model.init(jax.random.key(0), data[0])
-    trainer = dp.Trainer(model, optax.adam(1e-2), mesh=mesh_1d(8, "data"),
-                         sync=dp.sync.DDP(algorithm="native", bucket_mb=BUCKET_MB))
+    trainer = dp.Trainer(
+        model,
+        optax.adam(1e-2),
+        mesh=mesh_1d(8, "data"),
+        sync=dp.sync.DDP(algorithm="native", bucket_mb=BUCKET_MB),
+    )
     state = trainer.init(params, jax.random.key(1), model_state=ms)
     return trainer, state, data[0], params, ms
 
@@ -100,20 +110,25 @@ def test_exported_step_reduces_each_bucket_independently_in_ddp_order(kind):
         order = _grad_order(funcs["main"])
         got, k = [], 0
         for b in buckets:  # program order: bucket after bucket, as plan_buckets lists them
-            got.append(sorted(order[k:k + len(b)]))
+            got.append(sorted(order[k : k + len(b)]))
             k += len(b)
         assert got == want_buckets and k == len(order), platforms
-        calls = Counter(shape for _, callee, shape in _CALL.findall(funcs["main"])
-                        for _ in range(_executed(funcs, callee)))
+        calls = Counter(
+            shape
+            for _, callee, shape in _CALL.findall(funcs["main"])
+            for _ in range(_executed(funcs, callee))
+        )
         want_calls = Counter({"tensor<2xf32>": 1})  # the metrics: loss and accuracy, one vector
         for leaf in state_leaves:  # the model state: one per float leaf
             want_calls[_tensor(leaf.shape)] += 1
         assert calls == want_calls, platforms
         total = _executed(funcs, "main")
         assert total == len(leaves) + 1 + len(state_leaves), (platforms, total)
-        print(f"{kind} {platforms}: {total} stablehlo.all_reduce executed: gradients "
-              f"{len(order)} independent, in bucket order (buckets {list(map(len, buckets))}),"
-              f" metrics 1, model state {len(state_leaves)}")
+        print(
+            f"{kind} {platforms}: {total} stablehlo.all_reduce executed: gradients "
+            f"{len(order)} independent, in bucket order (buckets {list(map(len, buckets))}),"
+            f" metrics 1, model state {len(state_leaves)}"
+        )
 
 
 def test_exported_module_compiles_each_bucket_into_one_all_reduce_on_cpu():
@@ -124,8 +139,9 @@ def test_exported_module_compiles_each_bucket_into_one_all_reduce_on_cpu():
     exported = jax.export.export(step, platforms=("cuda", "cpu"))(*args)
     hlo = jax.jit(exported.call).lower(*args).compile().as_text()
     ops = re.findall(r"^\s*%\S+ = (\(.*?\)|\S+) all-reduce\(", hlo, re.M)
-    groups = [sorted(s for s in re.findall(r"\w+(\[[\d,]*\])", op) if s != "[2]")
-              for op in ops]  # [2]: the metrics, which XLA may merge into a bucket
+    groups = [
+        sorted(s for s in re.findall(r"\w+(\[[\d,]*\])", op) if s != "[2]") for op in ops
+    ]  # [2]: the metrics, which XLA may merge into a bucket
     assert_whole_buckets([g for g in groups if g], leaves, buckets)
 
 

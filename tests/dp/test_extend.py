@@ -18,13 +18,18 @@ TOL = 1e-5
 
 def _linear(w, batch, rng):
     err = batch["x"] @ w["w"] + w["b"] - batch["y"]
-    return jnp.mean(err ** 2), {}
+    return jnp.mean(err**2), {}
 
 
 def _data(k=4, size=32, seed=0):
     rng = np.random.default_rng(seed)
-    return [{"x": rng.normal(size=(size, 3)).astype(np.float32),
-             "y": rng.normal(size=(size,)).astype(np.float32)} for _ in range(k)]
+    return [
+        {
+            "x": rng.normal(size=(size, 3)).astype(np.float32),
+            "y": rng.normal(size=(size,)).astype(np.float32),
+        }
+        for _ in range(k)
+    ]
 
 
 W0 = {"w": np.array([0.5, -1.0, 2.0], np.float32), "b": np.zeros((), np.float32)}
@@ -32,6 +37,7 @@ W0 = {"w": np.array([0.5, -1.0, 2.0], np.float32), "b": np.zeros((), np.float32)
 
 def _single(optimizer, data, loss=_linear):
     """Plain optax on one device on the whole global batches: the params after each step."""
+
     @jax.jit
     def step(params, opt_state, batch):
         g = jax.grad(lambda p: loss(p, batch, None)[0])(params)
@@ -74,8 +80,9 @@ def test_linen_loss_with_weight_decay_on_params_and_a_step_schedule_matches_one_
     schedule = optax.linear_schedule(0.1, 0.0, 20)
 
     def l2(params):
-        return 0.5 * wd * sum(jnp.sum(w ** 2) for w in jax.tree_util.tree_leaves(params)
-                              if w.ndim > 1)
+        return (
+            0.5 * wd * sum(jnp.sum(w**2) for w in jax.tree_util.tree_leaves(params) if w.ndim > 1)
+        )
 
     def loss(logits, batch, *, params, step):  # flax's ImageNet loss, written for dp.Linen
         value, metrics = cross_entropy(logits, batch)
@@ -105,8 +112,7 @@ def test_linen_loss_with_weight_decay_on_params_and_a_step_schedule_matches_one_
 def test_ema_extra_state_follows_the_params_every_step(sync):
     sgd = optax.sgd(0.1)
     decay = lambda step: 1.0 - 1.0 / (1.0 + step)  # noqa: E731 - a running mean of params
-    trainer = dp.Trainer(_linear, sgd, mesh=mesh_1d(8, "data"), extra=dp.ema(decay),
-                         sync=sync)
+    trainer = dp.Trainer(_linear, sgd, mesh=mesh_1d(8, "data"), extra=dp.ema(decay), sync=sync)
     state = trainer.init(W0, jax.random.key(0))
     np.testing.assert_array_equal(state.extra["w"], W0["w"])
     data = _data(4)
@@ -136,8 +142,9 @@ def _bad_step_keeps_the_state(name, trainer, extra=False):
     assert not np.isfinite(float(m1["loss"])), name
     after = jax.device_get(state)
     assert int(after.step) == 2, name  # the data position still advances
-    for a, b in zip(jax.tree_util.tree_leaves(after.params),
-                    jax.tree_util.tree_leaves(before.params)):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(after.params), jax.tree_util.tree_leaves(before.params)
+    ):
         np.testing.assert_array_equal(a, b, err_msg=name)
     state, m2 = trainer.step(state, good[1])  # training goes on from the good state
     want = _single(optax.sgd(0.1), [good[0], good[1]])[-1]
@@ -146,19 +153,23 @@ def _bad_step_keeps_the_state(name, trainer, extra=False):
 
 
 def test_skip_nonfinite_keeps_params_optimizer_and_extra_state_on_a_bad_step():
-    trainer = dp.Trainer(_linear, optax.sgd(0.1), mesh=mesh_1d(8, "data"), skip_nonfinite=True,
-                         extra=dp.ema(0.5))
+    trainer = dp.Trainer(
+        _linear, optax.sgd(0.1), mesh=mesh_1d(8, "data"), skip_nonfinite=True, extra=dp.ema(0.5)
+    )
     (before, after), metrics = _bad_step_keeps_the_state("skip_nonfinite", trainer)
     assert [float(m["skipped"]) for m in metrics] == [0.0, 1.0, 0.0]
-    for a, b in zip(jax.tree_util.tree_leaves((after.opt_state, after.extra)),
-                    jax.tree_util.tree_leaves((before.opt_state, before.extra))):
+    for a, b in zip(
+        jax.tree_util.tree_leaves((after.opt_state, after.extra)),
+        jax.tree_util.tree_leaves((before.opt_state, before.extra)),
+    ):
         np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("sync", [dp.sync.DDP(), dp.sync.ZeRO1()], ids=["ddp", "zero1"])
 def test_optax_apply_if_finite_works(sync):
-    trainer = dp.Trainer(_linear, optax.apply_if_finite(optax.sgd(0.1), 3),
-                         mesh=mesh_1d(8, "data"), sync=sync)
+    trainer = dp.Trainer(
+        _linear, optax.apply_if_finite(optax.sgd(0.1), 3), mesh=mesh_1d(8, "data"), sync=sync
+    )
     _bad_step_keeps_the_state("apply_if_finite", trainer)
 
 
@@ -168,8 +179,7 @@ def test_optax_multisteps_is_accepted_and_matches_one_device(sync):
         return optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
 
     data = _data(4)
-    trainer = dp.Trainer(_linear, make(), mesh=mesh_1d(8, "data"),
-                         sync=sync)
+    trainer = dp.Trainer(_linear, make(), mesh=mesh_1d(8, "data"), sync=sync)
     state = trainer.init(W0, jax.random.key(0))
     params = []
     for batch in data:

@@ -82,8 +82,13 @@ def test_fit_reports_steps_and_evaluations_as_they_happen(tmp_path, capsys):
 
     state = trainer.init(params, jax.random.key(1), model_state=ms)
     state, hist = trainer.fit(
-        state, Logged(train, 64, log=log), epochs=3, eval_data=dp.Batches(test, 64),
-        eval_every=4, callbacks=[done, rec, writer, dp.JsonlWriter(tmp_path / "m.jsonl")])
+        state,
+        Logged(train, 64, log=log),
+        epochs=3,
+        eval_data=dp.Batches(test, 64),
+        eval_every=4,
+        callbacks=[done, rec, writer, dp.JsonlWriter(tmp_path / "m.jsonl")],
+    )
 
     assert capsys.readouterr().err == ""  # stderr is not a terminal: no progress bar
     assert [h["step"] for h in hist] == list(range(1, 13))
@@ -92,11 +97,13 @@ def test_fit_reports_steps_and_evaluations_as_they_happen(tmp_path, capsys):
         assert {k: h[k] for k in m} == m and m["examples_per_s"] > 0
     assert [s for s, _ in rec.evals] == [4, 8, 12]
     for s, results in rec.evals:
-        assert {f"eval_{k}": v for k, v in results.items()} == \
-            {k: v for k, v in hist[s - 1].items() if k.startswith("eval_")}
+        assert {f"eval_{k}": v for k, v in results.items()} == {
+            k: v for k, v in hist[s - 1].items() if k.startswith("eval_")
+        }
     assert hist[-1]["loss"] < hist[0]["loss"]
-    np.testing.assert_allclose((hist[-1]["eval_loss"], hist[-1]["eval_accuracy"]),
-                               _want(state, test), rtol=1e-5)
+    np.testing.assert_allclose(
+        (hist[-1]["eval_loss"], hist[-1]["eval_accuracy"]), _want(state, test), rtol=1e-5
+    )
     # the same events reach a metric writer, a function and the JSON-lines file
     assert writer.rows == [(s, m) for s, m in calls]
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
@@ -105,16 +112,39 @@ def test_fit_reports_steps_and_evaluations_as_they_happen(tmp_path, capsys):
     # Step s+1 is dispatched and batch s+1 built before step s is reported: the host work and
     # the transfer overlap the step; never more than two steps are in flight.
     assert peak[0] == 2
-    assert log[:8] == [("get", 0), ("dispatch", 1), ("get", 1), ("dispatch", 2), ("get", 2),
-                       ("done", 1), ("dispatch", 3), ("get", 3)]
+    assert log[:8] == [
+        ("get", 0),
+        ("dispatch", 1),
+        ("get", 1),
+        ("dispatch", 2),
+        ("get", 2),
+        ("done", 1),
+        ("dispatch", 3),
+        ("get", 3),
+    ]
     i = log.index(("eval", 4))
-    assert log[i - 2:i + 3] == [("done", 3), ("done", 4), ("eval", 4), ("dispatch", 5),
-                                ("get", 5)]
+    assert log[i - 2 : i + 3] == [
+        ("done", 3),
+        ("done", 4),
+        ("eval", 4),
+        ("dispatch", 5),
+        ("get", 5),
+    ]
 
     # prefetch=False: one step at a time
     log.clear()
     state = trainer.init(params, jax.random.key(1), model_state=ms)
-    state, _ = trainer.fit(state, Logged(train, 64, log=log), steps=3, callbacks=[rec],
-                           prefetch=False)
-    assert log == [("get", 0), ("dispatch", 1), ("done", 1), ("get", 1), ("dispatch", 2),
-                   ("done", 2), ("get", 2), ("dispatch", 3), ("done", 3)]
+    state, _ = trainer.fit(
+        state, Logged(train, 64, log=log), steps=3, callbacks=[rec], prefetch=False
+    )
+    assert log == [
+        ("get", 0),
+        ("dispatch", 1),
+        ("done", 1),
+        ("get", 1),
+        ("dispatch", 2),
+        ("done", 2),
+        ("get", 2),
+        ("dispatch", 3),
+        ("done", 3),
+    ]

@@ -22,8 +22,12 @@ N = 8
 def _resident(tree) -> int:
     """Bytes of ``tree``'s arrays held by the first device (their addressable shards)."""
     dev = jax.devices()[0]
-    return sum(s.data.nbytes for x in jax.tree_util.tree_leaves(tree)
-               for s in x.addressable_shards if s.device == dev)
+    return sum(
+        s.data.nbytes
+        for x in jax.tree_util.tree_leaves(tree)
+        for s in x.addressable_shards
+        if s.device == dev
+    )
 
 
 def _setup(optimizer=None, **kw):
@@ -47,7 +51,8 @@ def test_sgd_steps_move_the_params_as_one_device_does():
         state, _ = trainer.step(state, batch)
     want, _ = oracle(trainer.model, sgd, params, {}, data, n=N)
     moved = lambda p: jax.tree_util.tree_map(  # noqa: E731
-        lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), p, params)
+        lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), p, params
+    )
     got_moves, want_moves = moved(jax.device_get(state.params)), moved(want)
     assert min(np.abs(m).max() for m in jax.tree_util.tree_leaves(want_moves)) > 1e-3
     diff = max_rel_diff(got_moves, want_moves)
@@ -56,8 +61,11 @@ def test_sgd_steps_move_the_params_as_one_device_does():
 
 def test_each_device_holds_one_nth_of_params_and_optimizer_state():
     rows = {}
-    for name, sync in {"ddp": dp.sync.DDP(), "zero1": dp.sync.ZeRO1(),
-                       "fsdp": dp.sync.FSDP()}.items():
+    for name, sync in {
+        "ddp": dp.sync.DDP(),
+        "zero1": dp.sync.ZeRO1(),
+        "fsdp": dp.sync.FSDP(),
+    }.items():
         trainer, params, _ = _setup(sync=sync)
         state = trainer.init(params, jax.random.key(1))
         rows[name] = (_resident(state.params), _resident(state.opt_state))
@@ -97,8 +105,7 @@ def test_ema_evaluate_to_module_and_resume_with_sharded_params(tmp_path):
     kernel = state.params["Dense_0"]["kernel"]
     assert kernel.shape == (16, 32) and not kernel.is_fully_replicated
     assert state.extra["Dense_0"]["kernel"].sharding == kernel.sharding  # the EMA too
-    full, _ = trainer.fit(state, data, steps=4,
-                          checkpoint=dp.Checkpointer(tmp_path / "a", every=2))
+    full, _ = trainer.fit(state, data, steps=4, checkpoint=dp.Checkpointer(tmp_path / "a", every=2))
     ref = ddp.init(params, jax.random.key(1))
     for b in data:
         ref, _ = ddp.step(ref, b)
@@ -107,15 +114,28 @@ def test_ema_evaluate_to_module_and_resume_with_sharded_params(tmp_path):
     got, want = trainer.evaluate(full, data[:2]), ddp.evaluate(ref, data[:2])
     assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
     module = trainer.to_module(full)  # a bound linen module with the whole params
-    np.testing.assert_array_equal(module.variables["params"]["Dense_0"]["kernel"],
-                                  np.asarray(full.params["Dense_0"]["kernel"]))
+    np.testing.assert_array_equal(
+        module.variables["params"]["Dense_0"]["kernel"],
+        np.asarray(full.params["Dense_0"]["kernel"]),
+    )
     # Stopped after step 2 (its checkpoint), resumed by a new Trainer: bit-identical.
-    trainer.fit(trainer.init(params, jax.random.key(1)), data, steps=2,
-                checkpoint=dp.Checkpointer(tmp_path / "b", every=2))
+    trainer.fit(
+        trainer.init(params, jax.random.key(1)),
+        data,
+        steps=2,
+        checkpoint=dp.Checkpointer(tmp_path / "b", every=2),
+    )
     again = _setup(sync=dp.sync.FSDP(), extra=dp.ema(0.5))[0]
-    resumed, _ = again.fit(again.init(params, jax.random.key(1)), data, steps=4,
-                           checkpoint=dp.Checkpointer(tmp_path / "b", every=2))
-    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(resumed)),
-                    jax.tree_util.tree_leaves(jax.device_get(full)), strict=True):
+    resumed, _ = again.fit(
+        again.init(params, jax.random.key(1)),
+        data,
+        steps=4,
+        checkpoint=dp.Checkpointer(tmp_path / "b", every=2),
+    )
+    for a, b in zip(
+        jax.tree_util.tree_leaves(jax.device_get(resumed)),
+        jax.tree_util.tree_leaves(jax.device_get(full)),
+        strict=True,
+    ):
         np.testing.assert_array_equal(a, b)
     assert resumed.params["Dense_0"]["kernel"].sharding == kernel.sharding

@@ -26,8 +26,9 @@ LR = 0.1
 
 def _same(a, b) -> bool:
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y))
-                                      for x, y in zip(la, lb, strict=True))
+    return len(la) == len(lb) and all(
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb, strict=True)
+    )
 
 
 # ------------------------------------------------- full rank: exactly plain SGD, scaling included
@@ -42,8 +43,9 @@ def mlp_run():
     data = batches("mlp", K, 64)
     model = dp.Linen(MLP(), cross_entropy)
     params, model_state = model.init(jax.random.key(0), data[0])
-    trainer = dp.Trainer(model, optax.sgd(LR), mesh=mesh_1d(N, "data"),
-                         sync=dp.sync.DDP(hook=EXACT, bucket_mb=0.002))
+    trainer = dp.Trainer(
+        model, optax.sgd(LR), mesh=mesh_1d(N, "data"), sync=dp.sync.DDP(hook=EXACT, bucket_mb=0.002)
+    )
     state = trainer.init(params, jax.random.key(1), model_state=model_state)
     first = jax.device_get(state)
     for s, batch in enumerate(data):
@@ -55,10 +57,11 @@ def mlp_run():
 
 def test_powersgd_before_start_iter_is_plain_ddp_bit_for_bit(mlp_run):
     model, params, model_state, data, before, _, _ = mlp_run
-    trainer = dp.Trainer(model, optax.sgd(LR), mesh=mesh_1d(N, "data"),
-                         sync=dp.sync.DDP(bucket_mb=0.002))
+    trainer = dp.Trainer(
+        model, optax.sgd(LR), mesh=mesh_1d(N, "data"), sync=dp.sync.DDP(bucket_mb=0.002)
+    )
     state = trainer.init(params, jax.random.key(1), model_state=model_state)
-    for batch in data[:EXACT.start_iter]:
+    for batch in data[: EXACT.start_iter]:
         state, _ = trainer.step(state, batch)
     assert _same(before, state.params)
 
@@ -71,9 +74,11 @@ def test_powersgd_at_full_rank_equals_single_device_sgd(mlp_run):
     assert max_rel_diff(last.params, want) < 1e-5
     # Compression ran: each Q is now M^T P / n, no longer the initial random draw.
     assert len(first.comm_state) > 1  # several buckets, each with its own state
-    for a, b in zip(jax.tree_util.tree_leaves([s["q"] for s in first.comm_state if s]),
-                    jax.tree_util.tree_leaves([s["q"] for s in last.comm_state if s]),
-                    strict=True):
+    for a, b in zip(
+        jax.tree_util.tree_leaves([s["q"] for s in first.comm_state if s]),
+        jax.tree_util.tree_leaves([s["q"] for s in last.comm_state if s]),
+        strict=True,
+    ):
         assert not np.allclose(a, b)
 
 
@@ -89,8 +94,11 @@ def _loss(p, batch, rng):
 
 def _params():
     rng = np.random.default_rng(0)
-    return {"b": np.zeros(3, np.float32), "w1": rng.normal(size=(6, 5)).astype(np.float32),
-            "w2": rng.normal(size=(5, 3)).astype(np.float32) * 0.3}
+    return {
+        "b": np.zeros(3, np.float32),
+        "w1": rng.normal(size=(6, 5)).astype(np.float32),
+        "w2": rng.normal(size=(5, 3)).astype(np.float32) * 0.3,
+    }
 
 
 def _data():
@@ -112,8 +120,11 @@ def _local_grads(p, batch):
     y = np.asarray(batch["y"], np.float64).reshape(N, -1, 3)
     h = x @ p["w1"]
     d = 2 * (h @ p["w2"] + p["b"] - y) / x.shape[1]
-    return {"b": d.sum(1), "w1": np.swapaxes(x, 1, 2) @ (d @ p["w2"].T),
-            "w2": np.swapaxes(h, 1, 2) @ d}
+    return {
+        "b": d.sum(1),
+        "w1": np.swapaxes(x, 1, 2) @ (d @ p["w2"].T),
+        "w2": np.swapaxes(h, 1, 2) @ d,
+    }
 
 
 def _gram_schmidt(m):
@@ -121,7 +132,7 @@ def _gram_schmidt(m):
     m = m.copy()
     for i in range(m.shape[1]):
         m[:, i] /= np.linalg.norm(m[:, i])
-        m[:, i + 1:] -= np.outer(m[:, i], m[:, i] @ m[:, i + 1:])
+        m[:, i + 1 :] -= np.outer(m[:, i], m[:, i] @ m[:, i + 1 :])
     return m
 
 
@@ -149,7 +160,8 @@ def _numpy_powersgd(params, q0, data, steps):
 def test_powersgd_matches_numpy_powersgd_rank_by_rank(low_trainer):
     state = low_trainer.init(_params(), jax.random.key(0))
     assert jax.tree_util.tree_structure(state.comm_state) == jax.tree_util.tree_structure(
-        [{"error": [0, 0], "q": [0, 0]}])
+        [{"error": [0, 0], "q": [0, 0]}]
+    )
     q0 = [np.asarray(q)[0] for q in state.comm_state[0]["q"]]
     for q in state.comm_state[0]["q"]:  # the initial Q: the same on every rank
         assert np.array_equal(np.asarray(q), np.broadcast_to(np.asarray(q)[:1], q.shape))
@@ -175,12 +187,14 @@ def test_powersgd_state_resumes_bit_identically_from_a_checkpoint(low_trainer, t
     data = _data()
     fresh = lambda trainer: trainer.init(_params(), jax.random.key(0))  # noqa: E731
     ref, _ = low_trainer.fit(fresh(low_trainer), data, steps=8)  # never stopped
-    low_trainer.fit(fresh(low_trainer), data, steps=4,
-                    checkpoint=dp.Checkpointer(tmp_path, every=4))
+    low_trainer.fit(
+        fresh(low_trainer), data, steps=4, checkpoint=dp.Checkpointer(tmp_path, every=4)
+    )
     # A new process would build a new Trainer: its state comes from the checkpoint at step 4.
     again = dp.Trainer(_loss, optax.sgd(LR), mesh=mesh_1d(N, "data"), sync=LOW_RING)
-    resumed, hist = again.fit(fresh(again), data, steps=8,
-                              checkpoint=dp.Checkpointer(tmp_path, every=4))
+    resumed, hist = again.fit(
+        fresh(again), data, steps=8, checkpoint=dp.Checkpointer(tmp_path, every=4)
+    )
     assert [h["step"] for h in hist] == [5, 6, 7, 8]
     assert _same(resumed.params, ref.params)
     assert _same(resumed.comm_state, ref.comm_state)
@@ -188,13 +202,20 @@ def test_powersgd_state_resumes_bit_identically_from_a_checkpoint(low_trainer, t
     assert np.abs(np.asarray(ref.comm_state[0]["error"][0])).max() > 0  # compression ran
 
 
-@pytest.mark.parametrize("warm_start, use_error_feedback",
-                         [(True, True), (False, True), (True, False), (False, False)])
-def test_powersgd_sums_the_rest_the_ps_and_the_qs_in_one_collective_each(warm_start,
-                                                                          use_error_feedback):
+@pytest.mark.parametrize(
+    "warm_start, use_error_feedback", [(True, True), (False, True), (True, False), (False, False)]
+)
+def test_powersgd_sums_the_rest_the_ps_and_the_qs_in_one_collective_each(
+    warm_start, use_error_feedback
+):
     shapes = [(5, 3), (3,), (6, 5), (4,)]
-    hook = PowerSGD(rank=2, start_iter=0, min_compression_rate=0, warm_start=warm_start,
-                    use_error_feedback=use_error_feedback)
+    hook = PowerSGD(
+        rank=2,
+        start_iter=0,
+        min_compression_rate=0,
+        warm_start=warm_start,
+        use_error_feedback=use_error_feedback,
+    )
     state = hook.init([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes], 0)
     assert sorted(state or {}) == ["error"] * use_error_feedback + ["q"] * warm_start
     calls = []
@@ -206,8 +227,9 @@ def test_powersgd_sums_the_rest_the_ps_and_the_qs_in_one_collective_each(warm_st
 
     def body(*grads):
         own = jax.tree_util.tree_map(lambda x: jax.lax.pcast(x, "data", to="varying"), state)
-        bucket = Recorded(tuple(g[0] for g in grads), 0, "data", N, "native",
-                          jnp.zeros((), jnp.int32))
+        bucket = Recorded(
+            tuple(g[0] for g in grads), 0, "data", N, "native", jnp.zeros((), jnp.int32)
+        )
         return hook(own, bucket)[0]
 
     fn = jax.shard_map(body, mesh=mesh_1d(N, "data"), in_specs=P("data"), out_specs=P())
@@ -238,22 +260,25 @@ def test_powersgd_rank4_trains_digits_above_95_percent():
     train = dp.Batches({"x": x_tr, "y": y_tr}, 128, seed=0)
     model = dp.Linen(Digits(), cross_entropy)
     hook = PowerSGD(rank=4, start_iter=20)  # both kernels compressed (64x128, 128x10)
-    assert hook.ranks([jax.ShapeDtypeStruct((64, 128), jnp.float32),
-                       jax.ShapeDtypeStruct((128, 10), jnp.float32)]) == [4, 4]
-    trainer = dp.Trainer(model, optax.adam(3e-3), mesh=mesh_1d(N, "data"),
-                         sync=dp.sync.DDP(hook=hook))
+    assert hook.ranks(
+        [jax.ShapeDtypeStruct((64, 128), jnp.float32), jax.ShapeDtypeStruct((128, 10), jnp.float32)]
+    ) == [4, 4]
+    trainer = dp.Trainer(
+        model, optax.adam(3e-3), mesh=mesh_1d(N, "data"), sync=dp.sync.DDP(hook=hook)
+    )
     params, model_state = model.init(jax.random.key(0), train[0])
     state = trainer.init(params, jax.random.key(1), model_state=model_state)
-    state, hist = trainer.fit(state, train, steps=STEPS_DIGITS,
-                              eval_data=[{"x": x_te[:n_test], "y": y_te[:n_test]}])
+    state, hist = trainer.fit(
+        state, train, steps=STEPS_DIGITS, eval_data=[{"x": x_te[:n_test], "y": y_te[:n_test]}]
+    )
     assert hist[-1]["eval_accuracy"] > 0.95, hist[-1]
 
 
 # --------------------------------------------------------------- a user hook: base.py's example
 def _docstring_example() -> str:
     doc = base.__doc__
-    code = doc[doc.index("arrives typed varying (one copy per rank)::"):]
-    code = code[code.index("\n\n") + 2:code.index("\n\n``tests/dp/test_hooks.py``")]
+    code = doc[doc.index("arrives typed varying (one copy per rank)::") :]
+    code = code[code.index("\n\n") + 2 : code.index("\n\n``tests/dp/test_hooks.py``")]
     return "\n".join(line[4:] for line in code.splitlines())
 
 
@@ -263,8 +288,9 @@ def test_user_hook_from_the_docstring_counts_nonfinite_means():
     hook = namespace["trainer"].sync.hook
     assert type(hook).__name__ == "CountNonFinite"
     assert isinstance(hook, dp.hooks.StatefulHook)  # the typed interface: __call__ and init
-    trainer = dp.Trainer(_loss, optax.sgd(LR), mesh=mesh_1d(N, "data"),
-                         sync=dp.sync.DDP(hook=hook, bucket_mb=None))  # a bucket per leaf
+    trainer = dp.Trainer(
+        _loss, optax.sgd(LR), mesh=mesh_1d(N, "data"), sync=dp.sync.DDP(hook=hook, bucket_mb=None)
+    )  # a bucket per leaf
     state = trainer.init(_params(), jax.random.key(0))
     data = _data()
     for s in range(2):
@@ -285,32 +311,40 @@ def test_a_hook_returning_a_wrong_shape_is_named():
     def bad(state, bucket):
         return [g[:1] for g in bucket.grads], state
 
-    trainer = dp.Trainer(_loss, optax.sgd(LR), mesh=mesh_1d(N, "data"),
-                         sync=dp.sync.DDP(hook=bad))
+    trainer = dp.Trainer(_loss, optax.sgd(LR), mesh=mesh_1d(N, "data"), sync=dp.sync.DDP(hook=bad))
     state = trainer.init(_params(), jax.random.key(0))
-    with pytest.raises(ValueError, match=r"returned a gradient of float32\[1, 3\] for one of "
-                                         r"float32\[5, 3\]; it must return each gradient's mean"):
+    with pytest.raises(
+        ValueError,
+        match=r"returned a gradient of float32\[1, 3\] for one of "
+        r"float32\[5, 3\]; it must return each gradient's mean",
+    ):
         trainer.step(state, _data()[0])
 
 
 def test_powersgd_with_a_sharded_strategy_is_refused():
-    with pytest.raises(ValueError, match=r"dp\.sync\.ZeRO1: hook=PowerSGD\(rank=4.*cannot be "
-                                         r"used with a sharded strategy"):
+    with pytest.raises(
+        ValueError,
+        match=r"dp\.sync\.ZeRO1: hook=PowerSGD\(rank=4.*cannot be "
+        r"used with a sharded strategy",
+    ):
         dp.sync.ZeRO1(hook=PowerSGD(rank=4))
     with pytest.raises(ValueError, match=r"dp\.sync\.FSDP: hook=PowerSGD"):
         dp.sync.FSDP(hook=PowerSGD(rank=4))
     assert isinstance(PowerSGD(rank=4), dp.hooks.PhasedHook)
 
 
-@pytest.mark.parametrize("kwargs, error, message", [
-    ({"rank": 0}, ValueError, r"rank=0 is out of range: it must be at least 1"),
-    ({"start_iter": -1}, ValueError, r"start_iter=-1 is out of range: it must be at least 0"),
-    ({"min_compression_rate": -1.0}, ValueError, r"min_compression_rate=-1.0 is out of range"),
-    ({"min_compression_rate": float("nan")}, ValueError, r"min_compression_rate=nan"),
-    ({"rank": 2.0}, TypeError, r"rank must be an int, got 2.0 of type float"),
-    ({"warm_start": 1}, TypeError, r"warm_start must be True or False, got 1"),
-    ({"seed": "0"}, TypeError, r"seed must be an int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"rank": 0}, ValueError, r"rank=0 is out of range: it must be at least 1"),
+        ({"start_iter": -1}, ValueError, r"start_iter=-1 is out of range: it must be at least 0"),
+        ({"min_compression_rate": -1.0}, ValueError, r"min_compression_rate=-1.0 is out of range"),
+        ({"min_compression_rate": float("nan")}, ValueError, r"min_compression_rate=nan"),
+        ({"rank": 2.0}, TypeError, r"rank must be an int, got 2.0 of type float"),
+        ({"warm_start": 1}, TypeError, r"warm_start must be True or False, got 1"),
+        ({"seed": "0"}, TypeError, r"seed must be an int"),
+    ],
+)
 def test_powersgd_arguments_are_checked(kwargs, error, message):
     with pytest.raises(error, match=r"dp\.hooks\.PowerSGD: " + message):
         PowerSGD(**kwargs)
@@ -333,15 +367,15 @@ def test_powersgd_switches_program_at_start_iter_with_no_cond_inside(mlp_run):
     # The Trainer compiles one program per phase (exact, compressed) and picks it on the
     # host: no lax.cond in either (on XLA:CPU a cond copies every gradient into its branch).
     model, params, model_state, data, _, _, _ = mlp_run
-    trainer = dp.Trainer(model, optax.sgd(LR), mesh=mesh_1d(N, "data"),
-                         sync=dp.sync.DDP(hook=EXACT, bucket_mb=0.002))
+    trainer = dp.Trainer(
+        model, optax.sgd(LR), mesh=mesh_1d(N, "data"), sync=dp.sync.DDP(hook=EXACT, bucket_mb=0.002)
+    )
     state = trainer.init(params, jax.random.key(1), model_state=model_state)
     kinds = []
-    for batch in data[:EXACT.start_iter + 1]:
+    for batch in data[: EXACT.start_iter + 1]:
         step, args = trainer.step_program(state, batch)
         text = str(jax.make_jaxpr(step)(*args))
-        kinds.append((" cond[" in text, text.count("householder_product") > 0
-                      or "qr" in text))
+        kinds.append((" cond[" in text, text.count("householder_product") > 0 or "qr" in text))
         state, _ = trainer.step(state, batch)
     assert len(trainer._step_fns) == 2
     assert not any(c for c, _ in kinds), kinds

@@ -21,8 +21,10 @@ K = 3
 
 def _copies(tree):
     """Each device's copy of every leaf, from the output's addressable shards."""
-    return [[np.asarray(s.data) for s in leaf.addressable_shards]
-            for leaf in jax.tree_util.tree_leaves(tree)]
+    return [
+        [np.asarray(s.data) for s in leaf.addressable_shards]
+        for leaf in jax.tree_util.tree_leaves(tree)
+    ]
 
 
 @pytest.mark.parametrize("algorithm", ["native", "ring", "tree", "auto", "hierarchical"])
@@ -34,8 +36,9 @@ def test_plain_batchnorm_stats_are_bit_identical_on_every_device(algorithm):
     model = dp.Linen(CNN(None), cross_entropy)  # plain BatchNorm: per-rank statistics
     data = batches("cnn", K, 32)
     params, ms = model.init(jax.random.key(0), data[0])
-    trainer = dp.Trainer(model, optax.adam(1e-2), mesh=mesh, axis_name=axis,
-                         sync=dp.sync.DDP(algorithm=algorithm))
+    trainer = dp.Trainer(
+        model, optax.adam(1e-2), mesh=mesh, axis_name=axis, sync=dp.sync.DDP(algorithm=algorithm)
+    )
     state = trainer.init(params, jax.random.key(1), model_state=ms)
     for batch in data:
         state, _ = trainer.step(state, batch)
@@ -43,8 +46,12 @@ def test_plain_batchnorm_stats_are_bit_identical_on_every_device(algorithm):
     assert len(stats) == 2 and all(len(copies) == 8 for copies in stats)  # mean, var
     for copies in stats:
         different = [d for d, c in enumerate(copies) if not np.array_equal(c, copies[0])]
-        assert different == [], (algorithm, "devices whose running stats differ from 0's",
-                                 different, float(np.max(np.abs(copies[-1] - copies[0]))))
+        assert different == [], (
+            algorithm,
+            "devices whose running stats differ from 0's",
+            different,
+            float(np.max(np.abs(copies[-1] - copies[0]))),
+        )
     for copies in _copies(state.params):
         assert all(np.array_equal(c, copies[0]) for c in copies)
     # The stats trained (moved off their init), so equal copies are not trivially equal.

@@ -60,16 +60,23 @@ def test_nnx_with_rngs_matches_single_device_adam_and_sgd_and_round_trips():
     assert isinstance(trained, NetTwin)
     got = nnx.to_pure_dict(nnx.state(trained, nnx.BatchStat))
     assert max(twin_diffs(got, jax.device_get(state.model_state)).values()) == 0
-    assert max(twin_diffs(nnx.to_pure_dict(nnx.state(trained, nnx.Param)),
-                          jax.device_get(state.params)).values()) == 0
+    assert (
+        max(
+            twin_diffs(
+                nnx.to_pure_dict(nnx.state(trained, nnx.Param)), jax.device_get(state.params)
+            ).values()
+        )
+        == 0
+    )
     trained.eval()
     test = batches("mlp", 1, 40, seed=5)[0]
     direct = float(twin_loss(trained(jnp.asarray(test["x"])), test)[0])
     np.testing.assert_allclose(direct, trainer.evaluate(state, [test])["loss"], rtol=1e-5)
     # independent of the state: stepping (donating) it leaves the module usable
     state, _ = trainer.step(state, data[0])
-    np.testing.assert_allclose(float(twin_loss(trained(jnp.asarray(test["x"])), test)[0]),
-                               direct, rtol=1e-6)
+    np.testing.assert_allclose(
+        float(twin_loss(trained(jnp.asarray(test["x"])), test)[0]), direct, rtol=1e-6
+    )
     # and the module passed to dp.Nnx was never modified
     assert max(twin_diffs(nnx.to_pure_dict(nnx.state(module, nnx.Param)), params).values()) == 0
 
@@ -95,10 +102,14 @@ def _kept_loss(out, batch):
 CALLS = {
     "Dropout(rngs=Rngs(0))": (lambda: Kept(nnx.Rngs(0)), None),
     "Rngs(params=, dropout=)": (lambda: Kept(nnx.Rngs(params=0, dropout=1)), None),
-    "model(x, rngs=rngs)": (lambda: Kept(None, own_stream=False),
-                            lambda m, b, *, train, rngs: m(b["x"], rngs=rngs)),
-    "model(x, train=train)": (lambda: Kept(nnx.Rngs(0), flag=True),
-                              lambda m, b, *, train, rngs: m(b["x"], train=train)),
+    "model(x, rngs=rngs)": (
+        lambda: Kept(None, own_stream=False),
+        lambda m, b, *, train, rngs: m(b["x"], rngs=rngs),
+    ),
+    "model(x, train=train)": (
+        lambda: Kept(nnx.Rngs(0), flag=True),
+        lambda m, b, *, train, rngs: m(b["x"], train=train),
+    ),
 }
 
 

@@ -25,8 +25,10 @@ def _loss(w, batch, rng):
 def test_each_strategy_is_a_frozen_keyword_only_value():
     for cls in STRATEGIES:
         assert list(inspect.signature(cls).parameters)[:3] == ["bucket_mb", "algorithm", "hook"]
-        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY
-                   for p in inspect.signature(cls).parameters.values())
+        assert all(
+            p.kind is inspect.Parameter.KEYWORD_ONLY
+            for p in inspect.signature(cls).parameters.values()
+        )
         value = cls(bucket_mb=4, algorithm="ring")
         assert value == cls(bucket_mb=4, algorithm="ring") != cls()
         assert hash(value) == hash(cls(bucket_mb=4, algorithm="ring"))
@@ -39,18 +41,33 @@ def test_each_strategy_is_a_frozen_keyword_only_value():
 
 
 @pytest.mark.parametrize("cls", STRATEGIES, ids=lambda c: c.__name__)
-@pytest.mark.parametrize("kwargs, error, message", [
-    ({"bucket_mb": -1}, ValueError, r"bucket_mb=-1 must be a positive number of MiB, or None "
-                                    r"to turn bucketing off"),
-    ({"bucket_mb": float("inf")}, ValueError, r"bucket_mb=inf must be a positive number"),
-    ({"bucket_mb": "25"}, TypeError, r"bucket_mb must be a number of MiB or None, got '25' of "
-                                     r"type str"),
-    ({"bucket_mb": True}, TypeError, r"bucket_mb must be a number of MiB or None"),
-    ({"algorithm": "bogus"}, ValueError, r"algorithm='bogus' is not one of native, ring, tree"),
-    ({"algorithm": 3}, TypeError, r"algorithm must be a string"),
-    ({"hook": "powersgd"}, TypeError, r"hook must be a communication hook \(a callable "
-                                      r"hook\(state, bucket\) -> \(grads, state\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (
+            {"bucket_mb": -1},
+            ValueError,
+            r"bucket_mb=-1 must be a positive number of MiB, or None "
+            r"to turn bucketing off",
+        ),
+        ({"bucket_mb": float("inf")}, ValueError, r"bucket_mb=inf must be a positive number"),
+        (
+            {"bucket_mb": "25"},
+            TypeError,
+            r"bucket_mb must be a number of MiB or None, got '25' of "
+            r"type str",
+        ),
+        ({"bucket_mb": True}, TypeError, r"bucket_mb must be a number of MiB or None"),
+        ({"algorithm": "bogus"}, ValueError, r"algorithm='bogus' is not one of native, ring, tree"),
+        ({"algorithm": 3}, TypeError, r"algorithm must be a string"),
+        (
+            {"hook": "powersgd"},
+            TypeError,
+            r"hook must be a communication hook \(a callable "
+            r"hook\(state, bucket\) -> \(grads, state\)",
+        ),
+    ],
+)
 def test_fields_are_checked_at_construction(cls, kwargs, error, message):
     with pytest.raises(error, match=rf"dp\.sync\.{cls.__name__}: {message}"):
         cls(**kwargs)
@@ -62,25 +79,34 @@ def test_the_sharded_strategies_take_only_elementwise_hooks(cls):
         return bucket.mean(), state
 
     for hook in (PowerSGD(rank=4), needs_whole):
-        with pytest.raises(ValueError, match=rf"dp\.sync\.{cls.__name__}: hook=.* cannot be used "
-                                             rf"with a sharded strategy: {cls.__name__} "
-                                             rf"reduce-scatters each gradient.*Use this hook "
-                                             rf"with dp\.sync\.DDP\(hook=\.\.\.\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"dp\.sync\.{cls.__name__}: hook=.* cannot be used "
+            rf"with a sharded strategy: {cls.__name__} "
+            rf"reduce-scatters each gradient.*Use this hook "
+            rf"with dp\.sync\.DDP\(hook=\.\.\.\)",
+        ):
             cls(hook=hook)
     cls(hook=dp.hooks.Compress(jnp.float16))  # a slice can be cast
     cls(hook=dp.hooks.AllReduceHook())
     dp.sync.DDP(hook=PowerSGD(rank=4))  # what DDP takes
     if cls is dp.sync.FSDP:
-        with pytest.raises(TypeError, match=r"dp\.sync\.FSDP: reshard_after_forward must be "
-                                            r"True or False, got 1"):
+        with pytest.raises(
+            TypeError,
+            match=r"dp\.sync\.FSDP: reshard_after_forward must be "
+            r"True or False, got 1",
+        ):
             cls(reshard_after_forward=1)
 
 
 def test_the_trainer_binds_a_copy_and_the_value_stays_unbound():
     value = dp.sync.ZeRO1(bucket_mb=1.0)
-    with pytest.raises(RuntimeError, match=r"dp\.sync\.ZeRO1: this strategy is not bound to an "
-                                           r"optimizer and a mesh yet; pass it to "
-                                           r"dp\.Trainer\(\.\.\., sync=\.\.\.\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"dp\.sync\.ZeRO1: this strategy is not bound to an "
+        r"optimizer and a mesh yet; pass it to "
+        r"dp\.Trainer\(\.\.\., sync=\.\.\.\)",
+    ):
         _ = value.mesh
     mesh = mesh_1d(8, "data")
     trainer = dp.Trainer(_loss, optax.sgd(0.1), mesh=mesh, sync=value)
@@ -107,18 +133,28 @@ def test_phases_belong_to_the_strategy():
     assert not before.phased and before.n == 8  # a phase is bound as its strategy was
 
 
-@pytest.mark.parametrize("sync, message", [
-    (dp.sync.FSDP, r"sync=dp\.sync\.FSDP is a class: pass a value, e.g. sync=dp\.sync\.FSDP\(\)"),
-    ("fsdp", r"sync must be a gradient-sync strategy \(dp\.sync\.DDP\(\), dp\.sync\.ZeRO1\(\) "
-             r"or dp\.sync\.FSDP\(\)\), got 'fsdp' of type str"),
-])
+@pytest.mark.parametrize(
+    "sync, message",
+    [
+        (
+            dp.sync.FSDP,
+            r"sync=dp\.sync\.FSDP is a class: pass a value, e.g. sync=dp\.sync\.FSDP\(\)",
+        ),
+        (
+            "fsdp",
+            r"sync must be a gradient-sync strategy \(dp\.sync\.DDP\(\), dp\.sync\.ZeRO1\(\) "
+            r"or dp\.sync\.FSDP\(\)\), got 'fsdp' of type str",
+        ),
+    ],
+)
 def test_the_trainer_names_a_wrong_sync(sync, message):
     with pytest.raises(TypeError, match=rf"Trainer: {message}"):
         dp.Trainer(_loss, optax.sgd(0.1), sync=sync)
 
 
-@pytest.mark.parametrize("old", ["grad_sync", "bucket_mb", "grad_dtype", "comm_hook",
-                                 "shard_optimizer", "shard_params"])
+@pytest.mark.parametrize(
+    "old", ["grad_sync", "bucket_mb", "grad_dtype", "comm_hook", "shard_optimizer", "shard_params"]
+)
 def test_the_old_flags_are_gone(old):
     with pytest.raises(TypeError, match=rf"unexpected keyword argument '{old}'"):
         dp.Trainer(_loss, optax.sgd(0.1), **{old: None})

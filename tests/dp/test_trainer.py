@@ -36,12 +36,14 @@ def test_the_signature_takes_a_strategy_value_and_at_most_nine_keywords():
     assert "checkpoint" in fit.parameters and "checkpoint_dir" not in fit.parameters
 
 
-@pytest.mark.parametrize("bucket_mb, grad_dtype", [(25.0, None), (None, None),
-                                                   (0.002, None), (0.002, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "bucket_mb, grad_dtype", [(25.0, None), (None, None), (0.002, None), (0.002, jnp.bfloat16)]
+)
 def test_every_bucket_is_all_reduced_whole_in_the_compiled_hlo(bucket_mb, grad_dtype):
     hook = None if grad_dtype is None else dp.hooks.Compress(grad_dtype)
     trainer, params, ms, data = _mlp_trainer(
-        sync=dp.sync.DDP(bucket_mb=bucket_mb, algorithm="native", hook=hook))
+        sync=dp.sync.DDP(bucket_mb=bucket_mb, algorithm="native", hook=hook)
+    )
     state = trainer.init(params, jax.random.key(1), model_state=ms)
     step, args = trainer.step_program(state, data[0])
     hlo = step.lower(*args).compile()
@@ -80,9 +82,10 @@ def _collectives(jaxpr):
 
 
 def _same(a, b) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b),
-                               strict=True))
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+    )
 
 
 class _Crash(dp.Batches):
@@ -101,18 +104,29 @@ def test_crash_and_resume_is_bit_identical(tmp_path, sync):
     model = dp.Linen(MLP(), cross_entropy)
     raw = batches("mlp", 1, 160)[0]
     params, ms = model.init(jax.random.key(0), raw)
-    trainer = dp.Trainer(model, optax.adam(1e-2), mesh=mesh_1d(8, "data"),
-                         sync=sync, extra=dp.ema(0.9))  # EMA: saved too
+    trainer = dp.Trainer(
+        model, optax.adam(1e-2), mesh=mesh_1d(8, "data"), sync=sync, extra=dp.ema(0.9)
+    )  # EMA: saved too
     fresh = lambda: trainer.init(params, jax.random.key(1), model_state=ms)  # noqa: E731
     ref, _ = trainer.fit(fresh(), dp.Batches(raw, 32, seed=3), steps=20, progress=False)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        trainer.fit(fresh(), _Crash(raw, 32, seed=3), steps=20,
-                    checkpoint=dp.Checkpointer(tmp_path, every=5), progress=False)
+        trainer.fit(
+            fresh(),
+            _Crash(raw, 32, seed=3),
+            steps=20,
+            checkpoint=dp.Checkpointer(tmp_path, every=5),
+            progress=False,
+        )
     ckpt = dp.Checkpointer(tmp_path)
     assert ckpt.manager.latest_step() == 10  # the crash at step 13 lost steps 11-13
     ckpt.close()
-    resumed, hist = trainer.fit(fresh(), dp.Batches(raw, 32, seed=3), steps=20,
-                                checkpoint=dp.Checkpointer(tmp_path, every=5), progress=False)
+    resumed, hist = trainer.fit(
+        fresh(),
+        dp.Batches(raw, 32, seed=3),
+        steps=20,
+        checkpoint=dp.Checkpointer(tmp_path, every=5),
+        progress=False,
+    )
     assert [h["step"] for h in hist] == list(range(11, 21))
     assert int(resumed.step) == 20
     assert _same(resumed, ref)
@@ -125,10 +139,12 @@ def test_init_broadcasts_rank0_so_different_ranks_end_identical():
     trainer, params, ms, data = _mlp_trainer()
     # each rank starts from different params (rank r: params + r)
     per_rank = jax.tree_util.tree_map(
-        lambda a: np.stack([np.asarray(a) + r for r in range(8)]), params)
+        lambda a: np.stack([np.asarray(a) + r for r in range(8)]), params
+    )
     state = trainer.init(per_rank, jax.random.key(1), per_rank=True)
-    for leaf, want in zip(jax.tree_util.tree_leaves(state.params),
-                          jax.tree_util.tree_leaves(params), strict=True):
+    for leaf, want in zip(
+        jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(params), strict=True
+    ):
         shards = [np.asarray(s.data) for s in leaf.addressable_shards]
         assert len(shards) == 8
         for s in shards:
@@ -165,8 +181,11 @@ def test_dropout_streams_differ_per_rank_and_reproduce():
 def test_errors_name_the_argument_and_the_fix():
     trainer, params, ms, data = _mlp_trainer(accum_steps=2)
     state = trainer.init(params, jax.random.key(1), model_state=ms)
-    with pytest.raises(ValueError, match=r"30 examples.*8 devices x accum_steps=2.*multiple "
-                                         r"of 16"):
+    with pytest.raises(
+        ValueError,
+        match=r"30 examples.*8 devices x accum_steps=2.*multiple "
+        r"of 16",
+    ):
         trainer.step(state, {k: v[:30] for k, v in data[0].items()})
     with pytest.raises(TypeError, match="optax.GradientTransformation"):
         dp.Trainer(cross_entropy, "adam")

@@ -30,11 +30,13 @@ def _labels(params):
 
 
 OPTIMIZERS = {
-    "clip+adamw(mask)": lambda: optax.chain(optax.clip_by_global_norm(1.0),
-                                            optax.adamw(1e-3, mask=_not_bias)),
+    "clip+adamw(mask)": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(1e-3, mask=_not_bias)
+    ),
     "sgd": lambda: optax.sgd(0.05),
     "multi_transform": lambda: optax.multi_transform(
-        {"kernel": optax.adam(1e-2), "bias": optax.sgd(0.1)}, _labels),
+        {"kernel": optax.adam(1e-2), "bias": optax.sgd(0.1)}, _labels
+    ),
     "lamb": lambda: optax.lamb(1e-2),
 }
 
@@ -88,8 +90,15 @@ def test_zero1_over_two_axes_with_hierarchical_collectives():
     data = batches("mlp", 5, 32)
     params, _ = model.init(jax.random.key(0), data[0])
     want, _ = _single_device(model, OPTIMIZERS["clip+adamw(mask)"](), params, data)
-    _, state = _train(model, OPTIMIZERS["clip+adamw(mask)"](), params, data, mesh=mesh_2d(2, 4),
-                      axis_name=("node", "local"), algorithm="hierarchical")
+    _, state = _train(
+        model,
+        OPTIMIZERS["clip+adamw(mask)"](),
+        params,
+        data,
+        mesh=mesh_2d(2, 4),
+        axis_name=("node", "local"),
+        algorithm="hierarchical",
+    )
     assert max_rel_diff(state.params, want) <= TOL
 
 
@@ -102,8 +111,9 @@ def test_each_device_holds_one_nth_of_the_optimizer_state():
     assert jax.tree_util.tree_structure(adam.mu) == jax.tree_util.tree_structure(params)
     split = kept = 0
     for moments in (adam.mu, adam.nu):
-        for p, m in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(moments),
-                        strict=True):
+        for p, m in zip(
+            jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(moments), strict=True
+        ):
             shapes = {s.data.shape for s in m.addressable_shards}
             assert len(m.addressable_shards) == 8 and m.shape == p.shape
             d = next((i for i, size in enumerate(p.shape) if size % 8 == 0), None)
@@ -111,7 +121,7 @@ def test_each_device_holds_one_nth_of_the_optimizer_state():
                 assert shapes == {p.shape}
                 kept += 1
             else:  # split along its first dimension divisible by 8
-                local = p.shape[:d] + (p.shape[d] // 8,) + p.shape[d + 1:]
+                local = p.shape[:d] + (p.shape[d] // 8,) + p.shape[d + 1 :]
                 assert shapes == {local}, (p.shape, shapes)
                 split += 1
     assert split == 10 and kept == 2

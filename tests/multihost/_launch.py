@@ -35,10 +35,17 @@ def start(launcher_args: list[str], worker: str, worker_args: list[str]):
     env[TOKEN_VAR] = token
     env.pop("XLA_FLAGS", None)  # the launcher sets the device count per process
     env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, "-m", "jaxcoll.run", *launcher_args,
-           os.path.join(WORKERS, worker), *worker_args]
-    popen = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxcoll.run",
+        *launcher_args,
+        os.path.join(WORKERS, worker),
+        *worker_args,
+    ]
+    popen = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     return popen, token
 
 
@@ -47,8 +54,9 @@ def finish(popen: subprocess.Popen, token: str, started: float, timeout: float) 
     return Job(popen.returncode, out, err, time.monotonic() - started, token)
 
 
-def launch(launcher_args: list[str], worker: str, worker_args: list[str],
-           timeout: float = 120) -> Job:
+def launch(
+    launcher_args: list[str], worker: str, worker_args: list[str], timeout: float = 120
+) -> Job:
     """Run the launcher to completion."""
     t0 = time.monotonic()
     popen, token = start(launcher_args, worker, worker_args)

@@ -35,12 +35,16 @@ def test_worker_that_raises_fails_the_job(tmp_path):
     # Process 1 raises; process 0, in an all-reduce with it, then stops too (it learns of the
     # failure, or gloo's connection breaks): whichever exit reaches the launcher first, the
     # cause named is process 1's, and JAX aborts neither.
-    assert re.search(r"jaxcoll-run: process 1 \(pid \d+\) exited with code 1 first",
-                     job.stderr), job.stderr[-3000:]
-    assert "failed: process 1 exited with code 1: RuntimeError: worker 1 failed on purpose " \
-        "at step 5." in job.stderr, job.stderr[-3000:]
-    assert not re.search(r"^\[\d\] F\d{4} |Check failure|was killed by", job.stderr, re.M), \
+    assert re.search(r"jaxcoll-run: process 1 \(pid \d+\) exited with code 1 first", job.stderr), (
         job.stderr[-3000:]
+    )
+    assert (
+        "failed: process 1 exited with code 1: RuntimeError: worker 1 failed on purpose "
+        "at step 5." in job.stderr
+    ), job.stderr[-3000:]
+    assert not re.search(r"^\[\d\] F\d{4} |Check failure|was killed by", job.stderr, re.M), (
+        job.stderr[-3000:]
+    )
     assert survivors(job.token) == []
 
 
@@ -69,8 +73,9 @@ def test_worker_killed_inside_a_collective_fails_the_job(tmp_path):
 @pytest.mark.timeout(90)
 def test_worker_that_never_starts_fails_the_job_at_the_init_timeout(tmp_path):
     # Process 1 sleeps instead of calling init; process 0 waits in init for --init-timeout.
-    job = launch([*JOB, "--init-timeout", "10"], "faults.py", [str(tmp_path), "hang"],
-                 timeout=BOUND_S + 20)
+    job = launch(
+        [*JOB, "--init-timeout", "10"], "faults.py", [str(tmp_path), "hang"], timeout=BOUND_S + 20
+    )
     assert job.returncode == 1
     assert job.seconds < BOUND_S
     assert "[0] init: process 0 of 2 could not join the job at 127.0.0.1:" in job.stderr
@@ -94,8 +99,10 @@ def test_launcher_rejects_bad_arguments(tmp_path):
     cases = [
         (["--nprocs", "0"], "--nprocs=0 must be at least 1"),
         (["--nnodes", "2"], "--nnodes=2 needs --coordinator HOST:PORT"),
-        (["--nnodes", "2", "--node-rank", "2", "--coordinator", "h:1"],
-         "--node-rank=2 is out of range for --nnodes=2"),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--coordinator", "h:1"],
+            "--node-rank=2 is out of range for --nnodes=2",
+        ),
         (["--coordinator", "nohost"], "--coordinator='nohost' is not HOST:PORT"),
     ]
     for args, message in cases:
@@ -121,27 +128,46 @@ def test_a_taken_coordinator_port_is_named_before_jax_starts(tmp_path):
         code = f"import jaxcoll; jaxcoll.init('127.0.0.1:{port}', 2, 0)"
         script = tmp_path / "job.py"
         script.write_text("import jaxcoll\njaxcoll.init()\n")
-        for cmd in ([sys.executable, "-c", code],
-                    [sys.executable, "-m", "jaxcoll.run", "--nprocs", "2", "--coordinator",
-                     f"127.0.0.1:{port}", "--init-timeout", "20", str(script)]):
+        for cmd in (
+            [sys.executable, "-c", code],
+            [
+                sys.executable,
+                "-m",
+                "jaxcoll.run",
+                "--nprocs",
+                "2",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--init-timeout",
+                "20",
+                str(script),
+            ],
+        ):
             # Not timed (the machine may be loaded): the message is init's own, raised before
             # JAX starts its service, and the exit code is 1, not a signal.
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
             assert proc.returncode == 1, (cmd, proc.returncode, proc.stderr[-2000:])
-            assert f"port {port} is already in use by another program" in proc.stderr, \
-                proc.stderr[-2000:]
+            assert f"port {port} is already in use by another program" in proc.stderr, proc.stderr[
+                -2000:
+            ]
 
 
 def test_the_launcher_drops_gloos_connection_reports_only():
     from jaxcoll.run import _gloo_report
 
-    for line in ("[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected "
-                 "peer ranks is : 7\n",
-                 # two threads' reports interleaved mid-line, as seen in a 2 x 4 job
-                 "[Gloo] Rank 3[Gloo] Rank 2 is connected to  is connected to 77 peer ranks. "
-                 "Expected number of connected peer ranks is : 7\n",
-                 " peer ranks. Expected number of connected peer ranks is : 7\n"):
+    for line in (
+        "[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected "
+        "peer ranks is : 7\n",
+        # two threads' reports interleaved mid-line, as seen in a 2 x 4 job
+        "[Gloo] Rank 3[Gloo] Rank 2 is connected to  is connected to 77 peer ranks. "
+        "Expected number of connected peer ranks is : 7\n",
+        " peer ranks. Expected number of connected peer ranks is : 7\n",
+    ):
         assert _gloo_report(line), line
-    for line in ("result [36. 36.]\n", "RuntimeError: Gloo connect timed out\n",
-                 "[Gloo] Rank 3 is connected to 5 peer ranks; giving up\n", "\n"):
+    for line in (
+        "result [36. 36.]\n",
+        "RuntimeError: Gloo connect timed out\n",
+        "[Gloo] Rank 3 is connected to 5 peer ranks; giving up\n",
+        "\n",
+    ):
         assert not _gloo_report(line), line

@@ -45,8 +45,9 @@ def _first_named(job) -> int:
 
 def _no_abort(job) -> None:
     """No process was aborted: no C++ fatal log line, no check failure, no signal."""
-    assert not re.search(r"^\[\d\] F\d{4} |Check failure|SIGABRT|was killed by",
-                         job.stderr, re.M), job.stderr[-3000:]
+    assert not re.search(
+        r"^\[\d\] F\d{4} |Check failure|SIGABRT|was killed by", job.stderr, re.M
+    ), job.stderr[-3000:]
 
 
 def _check_watchdog(job, what: str) -> int:
@@ -55,8 +56,10 @@ def _check_watchdog(job, what: str) -> int:
     assert job.seconds < WATCHDOG_BOUND_S, job.seconds
     summary = _summary(job)
     first = _first_named(job)
-    assert f"failed: process {first} exited with code 1: jaxcoll: process {first} of 2 " \
-           f"timed out after" in summary, summary
+    assert (
+        f"failed: process {first} exited with code 1: jaxcoll: process {first} of 2 "
+        f"timed out after" in summary
+    ), summary
     assert f"(timeout {TIMEOUT_S}s) waiting for {what}" in summary, summary
     waited = float(re.search(r"timed out after ([\d.]+)s", summary).group(1))
     assert TIMEOUT_S <= waited < TIMEOUT_S + 2, summary
@@ -75,8 +78,10 @@ def _check_mismatch(job, apis: tuple[str, str], message: str) -> None:
         line = f"[{k}] RuntimeError: {apis[k]}: processes disagree on the collective #1: {message}"
         assert line in job.stderr, job.stderr[-3000:]
     first = _first_named(job)
-    assert f"exited with code 1: RuntimeError: {apis[first]}: processes disagree on the " \
-           f"collective #1: {message}" in _summary(job)
+    assert (
+        f"exited with code 1: RuntimeError: {apis[first]}: processes disagree on the "
+        f"collective #1: {message}" in _summary(job)
+    )
     assert "result" not in job.stdout  # nobody went on with a wrong answer
     _no_abort(job)
     assert survivors(job.token) == []
@@ -93,31 +98,42 @@ def test_different_collectives_end_at_the_timeout(tmp_path):
 @pytest.mark.timeout(60)
 def test_different_collectives_are_named_by_detection(tmp_path):
     job = launch(DETAIL, "hangs.py", [str(tmp_path), "op"], timeout=60)
-    _check_mismatch(job, ("dist.all_reduce", "dist.all_gather"),
-                    "process 0: all_reduce float32[4,3] op=SUM; process 1: all_gather "
-                    "float32[4,3] axis=0 tiled=False")
+    _check_mismatch(
+        job,
+        ("dist.all_reduce", "dist.all_gather"),
+        "process 0: all_reduce float32[4,3] op=SUM; process 1: all_gather "
+        "float32[4,3] axis=0 tiled=False",
+    )
 
 
 @pytest.mark.timeout(60)
 def test_different_broadcast_sources_are_named_by_detection(tmp_path):
     job = launch(DETAIL, "hangs.py", [str(tmp_path), "src"], timeout=60)
-    _check_mismatch(job, ("dist.broadcast",) * 2,
-                    "process 0: broadcast float32[4,3] src=0; process 1: broadcast "
-                    "float32[4,3] src=3")
+    _check_mismatch(
+        job,
+        ("dist.broadcast",) * 2,
+        "process 0: broadcast float32[4,3] src=0; process 1: broadcast float32[4,3] src=3",
+    )
 
 
 @pytest.mark.timeout(60)
 def test_float32_against_int32_raises_instead_of_a_wrong_answer(tmp_path):
     job = launch(DETAIL, "hangs.py", [str(tmp_path), "dtype"], timeout=60)
-    _check_mismatch(job, ("dist.all_reduce",) * 2,
-                    "process 0: all_reduce float32[4,3]; process 1: all_reduce int32[4,3]")
+    _check_mismatch(
+        job,
+        ("dist.all_reduce",) * 2,
+        "process 0: all_reduce float32[4,3]; process 1: all_reduce int32[4,3]",
+    )
 
 
 @pytest.mark.timeout(60)
 def test_different_shapes_raise_instead_of_an_xla_abort(tmp_path):
     job = launch(DETAIL, "hangs.py", [str(tmp_path), "shape"], timeout=60)
-    _check_mismatch(job, ("dist.all_reduce",) * 2,
-                    "process 0: all_reduce float32[4,3]; process 1: all_reduce float32[4,5]")
+    _check_mismatch(
+        job,
+        ("dist.all_reduce",) * 2,
+        "process 0: all_reduce float32[4,3]; process 1: all_reduce float32[4,5]",
+    )
     assert "Check failure" not in job.stderr and "SIGABRT" not in job.stderr
 
 
@@ -130,8 +146,10 @@ def test_peer_spinning_outside_any_collective_ends_at_the_timeout(tmp_path):
     assert "the other processes have not joined it" in _summary(job)
     # Process 1 learns of process 0's failure and leaves by itself, naming it; process 0, the
     # coordination service's host, leaves after it, so JAX aborts neither.
-    assert "then process 1 exited with code 1: jaxcoll: process 1 of 2 stops: process 0 " \
-        "failed (jaxcoll: process 0 of 2 timed out after" in job.stderr, job.stderr[-3000:]
+    assert (
+        "then process 1 exited with code 1: jaxcoll: process 1 of 2 stops: process 0 "
+        "failed (jaxcoll: process 0 of 2 timed out after" in job.stderr
+    ), job.stderr[-3000:]
     assert "SIGABRT" not in job.stderr and "F1" not in job.stderr
 
 
@@ -143,9 +161,11 @@ def test_peer_that_exits_early_is_named(tmp_path):
     assert job.returncode == 1, job.stderr[-3000:]
     assert job.seconds < WATCHDOG_BOUND_S
     summary = _summary(job)
-    expected = (r"failed: process 0 exited with code 1: jaxcoll: process 0 of 2 gave up after "
-                r"[\d.]+s waiting for dist.all_reduce\(float32\[4,3\]\) over processes 0-1: "
-                r"process\(es\) 1 exited while this one waits for it")
+    expected = (
+        r"failed: process 0 exited with code 1: jaxcoll: process 0 of 2 gave up after "
+        r"[\d.]+s waiting for dist.all_reduce\(float32\[4,3\]\) over processes 0-1: "
+        r"process\(es\) 1 exited while this one waits for it"
+    )
     assert re.search(expected, summary), summary
     # Process 1, already past its exit and waiting at JAX's shutdown barrier, is let through
     # it by process 0 (the coordination service's host) before process 0 leaves: it ends
@@ -164,10 +184,15 @@ def test_process_0_that_fails_on_purpose_is_named_first(tmp_path):
     assert job.returncode == 1, job.stderr[-3000:]
     assert job.seconds < WATCHDOG_BOUND_S
     assert _first_named(job) == 0, job.stderr[-3000:]
-    assert _summary(job) == ("jaxcoll-run: failed: process 0 exited with code 1: hangs.py: "
-                             "process 0 gives up on purpose."), job.stderr[-3000:]
-    assert re.search(r"then process 1 exited with code 1: jaxcoll: process 1 of 2 gave up "
-                     r"after [\d.]+s waiting for dist.all_reduce", job.stderr), job.stderr[-3000:]
+    assert _summary(job) == (
+        "jaxcoll-run: failed: process 0 exited with code 1: hangs.py: "
+        "process 0 gives up on purpose."
+    ), job.stderr[-3000:]
+    assert re.search(
+        r"then process 1 exited with code 1: jaxcoll: process 1 of 2 gave up "
+        r"after [\d.]+s waiting for dist.all_reduce",
+        job.stderr,
+    ), job.stderr[-3000:]
     _no_abort(job)
     assert survivors(job.token) == []
 
@@ -192,8 +217,9 @@ def test_sigterm_stops_workers_blocked_in_a_collective_at_once(tmp_path):
     # preemption notifier would swallow SIGTERM; jaxcoll's handler ends both inside the
     # launcher's 10 s grace (no SIGKILL).
     t0 = time.monotonic()
-    popen, token = start([*JOB[:4], "--grace", "10", "--timeout", "0"], "hangs.py",
-                         [str(tmp_path), "block"])
+    popen, token = start(
+        [*JOB[:4], "--grace", "10", "--timeout", "0"], "hangs.py", [str(tmp_path), "block"]
+    )
     for k in (0, 1):
         _wait_for(str(tmp_path / f"loop{k}"), 60)
     time.sleep(1.0)  # process 0 is now inside the all-reduce
@@ -205,8 +231,9 @@ def test_sigterm_stops_workers_blocked_in_a_collective_at_once(tmp_path):
     # out and it would have sent SIGKILL; within a second on a quiet machine.
     assert time.monotonic() - sent < 10
     for k in (0, 1):
-        assert f"[{k}] jaxcoll: process {k} received SIGTERM; exiting with code 143." \
-            in job.stderr, job.stderr[-3000:]
+        assert (
+            f"[{k}] jaxcoll: process {k} received SIGTERM; exiting with code 143." in job.stderr
+        ), job.stderr[-3000:]
     assert not re.search(r"^\[\d\] F\d{4} |Check failure", job.stderr, re.M), job.stderr
     assert survivors(token) == []
 
@@ -224,8 +251,10 @@ def test_sigterm_to_one_process_stops_every_loop_after_the_same_step(tmp_path):
     assert job.returncode == 128 + signal.SIGTERM, job.stderr[-3000:]
     assert time.monotonic() - sent < 5
     assert "[1] jaxcoll: process 1 received SIGTERM; the training loop will stop" in job.stderr
-    steps = {int(k): int(s) for k, s in
-             re.findall(r"\[(\d)\] process \d stops after step (\d+)", job.stdout)}
+    steps = {
+        int(k): int(s)
+        for k, s in re.findall(r"\[(\d)\] process \d stops after step (\d+)", job.stdout)
+    }
     assert sorted(steps) == [0, 1] and steps[0] == steps[1], job.stdout[-2000:]
     assert survivors(token) == []
 
@@ -241,20 +270,37 @@ def test_torchrun_variables_on_loopback_bind_the_coordinator_to_loopback(tmp_pat
     procs = []
     for rank in (0, 1):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXCOLL_", "JAX_"))}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
-                   RANK=str(rank), JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2",
-                   XLA_FLAGS="--xla_force_host_platform_device_count=2", **{TOKEN_VAR: token})
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(WORKERS, "hangs.py"), str(tmp_path), "bind"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE="2",
+            RANK=str(rank),
+            JAX_PLATFORMS="cpu",
+            JAX_NUM_CPU_DEVICES="2",
+            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            **{TOKEN_VAR: token},
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.join(WORKERS, "hangs.py"), str(tmp_path), "bind"],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=50) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
         assert "result [10. 10. 10.]" in out
     listeners = (tmp_path / "listen").read_text().split()
     assert listeners, "nothing listened on the coordinator port"
-    loopback = {"0100007F", "00000000000000000000000001000000",  # 127.0.0.1, ::1
-                "0000000000000000FFFF00000100007F"}  # ::ffff:127.0.0.1
+    loopback = {
+        "0100007F",
+        "00000000000000000000000001000000",  # 127.0.0.1, ::1
+        "0000000000000000FFFF00000100007F",
+    }  # ::ffff:127.0.0.1
     assert set(listeners) <= loopback, listeners
     assert survivors(token) == []
 
@@ -262,20 +308,41 @@ def test_torchrun_variables_on_loopback_bind_the_coordinator_to_loopback(tmp_pat
 @pytest.mark.parametrize(
     ("kwargs", "env", "match"),
     [
-        ({}, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "WORLD_SIZE": "2", "RANK": "0",
-              "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "abc"},
-         r"init: environment variable LOCAL_WORLD_SIZE='abc' is not an integer"),
-        ({"num_processes": 2, "process_id": 0}, {},
-         r"init: got num_processes=2, process_id=0 but no coordinator_address\. Pass all three"),
+        (
+            {},
+            {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "1",
+                "WORLD_SIZE": "2",
+                "RANK": "0",
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "abc",
+            },
+            r"init: environment variable LOCAL_WORLD_SIZE='abc' is not an integer",
+        ),
+        (
+            {"num_processes": 2, "process_id": 0},
+            {},
+            r"init: got num_processes=2, process_id=0 but no coordinator_address\. Pass all three",
+        ),
         ({"timeout": -1}, {}, r"init: timeout=-1 must be 0 \(off\) or a positive number"),
         ({}, {"JAXCOLL_TIMEOUT": "ten"}, r"init: JAXCOLL_TIMEOUT='ten' is not a number"),
         ({}, {"JAXCOLL_DEBUG": "verbose"}, r"init: JAXCOLL_DEBUG='verbose' is not 'detail'"),
     ],
 )
 def test_init_messages_name_the_variable_and_its_value(monkeypatch, kwargs, env, match):
-    for var in ("JAXCOLL_COORDINATOR_ADDRESS", "JAXCOLL_NUM_PROCESSES", "JAXCOLL_PROCESS_ID",
-                "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
-                "JAXCOLL_TIMEOUT", "JAXCOLL_DEBUG", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
+    for var in (
+        "JAXCOLL_COORDINATOR_ADDRESS",
+        "JAXCOLL_NUM_PROCESSES",
+        "JAXCOLL_PROCESS_ID",
+        "JAX_COORDINATOR_ADDRESS",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+        "JAXCOLL_TIMEOUT",
+        "JAXCOLL_DEBUG",
+        "SLURM_JOB_ID",
+        "OMPI_MCA_orte_hnp_uri",
+    ):
         monkeypatch.delenv(var, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -21,8 +21,12 @@ N = 8
 
 def _layout(tmp_root: str, nprocs: int):
     out = f"{tmp_root}/{nprocs}x{N // nprocs}"
-    job = launch(["--nprocs", str(nprocs), "--devices-per-proc", str(N // nprocs)],
-                 "collectives.py", [out], timeout=240)
+    job = launch(
+        ["--nprocs", str(nprocs), "--devices-per-proc", str(N // nprocs)],
+        "collectives.py",
+        [out],
+        timeout=240,
+    )
     assert job.returncode == 0, job.stderr[-4000:]
     assert survivors(job.token) == []
     return job, load_rows(out)
@@ -78,8 +82,9 @@ def test_2x4_results_match_numpy(layouts):
     for key in ("1d/x", "2d/('node', 'local')"):
         close(got[f"{key}/ar_sum"], np.broadcast_to(f.sum(0), f.shape))
         close(got[f"{key}/ar_max"], np.broadcast_to(f.max(0), f.shape))
-        np.testing.assert_array_equal(got[f"{key}/ar_bxor"],
-                                      np.broadcast_to(np.bitwise_xor.reduce(i, 0), i.shape))
+        np.testing.assert_array_equal(
+            got[f"{key}/ar_bxor"], np.broadcast_to(np.bitwise_xor.reduce(i, 0), i.shape)
+        )
         np.testing.assert_array_equal(got[f"{key}/all_gather"], np.broadcast_to(f, (N, *f.shape)))
         np.testing.assert_array_equal(got[f"{key}/bcast"], np.broadcast_to(f[7], f.shape))
         np.testing.assert_array_equal(got[f"{key}/shift"], np.roll(i, 1, axis=0))
@@ -95,8 +100,9 @@ def test_2x4_results_match_numpy(layouts):
     close(got["dist/span/all_reduce"], np.broadcast_to(f[[1, 5, 6]].sum(0), (3, 8, 3)))
     # new_group([6, 4]) orders its ranks as torch does: group rank 1 is global rank 6
     np.testing.assert_array_equal(got["dist/inside/broadcast"], np.stack([f[6], f[6]]))
-    np.testing.assert_array_equal(got["dist/sub4/all_reduce_max"],
-                                  np.repeat(i.reshape(2, 4, 8).max(1), 4, axis=0))
+    np.testing.assert_array_equal(
+        got["dist/sub4/all_reduce_max"], np.repeat(i.reshape(2, 4, 8).max(1), 4, axis=0)
+    )
 
 
 @pytest.mark.timeout(300)
@@ -124,10 +130,20 @@ def test_process_level_helpers_across_processes(layouts):
 
 
 def test_init_is_a_noop_for_one_process(monkeypatch):
-    for var in ("JAXCOLL_COORDINATOR_ADDRESS", "JAXCOLL_NUM_PROCESSES", "JAXCOLL_PROCESS_ID",
-                "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
-                "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "SLURM_JOB_ID",
-                "OMPI_MCA_orte_hnp_uri"):
+    for var in (
+        "JAXCOLL_COORDINATOR_ADDRESS",
+        "JAXCOLL_NUM_PROCESSES",
+        "JAXCOLL_PROCESS_ID",
+        "JAX_COORDINATOR_ADDRESS",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "WORLD_SIZE",
+        "SLURM_JOB_ID",
+        "OMPI_MCA_orte_hnp_uri",
+    ):
         monkeypatch.delenv(var, raising=False)
     first = jaxcoll.init()
     again = jaxcoll.init(num_processes=1, process_id=0, coordinator_address="127.0.0.1:1")
@@ -138,23 +154,49 @@ def test_init_is_a_noop_for_one_process(monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "env", "error", "match"),
     [
-        ({"coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 2}, {},
-         ValueError, r"init: process_id=2 \(from the arguments\) is out of range for a job of 2"),
-        ({"coordinator_address": "nohost", "num_processes": 2, "process_id": 0}, {},
-         ValueError, r"coordinator_address='nohost' .* is not 'host:port'"),
+        (
+            {"coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 2},
+            {},
+            ValueError,
+            r"init: process_id=2 \(from the arguments\) is out of range for a job of 2",
+        ),
+        (
+            {"coordinator_address": "nohost", "num_processes": 2, "process_id": 0},
+            {},
+            ValueError,
+            r"coordinator_address='nohost' .* is not 'host:port'",
+        ),
         ({"num_processes": 2.0, "process_id": 0}, {}, TypeError, "num_processes must be an int"),
-        ({}, {"JAXCOLL_COORDINATOR_ADDRESS": "127.0.0.1:5"}, ValueError,
-         "JAXCOLL_COORDINATOR_ADDRESS is set but JAXCOLL_NUM_PROCESSES, JAXCOLL_PROCESS_ID"),
-        ({}, {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two",
-              "JAX_PROCESS_ID": "0"}, ValueError, "JAX_NUM_PROCESSES='two' is not an integer"),
-        ({}, {"MASTER_ADDR": "h", "MASTER_PORT": "9", "WORLD_SIZE": "4", "RANK": "7"},
-         ValueError, r"process_id=7 \(from torchrun environment variables\) is out of range"),
+        (
+            {},
+            {"JAXCOLL_COORDINATOR_ADDRESS": "127.0.0.1:5"},
+            ValueError,
+            "JAXCOLL_COORDINATOR_ADDRESS is set but JAXCOLL_NUM_PROCESSES, JAXCOLL_PROCESS_ID",
+        ),
+        (
+            {},
+            {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"},
+            ValueError,
+            "JAX_NUM_PROCESSES='two' is not an integer",
+        ),
+        (
+            {},
+            {"MASTER_ADDR": "h", "MASTER_PORT": "9", "WORLD_SIZE": "4", "RANK": "7"},
+            ValueError,
+            r"process_id=7 \(from torchrun environment variables\) is out of range",
+        ),
         ({"initialization_timeout": 0}, {}, ValueError, "initialization_timeout=0 must be"),
     ],
 )
 def test_init_rejects_bad_job_descriptions(monkeypatch, kwargs, env, error, match):
-    for var in ("JAXCOLL_COORDINATOR_ADDRESS", "JAXCOLL_NUM_PROCESSES", "JAXCOLL_PROCESS_ID",
-                "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    for var in (
+        "JAXCOLL_COORDINATOR_ADDRESS",
+        "JAXCOLL_NUM_PROCESSES",
+        "JAXCOLL_PROCESS_ID",
+        "JAX_COORDINATOR_ADDRESS",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+    ):
         monkeypatch.delenv(var, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)

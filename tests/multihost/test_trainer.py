@@ -19,8 +19,9 @@ KEYS = ("w", "b", "v")
 
 def _train(tmp_path, name, launcher_args, kill_at=0, sig="KILL", strategy="ddp"):
     out, ckpt = tmp_path / name, tmp_path / f"{name}_ckpt"
-    job = launch(launcher_args, "train.py", [str(out), str(ckpt), str(kill_at), sig, strategy],
-                 timeout=200)
+    job = launch(
+        launcher_args, "train.py", [str(out), str(ckpt), str(kill_at), sig, strategy], timeout=200
+    )
     assert job.returncode == 0, job.stderr[-4000:]
     assert survivors(job.token) == []
     files = sorted(out.glob("p*.npz"))
@@ -33,20 +34,28 @@ def _train(tmp_path, name, launcher_args, kill_at=0, sig="KILL", strategy="ddp")
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """The 1 x 8 run (plain DDP) both tests compare with."""
-    _, (params,) = _train(tmp_path_factory.mktemp("single"), "1x8",
-                          ["--nprocs", "1", "--devices-per-proc", "8"])
+    _, (params,) = _train(
+        tmp_path_factory.mktemp("single"), "1x8", ["--nprocs", "1", "--devices-per-proc", "8"]
+    )
     return params
 
 
 @pytest.mark.timeout(400)
 def test_trainer_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path, single):
     _, two = _train(tmp_path, "2x4", ["--nprocs", "2", "--devices-per-proc", "4"])
-    job, resumed = _train(tmp_path, "2x4_killed",
-                          ["--nprocs", "2", "--devices-per-proc", "4", "--max-restarts", "1"],
-                          kill_at=6)
-    job_t, preempted = _train(tmp_path, "2x4_term",
-                              ["--nprocs", "2", "--devices-per-proc", "4", "--max-restarts", "1"],
-                              kill_at=6, sig="TERM")
+    job, resumed = _train(
+        tmp_path,
+        "2x4_killed",
+        ["--nprocs", "2", "--devices-per-proc", "4", "--max-restarts", "1"],
+        kill_at=6,
+    )
+    job_t, preempted = _train(
+        tmp_path,
+        "2x4_term",
+        ["--nprocs", "2", "--devices-per-proc", "4", "--max-restarts", "1"],
+        kill_at=6,
+        sig="TERM",
+    )
     assert len(two) == len(resumed) == len(preempted) == 2
     # SIGTERM: both processes stopped after the same step, saved it, exited 143, resumed.
     assert "received SIGTERM; the training loop will stop at a step boundary" in job_t.stderr
@@ -71,9 +80,13 @@ def test_trainer_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path, single):
 def test_fsdp_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path, single):
     # sync=dp.sync.FSDP(): every leaf split over the 8 devices, i.e. over both processes; the
     # result is the plain 1 x 8 run's up to float rounding.
-    job, resumed = _train(tmp_path, "2x4_killed",
-                          ["--nprocs", "2", "--devices-per-proc", "4", "--max-restarts", "1"],
-                          kill_at=6, strategy="fsdp")
+    job, resumed = _train(
+        tmp_path,
+        "2x4_killed",
+        ["--nprocs", "2", "--devices-per-proc", "4", "--max-restarts", "1"],
+        kill_at=6,
+        strategy="fsdp",
+    )
     assert "restarting all 2 process(es) (restart 1 of 1)" in job.stderr
     assert len(resumed) == 2
     for k in KEYS:
@@ -86,8 +99,12 @@ def test_fsdp_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path, single):
 @pytest.mark.timeout(120)
 def test_multihost_example_runs_under_the_launcher(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_DIR", str(tmp_path / "ckpt"))
-    job = launch(["--nprocs", "2", "--devices-per-proc", "4"],
-                 os.path.join(ROOT, "examples", "multihost_train.py"), [], timeout=100)
+    job = launch(
+        ["--nprocs", "2", "--devices-per-proc", "4"],
+        os.path.join(ROOT, "examples", "multihost_train.py"),
+        [],
+        timeout=100,
+    )
     assert job.returncode == 0, job.stderr[-3000:]
     line = next(ln for ln in job.stdout.splitlines() if "loss" in ln)
     assert line.startswith("[0] 2 process(es) x 4 devices: loss ")

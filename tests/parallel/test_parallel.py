@@ -27,8 +27,10 @@ def loss_fn(h, y):
 
 def _params():
     rng = np.random.default_rng(0)
-    return {"a": rng.normal(size=(S, W)).astype(np.float32),
-            "b": rng.normal(size=(S, W)).astype(np.float32)}
+    return {
+        "a": rng.normal(size=(S, W)).astype(np.float32),
+        "b": rng.normal(size=(S, W)).astype(np.float32),
+    }
 
 
 def _reference(params, x):
@@ -46,14 +48,17 @@ def test_pipeline_without_data_axis_matches_one_device():
 
     def body(p, x, y):
         mine = jax.tree.map(lambda v: v[0], p)
-        loss, g = parallel.pipeline_value_and_grad(stage_fn, loss_fn, mine, x, y,
-                                                   stage_axis="stage", num_microbatches=3)
-        out = parallel.pipeline_apply(stage_fn, mine, x, stage_axis="stage",
-                                      num_microbatches=4)
+        loss, g = parallel.pipeline_value_and_grad(
+            stage_fn, loss_fn, mine, x, y, stage_axis="stage", num_microbatches=3
+        )
+        out = parallel.pipeline_apply(stage_fn, mine, x, stage_axis="stage", num_microbatches=4)
         return loss, jax.tree.map(lambda v: v[None], g), out
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P(), P()),
-                              out_specs=(P(), P("stage"), P())))
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=(P(), P("stage"), P())
+        )
+    )
     loss, grads, out = f(jax.device_put(params, NamedSharding(mesh, P("stage"))), x, y)
     want_loss, want_grads = jax.value_and_grad(lambda p: loss_fn(_reference(p, x), y))(params)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
@@ -67,37 +72,62 @@ def test_bubble_fraction():
     assert parallel.bubble_fraction(1, 5) == 0.0
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"num_microbatches": 5}, r"pipeline_value_and_grad: the batch has 12 examples, which do "
-                              r"not split into num_microbatches=5"),
-    ({"num_microbatches": 0}, r"num_microbatches=0 must be a positive int"),
-    ({"stage_fn": lambda p, h: h[:, :2]}, r"stage_fn maps a micro-batch of shape \(4, 6\) "
-                                          r"float32 to \(4, 2\) float32"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"num_microbatches": 5},
+            r"pipeline_value_and_grad: the batch has 12 examples, which do "
+            r"not split into num_microbatches=5",
+        ),
+        ({"num_microbatches": 0}, r"num_microbatches=0 must be a positive int"),
+        (
+            {"stage_fn": lambda p, h: h[:, :2]},
+            r"stage_fn maps a micro-batch of shape \(4, 6\) "
+            r"float32 to \(4, 2\) float32",
+        ),
+    ],
+)
 def test_pipeline_errors(kwargs, match):
     mesh = mesh_1d(S, "stage")
     args = {"stage_fn": stage_fn, "num_microbatches": 3, **kwargs}
 
     def body(p, x):
         mine = jax.tree.map(lambda v: v[0], p)
-        return parallel.pipeline_value_and_grad(args["stage_fn"], loss_fn, mine, x, x,
-                                                stage_axis="stage",
-                                                num_microbatches=args["num_microbatches"])[0]
+        return parallel.pipeline_value_and_grad(
+            args["stage_fn"],
+            loss_fn,
+            mine,
+            x,
+            x,
+            stage_axis="stage",
+            num_microbatches=args["num_microbatches"],
+        )[0]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P()))
     with pytest.raises(ValueError, match=match):
         f.trace(_params(), jax.ShapeDtypeStruct((12, W), jnp.float32))
 
 
-@pytest.mark.parametrize("y, match", [
-    (jax.ShapeDtypeStruct((4, W), jnp.float32), r"pipeline_value_and_grad: y has 4 examples "
-                                                r"but x has 12; .*one target per example of "
-                                                r"x.*a leading axis of 12"),
-    (jax.ShapeDtypeStruct((24, W), jnp.float32), r"y has 24 examples but x has 12"),
-    ({"h": jax.ShapeDtypeStruct((12, W), jnp.float32),
-      "w": jax.ShapeDtypeStruct((), jnp.float32)},
-     r"y\['w'\] has no leading axis \(a scalar\) but x has 12"),
-])
+@pytest.mark.parametrize(
+    "y, match",
+    [
+        (
+            jax.ShapeDtypeStruct((4, W), jnp.float32),
+            r"pipeline_value_and_grad: y has 4 examples "
+            r"but x has 12; .*one target per example of "
+            r"x.*a leading axis of 12",
+        ),
+        (jax.ShapeDtypeStruct((24, W), jnp.float32), r"y has 24 examples but x has 12"),
+        (
+            {
+                "h": jax.ShapeDtypeStruct((12, W), jnp.float32),
+                "w": jax.ShapeDtypeStruct((), jnp.float32),
+            },
+            r"y\['w'\] has no leading axis \(a scalar\) but x has 12",
+        ),
+    ],
+)
 def test_pipeline_refuses_targets_that_do_not_match_the_examples(y, match):
     # 4 targets for 12 examples split into 4 micro-batches of 3 and 1: loss_fn would
     # broadcast them and return a loss of the wrong pairs.
@@ -106,8 +136,9 @@ def test_pipeline_refuses_targets_that_do_not_match_the_examples(y, match):
     def body(p, x, y):
         mine = jax.tree.map(lambda v: v[0], p)
         loss_of = loss_fn if not isinstance(y, dict) else lambda h, t: loss_fn(h, t["h"])
-        return parallel.pipeline_value_and_grad(stage_fn, loss_of, mine, x, y,
-                                                stage_axis="stage", num_microbatches=4)[0]
+        return parallel.pipeline_value_and_grad(
+            stage_fn, loss_of, mine, x, y, stage_axis="stage", num_microbatches=4
+        )[0]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=P()))
     with pytest.raises(ValueError, match=match):
@@ -123,9 +154,10 @@ def test_moe_capacity_drops_come_back_as_zeros():
     expert[:, :4] = 0  # every rank sends >= 4 tokens to rank 0, which takes only 6
 
     def body(x, e):
-        got, local, valid, routing = parallel.dispatch(x[0], e[0], "ep", experts_per_rank=1,
-                                                       capacity=6)
-        y = jnp.where(valid[:, None], got * 10.0, 0.0)   # the "expert": times ten
+        got, local, valid, routing = parallel.dispatch(
+            x[0], e[0], "ep", experts_per_rank=1, capacity=6
+        )
+        y = jnp.where(valid[:, None], got * 10.0, 0.0)  # the "expert": times ten
         return parallel.combine(y, routing, "ep")[None], routing.recv_sizes[None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
@@ -137,12 +169,18 @@ def test_moe_capacity_drops_come_back_as_zeros():
         for q in range(n):
             kept |= set(np.flatnonzero(expert[r] == q)[: recv[q][r]].tolist())
         for i in range(t):
-            np.testing.assert_allclose(out[r, i], 10 * x[r, i] if i in kept else 0.0,
-                                       rtol=1e-6, err_msg=f"rank {r} token {i}")
+            np.testing.assert_allclose(
+                out[r, i],
+                10 * x[r, i] if i in kept else 0.0,
+                rtol=1e-6,
+                err_msg=f"rank {r} token {i}",
+            )
     assert (out == 0).all(axis=-1).sum() > 0
 
 
 def test_shard_mlp_error():
     with pytest.raises(ValueError, match=r"shard_mlp: the hidden width 6 does not split over 4"):
-        parallel.shard_mlp({"w1": np.zeros((2, 6)), "b1": np.zeros(6), "w2": np.zeros((6, 2)),
-                            "b2": np.zeros(2)}, 4)
+        parallel.shard_mlp(
+            {"w1": np.zeros((2, 6)), "b1": np.zeros(6), "w2": np.zeros((6, 2)), "b2": np.zeros(2)},
+            4,
+        )

@@ -34,14 +34,27 @@ def fold(op: str, xs: list[np.ndarray]) -> np.ndarray:
     """op over the ranks' arrays (already widened), in rank order, with torch's bool rules."""
     kind = kind_of(xs[0].dtype)
     if kind == "bool":
-        table = {"sum": np.logical_or, "max": np.logical_or, "bor": np.logical_or,
-                 "product": np.logical_and, "min": np.logical_and, "band": np.logical_and,
-                 "bxor": np.logical_xor}
+        table = {
+            "sum": np.logical_or,
+            "max": np.logical_or,
+            "bor": np.logical_or,
+            "product": np.logical_and,
+            "min": np.logical_and,
+            "band": np.logical_and,
+            "bxor": np.logical_xor,
+        }
         return functools.reduce(table[op], xs)
     if op == "avg":
         return functools.reduce(np.add, xs) / len(xs)
-    table = {"sum": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum,
-             "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+    table = {
+        "sum": np.add,
+        "product": np.multiply,
+        "min": np.minimum,
+        "max": np.maximum,
+        "band": np.bitwise_and,
+        "bor": np.bitwise_or,
+        "bxor": np.bitwise_xor,
+    }
     with np.errstate(over="ignore"):
         return functools.reduce(table[op], xs)
 
@@ -51,6 +64,7 @@ def chunks(a: np.ndarray, n: int) -> list[np.ndarray]:
 
 
 # Each oracle takes the list of the group's inputs (rank order) and returns one output per rank.
+
 
 def all_reduce(xs, op):
     out = fold(op, [widen(x) for x in xs])
@@ -111,6 +125,7 @@ def shift(xs, offset):
 
 # ---- uneven collectives and prefix reductions (issue 14)
 
+
 def ragged_all_to_all(xs, sizes, out_size):
     """xs[j]: rank j's (m, *s) buffer; sizes[j][r]: rows rank j sends to rank r (front first,
     negative as 0, clipped to m). Returns per rank (out, recv_sizes), out packed in sender
@@ -121,7 +136,7 @@ def ragged_all_to_all(xs, sizes, out_size):
         start, row = 0, []
         for r in range(n):
             k = min(max(int(sizes[j][r]), 0), m - start)
-            row.append(xs[j][start:start + k])
+            row.append(xs[j][start : start + k])
             start += k
         parts.append(row)
     outs = []
@@ -130,7 +145,7 @@ def ragged_all_to_all(xs, sizes, out_size):
         pos, recv = 0, []
         for j in range(n):
             k = min(len(parts[j][r]), out_size - pos)
-            out[pos:pos + k] = parts[j][r][:k]
+            out[pos : pos + k] = parts[j][r][:k]
             recv.append(k)
             pos += k
         outs.append((out, np.array(recv, np.int32)))
@@ -140,15 +155,23 @@ def ragged_all_to_all(xs, sizes, out_size):
 def all_gather_uneven(xs, sizes):
     cap = xs[0].shape[0]
     sizes = np.clip(np.asarray(sizes), 0, cap).astype(np.int32)
-    padded = np.stack([np.where((np.arange(cap) < s).reshape((cap,) + (1,) * (x.ndim - 1)), x,
-                                np.zeros((), x.dtype)) for x, s in zip(xs, sizes)])
+    padded = np.stack(
+        [
+            np.where(
+                (np.arange(cap) < s).reshape((cap,) + (1,) * (x.ndim - 1)), x, np.zeros((), x.dtype)
+            )
+            for x, s in zip(xs, sizes)
+        ]
+    )
     return [(padded, sizes)] * len(xs)
 
 
 def gather_uneven(xs, sizes, dst):
     padded, s = all_gather_uneven(xs, sizes)[0]
-    return [(padded, s) if r == dst else (np.zeros_like(padded), np.zeros_like(s))
-            for r in range(len(xs))]
+    return [
+        (padded, s) if r == dst else (np.zeros_like(padded), np.zeros_like(s))
+        for r in range(len(xs))
+    ]
 
 
 def identity(op, dtype):
@@ -169,7 +192,7 @@ def identity(op, dtype):
 
 
 def scan(xs, op):
-    return [fold(op, [widen(x) for x in xs[:r + 1]]) for r in range(len(xs))]
+    return [fold(op, [widen(x) for x in xs[: r + 1]]) for r in range(len(xs))]
 
 
 def exscan(xs, op):
@@ -192,6 +215,6 @@ def reduce_scatter_uneven(xs, op, sizes):
     out = []
     for r, k in enumerate(sizes):
         part = np.zeros((cap, *total.shape[1:]), total.dtype)
-        part[:k] = total[starts[r]:starts[r] + k]
+        part[:k] = total[starts[r] : starts[r] + k]
         out.append((part, np.int32(k)))
     return out

@@ -19,8 +19,13 @@ from tests.helpers import mesh_1d, mesh_2d, run_per_rank
 from tests.primitives import oracle
 
 DTYPES = {
-    "float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-    "int32": jnp.int32, "uint8": jnp.uint8, "bool": jnp.bool_, "complex64": jnp.complex64,
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "int32": jnp.int32,
+    "uint8": jnp.uint8,
+    "bool": jnp.bool_,
+    "complex64": jnp.complex64,
 }
 # Which ops each kind of dtype allows (the rules, restated independently of jaxcoll).
 ALLOWED = {
@@ -70,46 +75,97 @@ def cases(kind: str, n: int):
     out = []
     for op in ALLOWED[kind]:
         exact = kind in ("bool", "integer") or op in ("min", "max")
-        out.append((f"all_reduce[{op}]", lambda x, a, op=op: C.all_reduce(x, a, op),
-                    lambda xs, op=op: oracle.all_reduce(xs, op), exact))
+        out.append(
+            (
+                f"all_reduce[{op}]",
+                lambda x, a, op=op: C.all_reduce(x, a, op),
+                lambda xs, op=op: oracle.all_reduce(xs, op),
+                exact,
+            )
+        )
         dst = n - 1
-        out.append((f"reduce[{op},dst={dst}]", lambda x, a, op=op, d=dst: C.reduce(x, a, d, op),
-                    lambda xs, op=op, d=dst: oracle.reduce(xs, op, d), exact))
+        out.append(
+            (
+                f"reduce[{op},dst={dst}]",
+                lambda x, a, op=op, d=dst: C.reduce(x, a, d, op),
+                lambda xs, op=op, d=dst: oracle.reduce(xs, op, d),
+                exact,
+            )
+        )
         for tiled in (True, False):
+
             def rs(x, a, op=op, tiled=tiled):
                 y = x if tiled else x.reshape((n, 2, 3))
                 return C.reduce_scatter(y, a, op, tiled=tiled)
 
             def rs_oracle(xs, op=op, tiled=tiled):
                 return oracle.reduce_scatter(
-                    [x if tiled else x.reshape((n, 2, 3)) for x in xs], op, tiled)
+                    [x if tiled else x.reshape((n, 2, 3)) for x in xs], op, tiled
+                )
 
             out.append((f"reduce_scatter[{op},tiled={tiled}]", rs, rs_oracle, exact))
     src = n // 2
     out += [
-        (f"broadcast[src={src}]", lambda x, a: C.broadcast(x, a, src),
-         lambda xs: oracle.broadcast(xs, src), True),
-        ("all_gather", lambda x, a: C.all_gather(x, a), lambda xs: oracle.all_gather(xs, False),
-         True),
-        ("all_gather[tiled]", lambda x, a: C.all_gather(x, a, tiled=True),
-         lambda xs: oracle.all_gather(xs, True), True),
-        (f"gather[dst={src}]", lambda x, a: C.gather(x, a, src),
-         lambda xs: oracle.gather(xs, src), True),
-        (f"scatter[src={n - 1},tiled]", lambda x, a: C.scatter(x, a, n - 1, tiled=True),
-         lambda xs: oracle.scatter(xs, n - 1, True), True),
-        ("scatter[src=0]", lambda x, a: C.scatter(x.reshape((n, 2, 3)), a, 0),
-         lambda xs: oracle.scatter([x.reshape((n, 2, 3)) for x in xs], 0, False), True),
-        ("all_to_all[tiled]", lambda x, a: C.all_to_all(x, a, 0, 0, tiled=True),
-         oracle.all_to_all_tiled, True),
-        ("all_to_all[split=1,concat=0]",
-         lambda x, a: C.all_to_all(x.reshape((2, n, 3)), a, 1, 0),
-         lambda xs: oracle.all_to_all_untiled([x.reshape((2, n, 3)) for x in xs], 1, 0), True),
+        (
+            f"broadcast[src={src}]",
+            lambda x, a: C.broadcast(x, a, src),
+            lambda xs: oracle.broadcast(xs, src),
+            True,
+        ),
+        (
+            "all_gather",
+            lambda x, a: C.all_gather(x, a),
+            lambda xs: oracle.all_gather(xs, False),
+            True,
+        ),
+        (
+            "all_gather[tiled]",
+            lambda x, a: C.all_gather(x, a, tiled=True),
+            lambda xs: oracle.all_gather(xs, True),
+            True,
+        ),
+        (
+            f"gather[dst={src}]",
+            lambda x, a: C.gather(x, a, src),
+            lambda xs: oracle.gather(xs, src),
+            True,
+        ),
+        (
+            f"scatter[src={n - 1},tiled]",
+            lambda x, a: C.scatter(x, a, n - 1, tiled=True),
+            lambda xs: oracle.scatter(xs, n - 1, True),
+            True,
+        ),
+        (
+            "scatter[src=0]",
+            lambda x, a: C.scatter(x.reshape((n, 2, 3)), a, 0),
+            lambda xs: oracle.scatter([x.reshape((n, 2, 3)) for x in xs], 0, False),
+            True,
+        ),
+        (
+            "all_to_all[tiled]",
+            lambda x, a: C.all_to_all(x, a, 0, 0, tiled=True),
+            oracle.all_to_all_tiled,
+            True,
+        ),
+        (
+            "all_to_all[split=1,concat=0]",
+            lambda x, a: C.all_to_all(x.reshape((2, n, 3)), a, 1, 0),
+            lambda xs: oracle.all_to_all_untiled([x.reshape((2, n, 3)) for x in xs], 1, 0),
+            True,
+        ),
         ("shift[+1]", lambda x, a: C.shift(x, a, 1), lambda xs: oracle.shift(xs, 1), True),
         ("shift[-2]", lambda x, a: C.shift(x, a, -2), lambda xs: oracle.shift(xs, -2), True),
     ]
     pairs = [(0, 0)] if n == 1 else [(0, n - 1), (n - 1, 0)] + ([(1, 2)] if n >= 4 else [])
-    out.append((f"sendrecv{pairs}", lambda x, a: C.sendrecv(x, a, pairs),
-                lambda xs: oracle.sendrecv(xs, pairs), True))
+    out.append(
+        (
+            f"sendrecv{pairs}",
+            lambda x, a: C.sendrecv(x, a, pairs),
+            lambda xs: oracle.sendrecv(xs, pairs),
+            True,
+        )
+    )
     return out
 
 
@@ -148,11 +204,13 @@ def _run(label: str, jit: bool):
 EAGER_CONFIGS = ("n1", "n3", "n8", "2d-both")
 LABELS = [c for c in CONFIGS if not c.startswith("explicit")]
 MODES = [(c, d, True) for c in LABELS for d in DTYPES] + [
-    (c, d, False) for c in EAGER_CONFIGS for d in EAGER_DTYPES]
+    (c, d, False) for c in EAGER_CONFIGS for d in EAGER_DTYPES
+]
 
 
-@pytest.mark.parametrize("label, dtype_name, jit", MODES,
-                         ids=[f"{c}-{d}-{'jit' if j else 'eager'}" for c, d, j in MODES])
+@pytest.mark.parametrize(
+    "label, dtype_name, jit", MODES, ids=[f"{c}-{d}-{'jit' if j else 'eager'}" for c, d, j in MODES]
+)
 def test_matches_numpy_oracle(label, dtype_name, jit):
     failures = _check(label, dtype_name, jit)
     assert not failures, "\n".join(failures[:10])
@@ -197,8 +255,9 @@ def test_oracle_detects_a_wrong_answer():
     wrong[0, 0] += 1
     with pytest.raises(AssertionError):
         np.testing.assert_array_equal(outputs["int32"]["all_reduce[sum]"][0], wrong)
-    np.testing.assert_array_equal(outputs["int32"]["all_reduce[sum]"][0],
-                                  oracle.all_reduce(xs, "sum")[0])
+    np.testing.assert_array_equal(
+        outputs["int32"]["all_reduce[sum]"][0], oracle.all_reduce(xs, "sum")[0]
+    )
 
 
 def test_pytree_inputs_keep_their_structure():
@@ -208,12 +267,16 @@ def test_pytree_inputs_keep_their_structure():
 
     def body(a, b):
         tree = {"w": a, "layers": [b, (a * 2,)]}
-        return {"sum": C.all_reduce(tree, "x"), "max": C.all_reduce(tree, "x", "max"),
-                "bcast": C.broadcast(tree, "x", 3)}
+        return {
+            "sum": C.all_reduce(tree, "x"),
+            "max": C.all_reduce(tree, "x", "max"),
+            "bcast": C.broadcast(tree, "x", 3),
+        }
 
     out = run_per_rank(body, mesh, [a, b], jit=True)
     assert jax.tree_util.tree_structure(out["sum"]) == jax.tree_util.tree_structure(
-        {"w": 0, "layers": [0, (0,)]})
+        {"w": 0, "layers": [0, (0,)]}
+    )
     np.testing.assert_array_equal(out["sum"]["w"][2], a.sum(0))
     np.testing.assert_array_equal(out["sum"]["layers"][0][1], b.sum(0))
     np.testing.assert_array_equal(out["max"]["layers"][1][0][0], (a * 2).max(0))
@@ -232,10 +295,13 @@ def test_rank_and_world_size_on_a_2d_mesh():
     mesh = mesh_2d()
 
     def body(x):
-        return {"both": C.rank(("node", "local")) + 0 * x[0].astype(jnp.int32),
-                "local": C.rank("local") + 0 * x[0].astype(jnp.int32),
-                "sizes": jnp.array([C.world_size("node"), C.world_size("local"),
-                                    C.world_size(("node", "local"))])}
+        return {
+            "both": C.rank(("node", "local")) + 0 * x[0].astype(jnp.int32),
+            "local": C.rank("local") + 0 * x[0].astype(jnp.int32),
+            "sizes": jnp.array(
+                [C.world_size("node"), C.world_size("local"), C.world_size(("node", "local"))]
+            ),
+        }
 
     out = run_per_rank(body, mesh, [np.zeros((8, 1))], jit=True)
     np.testing.assert_array_equal(out["both"], np.arange(8))

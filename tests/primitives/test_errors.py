@@ -24,36 +24,59 @@ def trace(body, n=4, shape=(8, 3), dtype=jnp.float32):
 @pytest.mark.parametrize(
     "body, match",
     [
-        (lambda x: C.broadcast(x, "x", 4), r"broadcast: src=4 is out of range for a group of 4 "
-                                           r"ranks \(0\.\.3\)"),
+        (
+            lambda x: C.broadcast(x, "x", 4),
+            r"broadcast: src=4 is out of range for a group of 4 "
+            r"ranks \(0\.\.3\)",
+        ),
         (lambda x: C.broadcast(x, "x", -1), r"broadcast: src=-1 is out of range"),
         (lambda x: C.reduce(x, "x", 9), r"reduce: dst=9 is out of range for a group of 4"),
         (lambda x: C.gather(x, "x", 4), r"gather: dst=4 is out of range"),
         (lambda x: C.scatter(x, "x", 7, tiled=True), r"scatter: src=7 is out of range"),
         (lambda x: C.sendrecv(x, "x", [(0, 4)]), r"sendrecv: pairs dst=4 is out of range"),
-        (lambda x: C.sendrecv(x, "x", [(0, 1), (0, 2)]),
-         r"sendrecv: pairs=.* is not a partial permutation: rank 0 sends more than once"),
-        (lambda x: C.sendrecv(x, "x", [(0, 2), (1, 2)]),
-         r"not a partial permutation: rank 2 receives more than once"),
+        (
+            lambda x: C.sendrecv(x, "x", [(0, 1), (0, 2)]),
+            r"sendrecv: pairs=.* is not a partial permutation: rank 0 sends more than once",
+        ),
+        (
+            lambda x: C.sendrecv(x, "x", [(0, 2), (1, 2)]),
+            r"not a partial permutation: rank 2 receives more than once",
+        ),
         (lambda x: C.all_reduce(x, "x", "median"), r"all_reduce: op='median' is not a reduce op"),
         (lambda x: C.reduce_scatter(x, "x", "mean_of_squares"), r"reduce_scatter: op="),
-        (lambda x: C.scatter(x[:6], "x", 0, tiled=True),
-         r"scatter: x.shape\[0\] has size 6, which is not divisible by the group size 4"),
-        (lambda x: C.scatter(x, "x", 0),
-         r"scatter: x.shape\[0\] has size 8 but the group has 4 ranks.*tiled=True"),
-        (lambda x: C.reduce_scatter(x[:6], "x", tiled=True),
-         r"reduce_scatter: x.shape\[0\] has size 6, which is not divisible by the group size 4"),
-        (lambda x: C.reduce_scatter(x, "x"), r"reduce_scatter: x.shape\[0\] has size 8 but the "
-                                             r"group has 4 ranks"),
-        (lambda x: C.all_to_all(x, "x", 1, 0, tiled=True),
-         r"all_to_all: x.shape\[1\] \(split_axis\) has size 3, which is not divisible by the "
-         r"group size 4"),
-        (lambda x: C.all_to_all(x, "x", 3, 0), r"all_to_all: split_axis=3 is out of range for an "
-                                               r"array of rank 2"),
+        (
+            lambda x: C.scatter(x[:6], "x", 0, tiled=True),
+            r"scatter: x.shape\[0\] has size 6, which is not divisible by the group size 4",
+        ),
+        (
+            lambda x: C.scatter(x, "x", 0),
+            r"scatter: x.shape\[0\] has size 8 but the group has 4 ranks.*tiled=True",
+        ),
+        (
+            lambda x: C.reduce_scatter(x[:6], "x", tiled=True),
+            r"reduce_scatter: x.shape\[0\] has size 6, which is not divisible by the group size 4",
+        ),
+        (
+            lambda x: C.reduce_scatter(x, "x"),
+            r"reduce_scatter: x.shape\[0\] has size 8 but the "
+            r"group has 4 ranks",
+        ),
+        (
+            lambda x: C.all_to_all(x, "x", 1, 0, tiled=True),
+            r"all_to_all: x.shape\[1\] \(split_axis\) has size 3, which is not divisible by the "
+            r"group size 4",
+        ),
+        (
+            lambda x: C.all_to_all(x, "x", 3, 0),
+            r"all_to_all: split_axis=3 is out of range for an "
+            r"array of rank 2",
+        ),
         (lambda x: C.all_gather(x, "x", axis=5), r"all_gather: axis=5 is out of range"),
-        (lambda x: C.all_reduce(x, "y"),
-         r"all_reduce: axis_name='y' is not bound here. Call it inside jax.shard_map over a mesh "
-         r"with axis 'y'"),
+        (
+            lambda x: C.all_reduce(x, "y"),
+            r"all_reduce: axis_name='y' is not bound here. Call it inside jax.shard_map over a "
+            r"mesh with axis 'y'",
+        ),
         (lambda x: C.all_reduce(x, ()), r"all_reduce: axis_name=\(\) names no mesh axis"),
         (lambda x: C.shift(x, "x", 1.5), r"shift: offset must be an int, got 1.5"),
     ],
@@ -68,8 +91,12 @@ def test_bad_values_raise_value_error(body, match):
 @pytest.mark.parametrize(
     "op, dtype, match",
     [
-        ("max", jnp.complex64, r"op=ReduceOp.MAX is not defined for dtype complex64.*SUM, AVG, "
-                               r"PRODUCT"),
+        (
+            "max",
+            jnp.complex64,
+            r"op=ReduceOp.MAX is not defined for dtype complex64.*SUM, AVG, "
+            r"PRODUCT",
+        ),
         ("min", jnp.complex64, r"op=ReduceOp.MIN is not defined for dtype complex64"),
         ("avg", jnp.int32, r"op=ReduceOp.AVG is not defined for dtype int32.*cast to a floating"),
         ("avg", jnp.bool_, r"op=ReduceOp.AVG is not defined for dtype bool"),
@@ -88,8 +115,11 @@ def test_op_not_defined_for_dtype_raises_type_error(op, dtype, match):
 
 
 def test_outside_shard_map_names_the_fix():
-    with pytest.raises(ValueError, match=r"broadcast: axis_name='x' is not bound here. Call it "
-                                         r"inside jax.shard_map over a mesh with axis 'x'"):
+    with pytest.raises(
+        ValueError,
+        match=r"broadcast: axis_name='x' is not bound here. Call it "
+        r"inside jax.shard_map over a mesh with axis 'x'",
+    ):
         C.broadcast(jnp.ones(3), "x", 0)
     with pytest.raises(ValueError, match=r"world_size: axis_name=\('a', 'b'\) is not bound"):
         C.world_size(("a", "b"))
@@ -100,16 +130,22 @@ def test_traced_rank_is_a_type_error():
         src = jnp.argmax(x[:, 0])  # a traced value, not a static int
         return C.broadcast(x, "x", src)
 
-    with pytest.raises(TypeError, match=r"broadcast: src must be a static Python int known at "
-                                        r"trace time, got a traced value"):
+    with pytest.raises(
+        TypeError,
+        match=r"broadcast: src must be a static Python int known at "
+        r"trace time, got a traced value",
+    ):
         trace(body)
 
 
 def test_wrong_types_are_type_errors():
     with pytest.raises(TypeError, match=r"all_reduce: op must be a jaxcoll.ReduceOp or its name"):
         trace(lambda x: C.all_reduce(x, "x", 3))
-    with pytest.raises(TypeError, match=r"all_gather: leaf 1 of x must be an array or a number, "
-                                        r"got str instead"):
+    with pytest.raises(
+        TypeError,
+        match=r"all_gather: leaf 1 of x must be an array or a number, "
+        r"got str instead",
+    ):
         trace(lambda x: C.all_gather([x, "text"], "x"))
     with pytest.raises(TypeError, match=r"sendrecv: pairs must be a sequence of \(src, dst\)"):
         trace(lambda x: C.sendrecv(x, "x", "0->1"))

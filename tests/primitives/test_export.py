@@ -29,8 +29,14 @@ from tests.helpers import mesh_1d
 from tests.primitives import oracle
 
 N = 8
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute",
-               "collective_broadcast")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "collective_permute",
+    "collective_broadcast",
+)
 PLATFORMS = {"cuda": ("cuda",), "cpu": ("cpu",), "both": ("cuda", "cpu")}
 # XLA's ragged all-to-all is a custom call JAX gives no compatibility guarantee: exporting a
 # module that holds it (lowered for GPUs only) needs this.
@@ -50,21 +56,35 @@ TREE = math.ceil(math.log2(N))
 CASES = {
     # name: (body, out_spec, {platform: expected counts})
     # A module for cuda and cpu at once takes the tree on both (XLA:CPU has no broadcast).
-    "broadcast": (lambda x: C.broadcast(x, "x", src=3), P(),
-                  {"cuda": {"collective_broadcast": 1}, "cpu": {"collective_permute": TREE},
-                   "both": {"collective_permute": TREE}}),
+    "broadcast": (
+        lambda x: C.broadcast(x, "x", src=3),
+        P(),
+        {
+            "cuda": {"collective_broadcast": 1},
+            "cpu": {"collective_permute": TREE},
+            "both": {"collective_permute": TREE},
+        },
+    ),
     "sum": (lambda x: C.all_reduce(x, "x"), P(), {"all": {"all_reduce": 1}}),
     "avg": (lambda x: C.all_reduce(x, "x", "avg"), P(), {"all": {"all_reduce": 1}}),
     "min": (lambda x: C.all_reduce(x, "x", "min"), P(), {"all": {"all_reduce": 1}}),
     "max": (lambda x: C.all_reduce(x, "x", "max"), P(), {"all": {"all_reduce": 1}}),
     # jax lowers all_gather per platform: an export for both carries one in each branch.
-    "all_gather": (lambda x: C.all_gather(x, "x", tiled=True), P(),
-                   {"cuda": {"all_gather": 1}, "cpu": {"all_gather": 1},
-                    "both": {"all_gather": 2}}),
-    "reduce_scatter": (lambda x: C.reduce_scatter(x, "x", tiled=True), P("x"),
-                       {"all": {"reduce_scatter": 1}}),
-    "sendrecv": (lambda x: C.sendrecv(x, "x", [(0, 5), (5, 0)]), P("x"),
-                 {"all": {"collective_permute": 1}}),
+    "all_gather": (
+        lambda x: C.all_gather(x, "x", tiled=True),
+        P(),
+        {"cuda": {"all_gather": 1}, "cpu": {"all_gather": 1}, "both": {"all_gather": 2}},
+    ),
+    "reduce_scatter": (
+        lambda x: C.reduce_scatter(x, "x", tiled=True),
+        P("x"),
+        {"all": {"reduce_scatter": 1}},
+    ),
+    "sendrecv": (
+        lambda x: C.sendrecv(x, "x", [(0, 5), (5, 0)]),
+        P("x"),
+        {"all": {"collective_permute": 1}},
+    ),
     "shift": (lambda x: C.shift(x, "x", 2), P("x"), {"all": {"collective_permute": 1}}),
 }
 
@@ -80,10 +100,17 @@ def test_exported_collectives(name, platform):
 def test_multi_platform_export_of_a_whole_program():
     """One program using every op exports for cuda and cpu together; the NCCL broadcast is in
     the module for cuda alone, and a module for both has the tree only."""
+
     def body(x):
-        return (C.broadcast(x, "x", 1) + C.all_reduce(x, "x", "product")
-                + C.reduce(x, "x", 2) + C.gather(x, "x", 0)[0] + C.scatter(x, "x", 1, tiled=True)
-                .repeat(N, axis=0) + C.all_to_all(x, "x", 0, 0, tiled=True))
+        return (
+            C.broadcast(x, "x", 1)
+            + C.all_reduce(x, "x", "product")
+            + C.reduce(x, "x", 2)
+            + C.gather(x, "x", 0)[0]
+            + C.scatter(x, "x", 1, tiled=True).repeat(N, axis=0)
+            + C.all_to_all(x, "x", 0, 0, tiled=True)
+        )
+
     cuda = exported_counts(body, ("cuda",), P("x"))
     both = exported_counts(body, ("cuda", "cpu"), P("x"))
     assert cuda["collective_broadcast"] == 1 and "collective_permute" not in cuda
@@ -92,11 +119,19 @@ def test_multi_platform_export_of_a_whole_program():
 
 def test_ragged_all_to_all_is_native_only_in_a_module_for_gpus_alone():
     mesh = mesh_1d(N)
-    f = jax.jit(jax.shard_map(lambda x, s: C.ragged_all_to_all(x, "x", s[0])[0], mesh=mesh,
-                              in_specs=P("x"), out_specs=P("x")))
+    f = jax.jit(
+        jax.shard_map(
+            lambda x, s: C.ragged_all_to_all(x, "x", s[0])[0],
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P("x"),
+        )
+    )
     spec = NamedSharding(mesh, P("x"))
-    args = (jax.ShapeDtypeStruct((N * 16, 4), jnp.float32, sharding=spec),
-            jax.ShapeDtypeStruct((N, N), jnp.int32, sharding=spec))
+    args = (
+        jax.ShapeDtypeStruct((N * 16, 4), jnp.float32, sharding=spec),
+        jax.ShapeDtypeStruct((N, N), jnp.int32, sharding=spec),
+    )
 
     def native(platforms):
         exported = jax.export.export(f, platforms=platforms, disabled_checks=RAGGED_OK)(*args)

@@ -24,27 +24,42 @@ ROWS = 2  # each rank holds (ROWS * n, 3)
 def _ops(n):
     pairs = [(0, n - 1), (n - 1, 0)] if n > 1 else [(0, 0)]
     return {
-        "all_reduce[sum]": (lambda x, a: C.all_reduce(x, a),
-                            lambda xs: oracle.all_reduce(xs, "sum")),
-        "all_reduce[avg]": (lambda x, a: C.all_reduce(x, a, "avg"),
-                            lambda xs: oracle.all_reduce(xs, "avg")),
-        "reduce[sum,dst=1]": (lambda x, a: C.reduce(x, a, 1),
-                              lambda xs: oracle.reduce(xs, "sum", 1)),
+        "all_reduce[sum]": (
+            lambda x, a: C.all_reduce(x, a),
+            lambda xs: oracle.all_reduce(xs, "sum"),
+        ),
+        "all_reduce[avg]": (
+            lambda x, a: C.all_reduce(x, a, "avg"),
+            lambda xs: oracle.all_reduce(xs, "avg"),
+        ),
+        "reduce[sum,dst=1]": (
+            lambda x, a: C.reduce(x, a, 1),
+            lambda xs: oracle.reduce(xs, "sum", 1),
+        ),
         "broadcast[src=1]": (lambda x, a: C.broadcast(x, a, 1), lambda xs: oracle.broadcast(xs, 1)),
         "all_gather": (lambda x, a: C.all_gather(x, a), lambda xs: oracle.all_gather(xs, False)),
-        "all_gather[tiled]": (lambda x, a: C.all_gather(x, a, tiled=True),
-                              lambda xs: oracle.all_gather(xs, True)),
+        "all_gather[tiled]": (
+            lambda x, a: C.all_gather(x, a, tiled=True),
+            lambda xs: oracle.all_gather(xs, True),
+        ),
         "gather[dst=0]": (lambda x, a: C.gather(x, a, 0), lambda xs: oracle.gather(xs, 0)),
-        "scatter[src=1,tiled]": (lambda x, a: C.scatter(x, a, 1, tiled=True),
-                                 lambda xs: oracle.scatter(xs, 1, True)),
-        "reduce_scatter[sum,tiled]": (lambda x, a: C.reduce_scatter(x, a, tiled=True),
-                                      lambda xs: oracle.reduce_scatter(xs, "sum", True)),
-        "reduce_scatter[avg,tiled]": (lambda x, a: C.reduce_scatter(x, a, "avg", tiled=True),
-                                      lambda xs: oracle.reduce_scatter(xs, "avg", True)),
+        "scatter[src=1,tiled]": (
+            lambda x, a: C.scatter(x, a, 1, tiled=True),
+            lambda xs: oracle.scatter(xs, 1, True),
+        ),
+        "reduce_scatter[sum,tiled]": (
+            lambda x, a: C.reduce_scatter(x, a, tiled=True),
+            lambda xs: oracle.reduce_scatter(xs, "sum", True),
+        ),
+        "reduce_scatter[avg,tiled]": (
+            lambda x, a: C.reduce_scatter(x, a, "avg", tiled=True),
+            lambda xs: oracle.reduce_scatter(xs, "avg", True),
+        ),
         "all_to_all[tiled]": (lambda x, a: C.all_to_all(x, a, tiled=True), oracle.all_to_all_tiled),
         "all_to_all[split=1]": (
             lambda x, a: C.all_to_all(x.reshape((ROWS, n, 3)), a, 1, 0),
-            lambda xs: oracle.all_to_all_untiled([x.reshape((ROWS, n, 3)) for x in xs], 1, 0)),
+            lambda xs: oracle.all_to_all_untiled([x.reshape((ROWS, n, 3)) for x in xs], 1, 0),
+        ),
         "sendrecv": (lambda x, a: C.sendrecv(x, a, pairs), lambda xs: oracle.sendrecv(xs, pairs)),
         "shift[+1]": (lambda x, a: C.shift(x, a, 1), lambda xs: oracle.shift(xs, 1)),
     }
@@ -84,8 +99,9 @@ def test_grad_matches_finite_differences(config):
         w_glob = np.concatenate(weights, 0)
 
         def F(x_glob, op=op, w_glob=w_glob):
-            out = jax.shard_map(lambda x: op(x, axis), mesh=mesh, in_specs=spec,
-                                out_specs=spec)(x_glob)
+            out = jax.shard_map(lambda x: op(x, axis), mesh=mesh, in_specs=spec, out_specs=spec)(
+                x_glob
+            )
             return jnp.sum(out * w_glob)
 
         x_glob = jax.device_put(np.concatenate(xs, 0), NamedSharding(mesh, spec))
@@ -106,8 +122,12 @@ def test_grad_eager_broadcast_sums_cotangents_onto_src():
     w = jnp.array([1.0, 2.0, 3.0, 4.0])
 
     def F(v):
-        return jnp.sum(w * jax.shard_map(lambda y: C.broadcast(y, "x", 2), mesh=mesh,
-                                         in_specs=P("x"), out_specs=P("x"))(v))
+        return jnp.sum(
+            w
+            * jax.shard_map(
+                lambda y: C.broadcast(y, "x", 2), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+            )(v)
+        )
 
     np.testing.assert_array_equal(np.asarray(jax.grad(F)(x)), [0.0, 0.0, 10.0, 0.0])
 

@@ -35,9 +35,14 @@ def test_min_max_propagate_nan(algorithm):
     axis = ("node", "local") if algorithm == "hierarchical" else "x"
 
     def body(*xs):
-        return [(C.all_reduce(v, axis, "max", algorithm=algorithm),
-                 C.all_reduce(v, axis, "min", algorithm=algorithm),
-                 C.reduce(v, axis, 2, "max", algorithm=algorithm)) for v in xs]
+        return [
+            (
+                C.all_reduce(v, axis, "max", algorithm=algorithm),
+                C.all_reduce(v, axis, "min", algorithm=algorithm),
+                C.reduce(v, axis, 2, "max", algorithm=algorithm),
+            )
+            for v in xs
+        ]
 
     spec = P(axis)
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(FLOATS), out_specs=spec))
@@ -67,9 +72,13 @@ def test_float16_sums_accumulate_in_float32(n):
     wide = x.astype(np.float32)
 
     def body(v):
-        return (C.all_reduce(v, "x"), C.all_reduce(v, "x", "avg"), C.reduce(v, "x", n - 1),
-                C.reduce_scatter(v, "x", tiled=True, scatter_dimension=1),
-                C.all_reduce(v, "x", algorithm="ring"))
+        return (
+            C.all_reduce(v, "x"),
+            C.all_reduce(v, "x", "avg"),
+            C.reduce(v, "x", n - 1),
+            C.reduce_scatter(v, "x", tiled=True, scatter_dimension=1),
+            C.all_reduce(v, "x", algorithm="ring"),
+        )
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     s, a, r, rs, ring = (np.asarray(y) for y in f(jax.device_put(x, NamedSharding(mesh, P("x")))))

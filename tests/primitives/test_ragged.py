@@ -152,9 +152,12 @@ def _run_rs(label: str):
         out = {}
         for op in OPS:
             for tag, sizes in _rs_sizes(n).items():
-                allowed = {d: v for d, v in tree.items()
-                           if op in ALLOWED[oracle.kind_of(DTYPES[d])]
-                           and (tag == "even" or d in EAGER_DTYPES)}
+                allowed = {
+                    d: v
+                    for d, v in tree.items()
+                    if op in ALLOWED[oracle.kind_of(DTYPES[d])]
+                    and (tag == "even" or d in EAGER_DTYPES)
+                }
                 out[f"{op},{tag}"] = C.reduce_scatter_uneven(allowed, axis_name, sizes, op)
         return out
 
@@ -180,8 +183,9 @@ def test_reduce_scatter_uneven_matches_numpy_oracle(label):
                 for dev, (w, w_size) in zip(members, want):
                     g = value[dev]
                     try:
-                        assert g.dtype == xs[dname].dtype and g.shape == w.shape, \
+                        assert g.dtype == xs[dname].dtype and g.shape == w.shape, (
                             f"{g.dtype}{g.shape} != {xs[dname].dtype}{w.shape}"
+                        )
                         if exact:
                             np.testing.assert_array_equal(g, w.astype(g.dtype))
                         else:
@@ -196,12 +200,21 @@ def test_reduce_scatter_uneven_matches_numpy_oracle(label):
 
 def _rs_collectives(sizes, op):
     mesh = mesh_1d(4)
-    f = jax.jit(jax.shard_map(lambda v: C.reduce_scatter_uneven(v, "x", sizes, op)[0],
-                              mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    text = f.lower(jax.ShapeDtypeStruct((24, 2), jnp.float32,
-                                        sharding=NamedSharding(mesh, P("x")))).as_text()
-    return {k: text.count(f"stablehlo.{k}") for k in ("reduce_scatter", "all_reduce",
-                                                       "all_to_all", "all_gather")}
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: C.reduce_scatter_uneven(v, "x", sizes, op)[0],
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P("x"),
+        )
+    )
+    text = f.lower(
+        jax.ShapeDtypeStruct((24, 2), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    ).as_text()
+    return {
+        k: text.count(f"stablehlo.{k}")
+        for k in ("reduce_scatter", "all_reduce", "all_to_all", "all_gather")
+    }
 
 
 def test_reduce_scatter_uneven_takes_the_lowering_that_moves_fewer_bytes():
@@ -228,10 +241,12 @@ RS = {"rs_even": ([2, 1, 3, 0], "sum"), "rs_skewed": ([0, 1, 5, 0], "avg")}  # b
 
 
 def _cases(x, send, own):
-    return {"ragged": C.ragged_all_to_all(x, "i", send, out_size=7),
-            "all_gather_uneven": C.all_gather_uneven(x, "i", own),
-            "gather_uneven": C.gather_uneven(x, "i", own, dst=2),
-            **{k: C.reduce_scatter_uneven(x, "i", sizes, op) for k, (sizes, op) in RS.items()}}
+    return {
+        "ragged": C.ragged_all_to_all(x, "i", send, out_size=7),
+        "all_gather_uneven": C.all_gather_uneven(x, "i", own),
+        "gather_uneven": C.gather_uneven(x, "i", own, dst=2),
+        **{k: C.reduce_scatter_uneven(x, "i", sizes, op) for k, (sizes, op) in RS.items()},
+    }
 
 
 def _x():
@@ -247,8 +262,10 @@ def _linear_reference(name):
 
         def reduced(X):
             total = X.sum(0) / (N if op == "avg" else 1)
-            return jnp.stack([jnp.pad(total[a:a + k], ((0, cap - k), (0, 0)))
-                              for a, k in zip(starts, sizes)])
+            return jnp.stack(
+                [jnp.pad(total[a : a + k], ((0, cap - k), (0, 0))) for a, k in zip(starts, sizes)]
+            )
+
         return reduced
     ids = [np.arange(1, 7)[:, None] + 6 * j for j in range(N)]  # id of row i of rank j, +1
     if name == "ragged":
@@ -262,11 +279,11 @@ def _linear_reference(name):
     def ref(X):
         flat = X.reshape(N * 6, 2)
         return jnp.where((index > 0)[..., None], flat[np.maximum(index - 1, 0)], 0.0)
+
     return ref
 
 
-@pytest.mark.parametrize("binding", ["shard_map", "shard_map_jit", "pmap", "vmap",
-                                     "vmap_jit"])
+@pytest.mark.parametrize("binding", ["shard_map", "shard_map_jit", "pmap", "vmap", "vmap_jit"])
 def test_values_and_grad_under_every_binding(binding):
     """Plain (eager) and jitted shard_map, pmap, vmap: the ops against the oracle; and
     (jitted and pmap) the gradient of a weighted sum of them against the same ops written as
@@ -281,6 +298,7 @@ def test_values_and_grad_under_every_binding(binding):
         def loss(X):
             out = f(X, SEND, OWN)
             return sum(jnp.sum(w[k] * out[k][0]) for k in names), out
+
         return jax.grad(loss, has_aux=True)(X)
 
     eager = binding in ("shard_map", "vmap")  # op by op: values only, the grad is jitted
@@ -289,22 +307,27 @@ def test_values_and_grad_under_every_binding(binding):
     else:
         grad, got = (jax.jit(both) if binding.endswith("_jit") else both)(x)
     xs = list(x)
-    want = {"ragged": oracle.ragged_all_to_all(xs, SEND, 7),
-            "all_gather_uneven": oracle.all_gather_uneven(xs, OWN),
-            "gather_uneven": oracle.gather_uneven(xs, OWN, 2),
-            **{k: oracle.reduce_scatter_uneven(xs, op, sizes) for k, (sizes, op) in RS.items()}}
+    want = {
+        "ragged": oracle.ragged_all_to_all(xs, SEND, 7),
+        "all_gather_uneven": oracle.all_gather_uneven(xs, OWN),
+        "gather_uneven": oracle.gather_uneven(xs, OWN, 2),
+        **{k: oracle.reduce_scatter_uneven(xs, op, sizes) for k, (sizes, op) in RS.items()},
+    }
     for name, rows in want.items():
         for r, (v, vs) in enumerate(rows):
             if name in RS:  # sums: the order of the additions may differ
-                np.testing.assert_allclose(np.asarray(got[name][0])[r], v, rtol=1e-6, atol=1e-6,
-                                           err_msg=name)
+                np.testing.assert_allclose(
+                    np.asarray(got[name][0])[r], v, rtol=1e-6, atol=1e-6, err_msg=name
+                )
             else:
                 np.testing.assert_array_equal(np.asarray(got[name][0])[r], v, err_msg=name)
             np.testing.assert_array_equal(np.asarray(got[name][1])[r], vs, err_msg=name)
     if eager:
         return
+
     def reference_grad(keys):
         return jax.grad(lambda X: sum(jnp.sum(w[k] * _linear_reference(k)(X)) for k in keys))(x)
+
     np.testing.assert_allclose(grad, reference_grad(names), rtol=1e-6, atol=1e-6)
     moved = reference_grad(names[:3])  # the reduce-scatters read every row; these do not
     assert np.abs(moved).min() == 0 and np.abs(moved).max() > 0  # unsent rows: no grad
@@ -319,13 +342,17 @@ def _exported(platforms):
         return C.ragged_all_to_all(tree, "x", s[0])[0]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    args = (jax.ShapeDtypeStruct((64, 4), jnp.float32, sharding=NamedSharding(mesh, P("x"))),
-            jax.ShapeDtypeStruct((8, 8), jnp.int32, sharding=NamedSharding(mesh, P("x"))))
+    args = (
+        jax.ShapeDtypeStruct((64, 4), jnp.float32, sharding=NamedSharding(mesh, P("x"))),
+        jax.ShapeDtypeStruct((8, 8), jnp.int32, sharding=NamedSharding(mesh, P("x"))),
+    )
     check = jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")
     text = jax.export.export(f, platforms=platforms, disabled_checks=[check])(*args).mlir_module()
-    return {"ragged": text.count("custom_call @ragged_all_to_all"),
-            "all_to_all": text.count("stablehlo.all_to_all"),
-            "all_gather": len([1 for line in text.splitlines() if "stablehlo.all_gather" in line])}
+    return {
+        "ragged": text.count("custom_call @ragged_all_to_all"),
+        "all_to_all": text.count("stablehlo.all_to_all"),
+        "all_gather": len([1 for line in text.splitlines() if "stablehlo.all_gather" in line]),
+    }
 
 
 def test_gpu_gets_native_ragged_all_to_all_and_cpu_one_padded_all_to_all():
@@ -341,48 +368,110 @@ def _trace(body, n=4):
     f.trace(jax.ShapeDtypeStruct((n * 5, 3), jnp.float32, sharding=NamedSharding(mesh, P("x"))))
 
 
-@pytest.mark.parametrize("body, error, match", [
-    (lambda x: C.ragged_all_to_all(x, "x", jnp.ones(3, jnp.int32))[0], ValueError,
-     r"ragged_all_to_all: send_sizes has shape \(3,\), but it must have shape \(4,\)"),
-    (lambda x: C.ragged_all_to_all(x, "x", jnp.ones(4))[0], TypeError,
-     r"ragged_all_to_all: send_sizes must hold integers, got dtype float32"),
-    (lambda x: C.ragged_all_to_all(x, "x", jnp.ones(4, jnp.int32), out_size=-1)[0], ValueError,
-     r"ragged_all_to_all: out_size=-1 is negative"),
-    (lambda x: C.ragged_all_to_all(x, "x", jnp.ones(4, jnp.int32), out_size=2.0)[0], TypeError,
-     r"ragged_all_to_all: out_size must be an int, got 2.0"),
-    (lambda x: C.ragged_all_to_all({"a": x, "b": x[:2]}, "x", jnp.ones(4, jnp.int32))[0]["a"],
-     ValueError, r"leading sizes 5 and 2; every leaf must hold the same number"),
-    (lambda x: C.ragged_all_to_all(x, "y", jnp.ones(4, jnp.int32))[0], ValueError,
-     r"ragged_all_to_all: axis_name='y' is not bound here"),
-    (lambda x: C.all_gather_uneven(x[0, 0], "x", 1)[0][0], ValueError,
-     r"all_gather_uneven: x holds a scalar"),
-    (lambda x: C.all_gather_uneven(x, "x", jnp.ones(2, jnp.int32))[0][0], ValueError,
-     r"all_gather_uneven: size has shape \(2,\), but it must have shape \(\)"),
-    (lambda x: C.all_gather_uneven(x, "x", "3")[0][0], TypeError,
-     r"all_gather_uneven: size must be an integer array, got '3'"),
-    (lambda x: C.gather_uneven(x, "x", 1, dst=4)[0][0], ValueError,
-     r"gather_uneven: dst=4 is out of range for a group of 4 ranks \(0..3\)"),
-    (lambda x: C.reduce_scatter_uneven(x, "x", [1, 2, 2])[0], ValueError,
-     r"reduce_scatter_uneven: sizes=\[1, 2, 2\] has 3 entries, but the group has 4 ranks. "
-     r"Pass one size per rank"),
-    (lambda x: C.reduce_scatter_uneven(x, "x", [3, -1, 2, 1])[0], ValueError,
-     r"reduce_scatter_uneven: sizes\[1\]=-1 is negative"),
-    (lambda x: C.reduce_scatter_uneven(x, "x", [1, 1, 1, 1])[0], ValueError,
-     r"reduce_scatter_uneven: sizes=\[1, 1, 1, 1\] sums to 4, but x has 5 rows. Each rank's "
-     r"input is the 4 parts concatenated"),
-    (lambda x: C.reduce_scatter_uneven(x, "x", jnp.ones(4, jnp.int32))[0], TypeError,
-     r"reduce_scatter_uneven: sizes must be a list of 4 static ints.*cannot be traced"),
-    (lambda x: C.reduce_scatter_uneven(x, "x", [2.0, 1, 1, 1])[0], TypeError,
-     r"reduce_scatter_uneven: sizes\[0\] must be an int, got 2.0"),
-    (lambda x: C.reduce_scatter_uneven(x.astype(jnp.int32), "x", [2, 1, 1, 1], "avg")[0],
-     TypeError, r"reduce_scatter_uneven: op=ReduceOp.AVG is not defined for dtype int32"),
-    (lambda x: C.reduce_scatter_uneven(x, "x", [2, 1, 1, 1], "mode")[0], ValueError,
-     r"reduce_scatter_uneven: op='mode' is not a reduce op"),
-    (lambda x: C.reduce_scatter_uneven(x[0, 0], "x", [0, 0, 0, 0])[0][None], ValueError,
-     r"reduce_scatter_uneven: x holds a scalar"),
-    (lambda x: C.reduce_scatter_uneven(x, "y", [2, 1, 1, 1])[0], ValueError,
-     r"reduce_scatter_uneven: axis_name='y' is not bound here"),
-])
+@pytest.mark.parametrize(
+    "body, error, match",
+    [
+        (
+            lambda x: C.ragged_all_to_all(x, "x", jnp.ones(3, jnp.int32))[0],
+            ValueError,
+            r"ragged_all_to_all: send_sizes has shape \(3,\), but it must have shape \(4,\)",
+        ),
+        (
+            lambda x: C.ragged_all_to_all(x, "x", jnp.ones(4))[0],
+            TypeError,
+            r"ragged_all_to_all: send_sizes must hold integers, got dtype float32",
+        ),
+        (
+            lambda x: C.ragged_all_to_all(x, "x", jnp.ones(4, jnp.int32), out_size=-1)[0],
+            ValueError,
+            r"ragged_all_to_all: out_size=-1 is negative",
+        ),
+        (
+            lambda x: C.ragged_all_to_all(x, "x", jnp.ones(4, jnp.int32), out_size=2.0)[0],
+            TypeError,
+            r"ragged_all_to_all: out_size must be an int, got 2.0",
+        ),
+        (
+            lambda x: C.ragged_all_to_all({"a": x, "b": x[:2]}, "x", jnp.ones(4, jnp.int32))[0][
+                "a"
+            ],
+            ValueError,
+            r"leading sizes 5 and 2; every leaf must hold the same number",
+        ),
+        (
+            lambda x: C.ragged_all_to_all(x, "y", jnp.ones(4, jnp.int32))[0],
+            ValueError,
+            r"ragged_all_to_all: axis_name='y' is not bound here",
+        ),
+        (
+            lambda x: C.all_gather_uneven(x[0, 0], "x", 1)[0][0],
+            ValueError,
+            r"all_gather_uneven: x holds a scalar",
+        ),
+        (
+            lambda x: C.all_gather_uneven(x, "x", jnp.ones(2, jnp.int32))[0][0],
+            ValueError,
+            r"all_gather_uneven: size has shape \(2,\), but it must have shape \(\)",
+        ),
+        (
+            lambda x: C.all_gather_uneven(x, "x", "3")[0][0],
+            TypeError,
+            r"all_gather_uneven: size must be an integer array, got '3'",
+        ),
+        (
+            lambda x: C.gather_uneven(x, "x", 1, dst=4)[0][0],
+            ValueError,
+            r"gather_uneven: dst=4 is out of range for a group of 4 ranks \(0..3\)",
+        ),
+        (
+            lambda x: C.reduce_scatter_uneven(x, "x", [1, 2, 2])[0],
+            ValueError,
+            r"reduce_scatter_uneven: sizes=\[1, 2, 2\] has 3 entries, but the group has 4 ranks. "
+            r"Pass one size per rank",
+        ),
+        (
+            lambda x: C.reduce_scatter_uneven(x, "x", [3, -1, 2, 1])[0],
+            ValueError,
+            r"reduce_scatter_uneven: sizes\[1\]=-1 is negative",
+        ),
+        (
+            lambda x: C.reduce_scatter_uneven(x, "x", [1, 1, 1, 1])[0],
+            ValueError,
+            r"reduce_scatter_uneven: sizes=\[1, 1, 1, 1\] sums to 4, but x has 5 rows. Each rank's "
+            r"input is the 4 parts concatenated",
+        ),
+        (
+            lambda x: C.reduce_scatter_uneven(x, "x", jnp.ones(4, jnp.int32))[0],
+            TypeError,
+            r"reduce_scatter_uneven: sizes must be a list of 4 static ints.*cannot be traced",
+        ),
+        (
+            lambda x: C.reduce_scatter_uneven(x, "x", [2.0, 1, 1, 1])[0],
+            TypeError,
+            r"reduce_scatter_uneven: sizes\[0\] must be an int, got 2.0",
+        ),
+        (
+            lambda x: C.reduce_scatter_uneven(x.astype(jnp.int32), "x", [2, 1, 1, 1], "avg")[0],
+            TypeError,
+            r"reduce_scatter_uneven: op=ReduceOp.AVG is not defined for dtype int32",
+        ),
+        (
+            lambda x: C.reduce_scatter_uneven(x, "x", [2, 1, 1, 1], "mode")[0],
+            ValueError,
+            r"reduce_scatter_uneven: op='mode' is not a reduce op",
+        ),
+        (
+            lambda x: C.reduce_scatter_uneven(x[0, 0], "x", [0, 0, 0, 0])[0][None],
+            ValueError,
+            r"reduce_scatter_uneven: x holds a scalar",
+        ),
+        (
+            lambda x: C.reduce_scatter_uneven(x, "y", [2, 1, 1, 1])[0],
+            ValueError,
+            r"reduce_scatter_uneven: axis_name='y' is not bound here",
+        ),
+    ],
+)
 def test_errors_name_the_op_the_argument_and_the_fix(body, error, match):
     with pytest.raises(error, match=match):
         _trace(body)

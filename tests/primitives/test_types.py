@@ -21,9 +21,11 @@ from jaxcoll._core.vma import varying_axes
 from tests.helpers import mesh_1d, mesh_2d
 
 ALGORITHMS = ["native", "ring", "tree", "auto", "hierarchical"]
-OPS = {"float32": ["sum", "avg", "product", "min", "max"],
-       "int32": ["sum", "product", "min", "max", "band", "bor", "bxor"],
-       "bool": ["sum", "product", "min", "max", "bxor"]}
+OPS = {
+    "float32": ["sum", "avg", "product", "min", "max"],
+    "int32": ["sum", "product", "min", "max", "band", "bor", "bxor"],
+    "bool": ["sum", "product", "min", "max", "bxor"],
+}
 
 
 def _mesh_axis(algorithm):
@@ -41,8 +43,11 @@ def test_replicated_results_are_invariant(algorithm):
     def body(f, i):
         b = i % 2 == 0
         x = {"float32": f, "int32": i, "bool": b}
-        out = {f"{k}_{op}": C.all_reduce(x[k], axis, op, algorithm=algorithm)
-               for k, ops in OPS.items() for op in ops}
+        out = {
+            f"{k}_{op}": C.all_reduce(x[k], axis, op, algorithm=algorithm)
+            for k, ops in OPS.items()
+            for op in ops
+        }
         out["broadcast"] = C.broadcast(f, axis, src=5, algorithm=algorithm)
         out["broadcast_bool"] = C.broadcast(b, axis, src=2, algorithm=algorithm)
         out["all_gather"] = C.all_gather(f, axis, algorithm=algorithm)
@@ -70,12 +75,17 @@ def test_per_rank_results_stay_varying():
     seen = {}
 
     def body(x):
-        out = {"reduce": C.reduce(x, "x", 0), "gather": C.gather(x, "x", 0),
-               "reduce_scatter": C.reduce_scatter(x, "x", tiled=True),
-               "scatter": C.scatter(x, "x", 0, tiled=True), "shift": C.shift(x, "x")}
+        out = {
+            "reduce": C.reduce(x, "x", 0),
+            "gather": C.gather(x, "x", 0),
+            "reduce_scatter": C.reduce_scatter(x, "x", tiled=True),
+            "scatter": C.scatter(x, "x", 0, tiled=True),
+            "shift": C.shift(x, "x"),
+        }
         seen.update({k: varying_axes(v) for k, v in out.items()})
         return out
 
     jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))).lower(
-        jax.device_put(jnp.zeros((64,)), NamedSharding(mesh, P("x"))))
+        jax.device_put(jnp.zeros((64,)), NamedSharding(mesh, P("x")))
+    )
     assert all(v == {"x"} for v in seen.values()), seen

@@ -31,8 +31,11 @@ def _ops(alg):
         "all_gather_tiled": (lambda v: C.all_gather(v, "x", tiled=True, algorithm=alg), (N * N, 0)),
         "reduce_scatter": (lambda v: C.reduce_scatter(v, "x", algorithm=alg), (0,)),
         "reduce_scatter_max_tiled": (
-            lambda v: C.reduce_scatter(v, "x", "max", tiled=True, scatter_dimension=1,
-                                       algorithm=alg), (N, 0)),
+            lambda v: C.reduce_scatter(
+                v, "x", "max", tiled=True, scatter_dimension=1, algorithm=alg
+            ),
+            (N, 0),
+        ),
         "gather": (lambda v: C.gather(v, "x", 0), (N, N, 0)),
         "scatter": (lambda v: C.scatter(v, "x", 0), (0,)),
         "all_to_all": (lambda v: C.all_to_all(v, "x", 0, 1), (0, N)),
@@ -45,8 +48,14 @@ def _ops(alg):
 def test_zero_size_leaves(alg):
     mesh = mesh_1d(N)
     ops = _ops(alg)
-    f = jax.jit(jax.shard_map(lambda v: {k: op(v[0])[None] for k, (op, _) in ops.items()},
-                              mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: {k: op(v[0])[None] for k, (op, _) in ops.items()},
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P("x"),
+        )
+    )
     got = f(jax.device_put(np.zeros((N, N, 0), np.float32), NamedSharding(mesh, P("x"))))
     for k, (_, shape) in ops.items():
         assert got[k].shape == (N,) + shape, k

@@ -57,8 +57,17 @@ JOB_TIMEOUT_S = 300
 # What make test-slurm overrides in examples/slurm_job.sbatch: CPU nodes, 1 process x 4 devices.
 CPU_NODES = ["--gpus-per-node=0", "--cpus-per-task=2", "--time=00:05:00"]
 CPU_ENV = {"JAXCOLL_NPROCS": "1", "JAXCOLL_DEVICES_PER_PROC": "4", "JAXCOLL_RUN": RUN}
-_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-          "DEADLINE", "OUT_OF_MEMORY"}
+_ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+}
 
 
 def say(msg: str) -> None:
@@ -67,8 +76,19 @@ def say(msg: str) -> None:
 
 def env_for(token: str, **extra: str) -> dict[str, str]:
     """This environment without any job description (jaxcoll's, JAX's, torchrun's), plus extra."""
-    drop = ("JAXCOLL_", "JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "XLA_FLAGS",
-            "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "CKPT_DIR")
+    drop = (
+        "JAXCOLL_",
+        "JAX_COORDINATOR",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+        "XLA_FLAGS",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "CKPT_DIR",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(JAX_PLATFORMS="cpu", **{TOKEN_VAR: token}, **extra)
     return env
@@ -83,14 +103,21 @@ def reference(launcher_args: list[str], program: Path, args: list[str], **extra:
     """Run ``program`` under ``jaxcoll-run`` on this host (no SLURM); return its output."""
     token = uuid.uuid4().hex
     t0 = time.monotonic()
-    proc = subprocess.run([RUN, *launcher_args, str(program), *args], cwd=ROOT,
-                          env=env_for(token, **extra), capture_output=True, text=True,
-                          timeout=JOB_TIMEOUT_S)
+    proc = subprocess.run(
+        [RUN, *launcher_args, str(program), *args],
+        cwd=ROOT,
+        env=env_for(token, **extra),
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+    )
     out = proc.stdout + proc.stderr
     check(proc.returncode == 0, f"reference {program.name} {launcher_args} failed", out)
     check(survivors(token) == [], "reference left processes running")
-    say(f"reference  jaxcoll-run {' '.join(launcher_args)} {program.name}: "
-        f"{time.monotonic() - t0:.1f} s")
+    say(
+        f"reference  jaxcoll-run {' '.join(launcher_args)} {program.name}: "
+        f"{time.monotonic() - t0:.1f} s"
+    )
     return out
 
 
@@ -106,20 +133,34 @@ class Job:
 
 
 def job_info(job_id: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, check=True
+    ).stdout
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
-def submit(name: str, script: Path, args: list[str], sbatch_opts: list[str],
-           **extra: str) -> tuple[str, str, float]:
+def submit(
+    name: str, script: Path, args: list[str], sbatch_opts: list[str], **extra: str
+) -> tuple[str, str, float]:
     """sbatch the script; return (job id, token, submit time)."""
     token = uuid.uuid4().hex
     t0 = time.monotonic()
-    cmd = ["sbatch", "--parsable", f"--job-name={name}", f"--output={SCRATCH / name}.out",
-           *sbatch_opts, str(script), *args]
-    job_id = subprocess.run(cmd, cwd=ROOT, env=env_for(token, **extra), capture_output=True,
-                            text=True, check=True).stdout.strip().split(";")[0]
+    cmd = [
+        "sbatch",
+        "--parsable",
+        f"--job-name={name}",
+        f"--output={SCRATCH / name}.out",
+        *sbatch_opts,
+        str(script),
+        *args,
+    ]
+    job_id = (
+        subprocess.run(
+            cmd, cwd=ROOT, env=env_for(token, **extra), capture_output=True, text=True, check=True
+        )
+        .stdout.strip()
+        .split(";")[0]
+    )
     return job_id, token, t0
 
 
@@ -163,7 +204,8 @@ def params(out_dir: Path) -> list[dict[str, np.ndarray]]:
 def same_bytes(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
     return sorted(a) == sorted(b) and all(
         a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes()
-        for k in a)
+        for k in a
+    )
 
 
 def stack(rows: dict[int, np.ndarray]) -> np.ndarray:
@@ -172,13 +214,18 @@ def stack(rows: dict[int, np.ndarray]) -> np.ndarray:
 
 def job_a(ref_1x8: dict, ref_2x4: dict, loss_line: str) -> None:
     out = SCRATCH / "a_collectives"
-    job = run_job("a_collectives", SBATCH, [str(WORKERS / "collectives.py"), str(out)],
-                  CPU_NODES, **CPU_ENV)
-    check(job.state == "COMPLETED" and job.exit_code == 0,
-          f"(a) job {job.id} ended {job.state}, exit code {job.exit_code}", job.output)
+    job = run_job(
+        "a_collectives", SBATCH, [str(WORKERS / "collectives.py"), str(out)], CPU_NODES, **CPU_ENV
+    )
+    check(
+        job.state == "COMPLETED" and job.exit_code == 0,
+        f"(a) job {job.id} ended {job.state}, exit code {job.exit_code}",
+        job.output,
+    )
     for p in (0, 1):
-        check(f"[{p}] process {p}: saved" in job.output, f"(a) no output from process {p}",
-              job.output)
+        check(
+            f"[{p}] process {p}: saved" in job.output, f"(a) no output from process {p}", job.output
+        )
     got = load_rows(str(out))
     names = sorted(k for k in ref_1x8 if not k.startswith("proc/"))
     check(len(names) > 150, f"(a) only {len(names)} results in the 1 x 8 reference")
@@ -193,48 +240,78 @@ def job_a(ref_1x8: dict, ref_2x4: dict, loss_line: str) -> None:
             np.testing.assert_array_equal(a, b, err_msg=f"(a) {name}")
     for name in got:
         for row in got[name]:
-            check(got[name][row].tobytes() == ref_2x4[name][row].tobytes(),
-                  f"(a) {name}@{row} differs from jaxcoll-run's 2 x 4 run")
+            check(
+                got[name][row].tobytes() == ref_2x4[name][row].tobytes(),
+                f"(a) {name}@{row} differs from jaxcoll-run's 2 x 4 run",
+            )
     for p in (0, 1):
         check(int(got["proc/process_count"][p]) == 2, "(a) process_count is not 2")
-        check(got["proc/local_ranks_world"][p].tolist() == list(range(4 * p, 4 * p + 4)),
-              f"(a) process {p} holds ranks {got['proc/local_ranks_world'][p].tolist()}")
-    say(f"(a) sbatch examples/slurm_job.sbatch collectives.py, 2 nodes x 1 x 4: "
+        check(
+            got["proc/local_ranks_world"][p].tolist() == list(range(4 * p, 4 * p + 4)),
+            f"(a) process {p} holds ranks {got['proc/local_ranks_world'][p].tolist()}",
+        )
+    say(
+        f"(a) sbatch examples/slurm_job.sbatch collectives.py, 2 nodes x 1 x 4: "
         f"{len(names)} results == 1 x 8, bit-identical to jaxcoll-run 2 x 4: "
-        f"PASS {job.seconds:.1f} s")
+        f"PASS {job.seconds:.1f} s"
+    )
 
     # The same file with no program: examples/multihost_train.py, as docs/multihost.md says.
-    job = run_job("a_default", SBATCH, [], CPU_NODES, CKPT_DIR=str(SCRATCH / "a_default_ckpt"),
-                  **CPU_ENV)
-    check(job.state == "COMPLETED" and job.exit_code == 0,
-          f"(a) default program: job {job.id} ended {job.state}", job.output)
+    job = run_job(
+        "a_default", SBATCH, [], CPU_NODES, CKPT_DIR=str(SCRATCH / "a_default_ckpt"), **CPU_ENV
+    )
+    check(
+        job.state == "COMPLETED" and job.exit_code == 0,
+        f"(a) default program: job {job.id} ended {job.state}",
+        job.output,
+    )
     line = next((ln for ln in job.output.splitlines() if "loss" in ln), "")
-    check(line == loss_line, f"(a) default program printed {line!r}, jaxcoll-run {loss_line!r}",
-          job.output)
-    say(f"(a) sbatch examples/slurm_job.sbatch (multihost_train.py): {line!r}: "
-        f"PASS {job.seconds:.1f} s")
+    check(
+        line == loss_line,
+        f"(a) default program printed {line!r}, jaxcoll-run {loss_line!r}",
+        job.output,
+    )
+    say(
+        f"(a) sbatch examples/slurm_job.sbatch (multihost_train.py): {line!r}: "
+        f"PASS {job.seconds:.1f} s"
+    )
 
 
 def job_b(ref_train: list[dict]) -> None:
     out = SCRATCH / "b_train"
-    job = run_job("b_train", SBATCH, [str(WORKERS / "train.py"), str(out),
-                                      str(SCRATCH / "b_ckpt"), "0"], CPU_NODES, **CPU_ENV)
-    check(job.state == "COMPLETED" and job.exit_code == 0,
-          f"(b) job {job.id} ended {job.state}, exit code {job.exit_code}", job.output)
+    job = run_job(
+        "b_train",
+        SBATCH,
+        [str(WORKERS / "train.py"), str(out), str(SCRATCH / "b_ckpt"), "0"],
+        CPU_NODES,
+        **CPU_ENV,
+    )
+    check(
+        job.state == "COMPLETED" and job.exit_code == 0,
+        f"(b) job {job.id} ended {job.state}, exit code {job.exit_code}",
+        job.output,
+    )
     got = params(out)
     check(len(got) == 2, f"(b) {len(got)} params files, expected 2", job.output)
     for p in got:
         check(int(p["step"]) == 12, f"(b) finished at step {int(p['step'])}, not 12")
         check(same_bytes(p, ref_train[0]), "(b) params differ from jaxcoll-run's 2 x 4 run")
-    say(f"(b) sbatch examples/slurm_job.sbatch train.py: Trainer.fit params bit-identical to "
-        f"jaxcoll-run 2 x 4: PASS {job.seconds:.1f} s")
+    say(
+        f"(b) sbatch examples/slurm_job.sbatch train.py: Trainer.fit params bit-identical to "
+        f"jaxcoll-run 2 x 4: PASS {job.seconds:.1f} s"
+    )
 
 
 def job_c() -> None:
     out = SCRATCH / "c_fault"
     out.mkdir()
-    job_id, token, t0 = submit("c_fault", SBATCH, [str(WORKERS / "faults.py"), str(out), "loop"],
-                               CPU_NODES, **{**CPU_ENV, "JAXCOLL_MAX_RESTARTS": "0"})
+    job_id, token, t0 = submit(
+        "c_fault",
+        SBATCH,
+        [str(WORKERS / "faults.py"), str(out), "loop"],
+        CPU_NODES,
+        **{**CPU_ENV, "JAXCOLL_MAX_RESTARTS": "0"},
+    )
     deadline = time.monotonic() + 120
     while not all((out / f"loop{k}").exists() for k in (0, 1)):
         if time.monotonic() > deadline or job_info(job_id).get("JobState") in _ENDED:
@@ -248,43 +325,71 @@ def job_c() -> None:
     after = job.ended_at - killed_at
     # The job's exit code is the highest of its tasks': 137 (node 1's launcher), or 143 when
     # srun's SIGTERM made node 0's launcher exit with 128 + SIGTERM.
-    check(job.state == "FAILED" and job.exit_code in (137, 143),
-          f"(c) job ended {job.state}, exit code {job.exit_code}", job.output)
-    check(after < BOUND_S, f"(c) the job ended {after:.1f} s after the kill (bound {BOUND_S} s)",
-          job.output)
+    check(
+        job.state == "FAILED" and job.exit_code in (137, 143),
+        f"(c) job ended {job.state}, exit code {job.exit_code}",
+        job.output,
+    )
+    check(
+        after < BOUND_S,
+        f"(c) the job ended {after:.1f} s after the kill (bound {BOUND_S} s)",
+        job.output,
+    )
     named = f"jaxcoll-run: process 1 (pid {victim}) was killed by SIGKILL first"
     check(named in job.output, f"(c) the launcher did not say {named!r}", job.output)
     task = f"srun: error: {NODE1}: task 1: Exited with exit code {128 + signal.SIGKILL}"
     check(task in job.output, f"(c) srun did not say {task!r}", job.output)
-    say(f"(c) process 1 SIGKILLed in an all-reduce: job FAILED (exit code {job.exit_code}) "
+    say(
+        f"(c) process 1 SIGKILLed in an all-reduce: job FAILED (exit code {job.exit_code}) "
         f"{after:.1f} s after the kill (bound {BOUND_S} s), naming it: '{named}', '{task}': "
-        f"PASS {job.seconds:.1f} s")
+        f"PASS {job.seconds:.1f} s"
+    )
 
 
 def job_d(ref_train: list[dict]) -> None:
     out = SCRATCH / "d_srun"
-    job = run_job("d_srun", SRUN_DIRECT, [str(WORKERS / "train.py"), str(out),
-                                          str(SCRATCH / "d_ckpt"), "0"],
-                  ["--time=00:05:00"], JAXCOLL_PYTHON=PY, JAX_NUM_CPU_DEVICES="4")
-    check(job.state == "COMPLETED" and job.exit_code == 0,
-          f"(d) job {job.id} ended {job.state}, exit code {job.exit_code}", job.output)
+    job = run_job(
+        "d_srun",
+        SRUN_DIRECT,
+        [str(WORKERS / "train.py"), str(out), str(SCRATCH / "d_ckpt"), "0"],
+        ["--time=00:05:00"],
+        JAXCOLL_PYTHON=PY,
+        JAX_NUM_CPU_DEVICES="4",
+    )
+    check(
+        job.state == "COMPLETED" and job.exit_code == 0,
+        f"(d) job {job.id} ended {job.state}, exit code {job.exit_code}",
+        job.output,
+    )
     got = params(out)
     check(len(got) == 2, f"(d) {len(got)} params files, expected 2", job.output)
     for p in got:
         check(same_bytes(p, ref_train[0]), "(d) params differ from jaxcoll-run's 2 x 4 run")
-    say(f"(d) srun python train.py (no launcher; init from SLURM's variables): params "
-        f"bit-identical to jaxcoll-run 2 x 4: PASS {job.seconds:.1f} s")
+    say(
+        f"(d) srun python train.py (no launcher; init from SLURM's variables): params "
+        f"bit-identical to jaxcoll-run 2 x 4: PASS {job.seconds:.1f} s"
+    )
 
 
 def job_e(ref_train: list[dict]) -> None:
     out, ckpt = SCRATCH / "e_restart", SCRATCH / "e_ckpt"
-    job = run_job("e_restart", SBATCH, [str(WORKERS / "train.py"), str(out), str(ckpt), "6"],
-                  CPU_NODES, **CPU_ENV)  # the file's own JAXCOLL_MAX_RESTARTS (2)
-    check(job.state == "COMPLETED" and job.exit_code == 0,
-          f"(e) job {job.id} ended {job.state}, exit code {job.exit_code}", job.output)
-    check("jaxcoll-run: process 1 (pid" in job.output
-          and "was killed by SIGKILL first" in job.output, "(e) process 1 was not killed",
-          job.output)
+    job = run_job(
+        "e_restart",
+        SBATCH,
+        [str(WORKERS / "train.py"), str(out), str(ckpt), "6"],
+        CPU_NODES,
+        **CPU_ENV,
+    )  # the file's own JAXCOLL_MAX_RESTARTS (2)
+    check(
+        job.state == "COMPLETED" and job.exit_code == 0,
+        f"(e) job {job.id} ended {job.state}, exit code {job.exit_code}",
+        job.output,
+    )
+    check(
+        "jaxcoll-run: process 1 (pid" in job.output and "was killed by SIGKILL first" in job.output,
+        "(e) process 1 was not killed",
+        job.output,
+    )
     restarts = job.output.count("jaxcoll-run: restarting all 1 process(es) (restart 1 of 2)")
     check(restarts >= 1, "(e) no launcher restarted", job.output)
     check((ckpt / "12").is_dir(), "(e) no checkpoint of step 12", job.output)
@@ -292,23 +397,37 @@ def job_e(ref_train: list[dict]) -> None:
     check(len(got) == 2, f"(e) {len(got)} params files, expected 2", job.output)
     for p in got:
         check(same_bytes(p, ref_train[0]), "(e) params differ from the uninterrupted run")
-    say(f"(e) process 1 SIGKILLed at step 6, default --max-restarts 2: {restarts} node(s) "
+    say(
+        f"(e) process 1 SIGKILLed at step 6, default --max-restarts 2: {restarts} node(s) "
         f"restarted, resumed from the checkpoint, params bit-identical to the uninterrupted "
-        f"run: PASS {job.seconds:.1f} s")
+        f"run: PASS {job.seconds:.1f} s"
+    )
 
 
 def main() -> None:
     t0 = time.monotonic()
     ref = SCRATCH / "ref"
-    reference(["--nprocs", "1", "--devices-per-proc", "8"], WORKERS / "collectives.py",
-              [str(ref / "c1x8")])
-    reference(["--nprocs", "2", "--devices-per-proc", "4"], WORKERS / "collectives.py",
-              [str(ref / "c2x4")])
-    reference(["--nprocs", "2", "--devices-per-proc", "4"], WORKERS / "train.py",
-              [str(ref / "t2x4"), str(ref / "t2x4_ckpt"), "0"])
-    out = reference(["--nprocs", "2", "--devices-per-proc", "4"],
-                    ROOT / "examples" / "multihost_train.py", [],
-                    CKPT_DIR=str(ref / "mh_ckpt"))
+    reference(
+        ["--nprocs", "1", "--devices-per-proc", "8"],
+        WORKERS / "collectives.py",
+        [str(ref / "c1x8")],
+    )
+    reference(
+        ["--nprocs", "2", "--devices-per-proc", "4"],
+        WORKERS / "collectives.py",
+        [str(ref / "c2x4")],
+    )
+    reference(
+        ["--nprocs", "2", "--devices-per-proc", "4"],
+        WORKERS / "train.py",
+        [str(ref / "t2x4"), str(ref / "t2x4_ckpt"), "0"],
+    )
+    out = reference(
+        ["--nprocs", "2", "--devices-per-proc", "4"],
+        ROOT / "examples" / "multihost_train.py",
+        [],
+        CKPT_DIR=str(ref / "mh_ckpt"),
+    )
     loss_line = next(ln for ln in out.splitlines() if "loss" in ln)
     ref_train = params(ref / "t2x4")
     check(len(ref_train) == 2 and same_bytes(*ref_train), "reference: processes disagree")

@@ -99,14 +99,16 @@ class Bucket:
         return [t.astype(g.dtype) for t, g in zip(self.sum(wire), parts, strict=True)]
 
 
-def sum_together(parts: list[jax.Array], axis_name: AxisName, n: int,
-                 algorithm: str) -> list[jax.Array]:
+def sum_together(
+    parts: list[jax.Array], axis_name: AxisName, n: int, algorithm: str
+) -> list[jax.Array]:
     """Sum ``parts`` over ranks with one collective (one dtype), typed invariant."""
     if not parts:
         return []
     nbytes = sum(p.size * p.dtype.itemsize for p in parts)
-    algorithm = resolve("all_reduce", algorithm, nbytes, group_size=n,
-                        two_level=isinstance(axis_name, tuple))
+    algorithm = resolve(
+        "all_reduce", algorithm, nbytes, group_size=n, two_level=isinstance(axis_name, tuple)
+    )
     if algorithm == "native":
         # jaxcoll's native SUM is lax.psum: one psum of the tuple, lowered to one all-reduce
         # per operand, which XLA's all-reduce combiner merges.
@@ -127,8 +129,7 @@ class CommHook(Protocol):
     shape and dtype and typed invariant (equal on every rank), and the bucket's new state.
     """
 
-    def __call__(self, state: PyTree, bucket: Bucket) -> tuple[Sequence[jax.Array], PyTree]:
-        ...
+    def __call__(self, state: PyTree, bucket: Bucket) -> tuple[Sequence[jax.Array], PyTree]: ...
 
 
 @runtime_checkable
@@ -183,8 +184,10 @@ class Compress:
 
     def __post_init__(self) -> None:
         if not jnp.issubdtype(self.dtype, jnp.floating):
-            raise TypeError(f"dp.hooks.Compress: dtype must be a floating dtype such as "
-                            f"jnp.bfloat16, got {self.dtype!r} instead.")
+            raise TypeError(
+                f"dp.hooks.Compress: dtype must be a floating dtype such as "
+                f"jnp.bfloat16, got {self.dtype!r} instead."
+            )
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
 
     @property
@@ -217,7 +220,9 @@ def is_elementwise(hook: CommHook | None) -> bool:
 def check_hook(api: str, hook: Any) -> CommHook | None:
     """``hook`` must be None or a :class:`CommHook` (a callable)."""
     if hook is not None and not isinstance(hook, CommHook):
-        raise TypeError(f"{api}: hook must be a communication hook (a callable hook(state, "
-                        f"bucket) -> (grads, state), e.g. dp.hooks.PowerSGD(rank=4)) or None, "
-                        f"got {hook!r} of type {type(hook).__name__} instead.")
+        raise TypeError(
+            f"{api}: hook must be a communication hook (a callable hook(state, "
+            f"bucket) -> (grads, state), e.g. dp.hooks.PowerSGD(rank=4)) or None, "
+            f"got {hook!r} of type {type(hook).__name__} instead."
+        )
     return hook

@@ -109,14 +109,17 @@ class PowerSGD:
 
     def __post_init__(self) -> None:
         _check_int("rank", self.rank, 1, "a rank of 1, 2 or 4 is typical")
-        _check_int("start_iter", self.start_iter, 0,
-                   "0 compresses from the first step")
-        _check_real("min_compression_rate", self.min_compression_rate,
-                    "0 compresses every matrix, 2.0 is torch's default")
+        _check_int("start_iter", self.start_iter, 0, "0 compresses from the first step")
+        _check_real(
+            "min_compression_rate",
+            self.min_compression_rate,
+            "0 compresses every matrix, 2.0 is torch's default",
+        )
         for name in ("use_error_feedback", "warm_start"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{API}: {name} must be True or False, got "
-                                f"{getattr(self, name)!r} instead.")
+                raise TypeError(
+                    f"{API}: {name} must be True or False, got {getattr(self, name)!r} instead."
+                )
         if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
             raise TypeError(f"{API}: seed must be an int, got {self.seed!r} instead.")
 
@@ -139,15 +142,20 @@ class PowerSGD:
         ranks = self.ranks(shapes)
         state = {}
         if self.warm_start:
-            state["q"] = [self._draw(s, r, index, i) for i, (s, r) in
-                          enumerate(zip(shapes, ranks, strict=True)) if r]
+            state["q"] = [
+                self._draw(s, r, index, i)
+                for i, (s, r) in enumerate(zip(shapes, ranks, strict=True))
+                if r
+            ]
         if self.use_error_feedback:
-            state["error"] = [jnp.zeros(s.shape, s.dtype)
-                              for s, r in zip(shapes, ranks, strict=True) if r]
+            state["error"] = [
+                jnp.zeros(s.shape, s.dtype) for s, r in zip(shapes, ranks, strict=True) if r
+            ]
         return state if any(state.values()) else ()
 
-    def _draw(self, shape: Shaped, r: int, index: int, i: int,
-              step: jax.Array | None = None) -> jax.Array:
+    def _draw(
+        self, shape: Shaped, r: int, index: int, i: int, step: jax.Array | None = None
+    ) -> jax.Array:
         """A standard normal ``(cols, r)`` Q for tensor i of bucket ``index``: from the seed
         alone, so equal on every rank (and, without warm start, new every step)."""
         key = jax.random.key(self.seed)
@@ -178,19 +186,22 @@ class PowerSGD:
 
         # The step is the same on every rank, so every rank takes the same branch and only
         # that branch's collectives run.
-        return lax.cond(bucket.step < self.start_iter, exact,
-                        lambda: self._compressed(state, bucket, ranks))
+        return lax.cond(
+            bucket.step < self.start_iter, exact, lambda: self._compressed(state, bucket, ranks)
+        )
 
-    def _compressed(self, state: PyTree, bucket: Bucket,
-                    ranks: list[int]) -> tuple[list[jax.Array], PyTree]:
+    def _compressed(
+        self, state: PyTree, bucket: Bucket, ranks: list[int]
+    ) -> tuple[list[jax.Array], PyTree]:
         grads, n = list(bucket.grads), bucket.n
         which = [i for i, r in enumerate(ranks) if r]
         rest = [i for i, r in enumerate(ranks) if not r]
         out: list[Any] = [None] * len(grads)
 
         # Gradients cross devices here: every uncompressed tensor, in one all-reduce.
-        for i, s in zip(rest, bucket.sum([grads[i] / jnp.asarray(n, grads[i].dtype)
-                                          for i in rest]), strict=True):
+        for i, s in zip(
+            rest, bucket.sum([grads[i] / jnp.asarray(n, grads[i].dtype) for i in rest]), strict=True
+        ):
             out[i] = s
 
         inputs = [grads[i] for i in which]
@@ -200,8 +211,10 @@ class PowerSGD:
         if self.warm_start:
             qs = [orthogonalize(q) for q in state["q"]]
         else:
-            qs = [orthogonalize(self._draw(grads[i], ranks[i], bucket.index, i, bucket.step))
-                  for i in which]
+            qs = [
+                orthogonalize(self._draw(grads[i], ranks[i], bucket.index, i, bucket.step))
+                for i in which
+            ]
         ps = [_mm(m, q) for m, q in zip(mats, qs, strict=True)]
         # Gradients cross devices here (compressed): every P of the bucket, in one all-reduce.
         # The sum needs no division by n: P is orthogonalized next.
@@ -258,17 +271,21 @@ def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def _check_int(name: str, value: Any, low: int, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{API}: {name} must be an int, got {value!r} of type "
-                        f"{type(value).__name__} instead.")
+        raise TypeError(
+            f"{API}: {name} must be an int, got {value!r} of type {type(value).__name__} instead."
+        )
     if value < low:
-        raise ValueError(f"{API}: {name}={value} is out of range: it must be at least {low} "
-                         f"({hint}).")
+        raise ValueError(
+            f"{API}: {name}={value} is out of range: it must be at least {low} ({hint})."
+        )
 
 
 def _check_real(name: str, value: Any, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{API}: {name} must be a number, got {value!r} of type "
-                        f"{type(value).__name__} instead.")
+        raise TypeError(
+            f"{API}: {name} must be a number, got {value!r} of type {type(value).__name__} instead."
+        )
     if not float(value) >= 0 or math.isinf(value):
-        raise ValueError(f"{API}: {name}={value} is out of range: it must be a finite number "
-                         f">= 0 ({hint}).")
+        raise ValueError(
+            f"{API}: {name}={value} is out of range: it must be a finite number >= 0 ({hint})."
+        )

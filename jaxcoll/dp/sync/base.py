@@ -102,11 +102,15 @@ class Strategy:
         api = self.api
         mb = self.bucket_mb
         if mb is not None and (isinstance(mb, bool) or not isinstance(mb, numbers.Real)):
-            raise TypeError(f"{api}: bucket_mb must be a number of MiB or None, got {mb!r} of "
-                            f"type {type(mb).__name__} instead.")
+            raise TypeError(
+                f"{api}: bucket_mb must be a number of MiB or None, got {mb!r} of "
+                f"type {type(mb).__name__} instead."
+            )
         if mb is not None and not (mb > 0 and np.isfinite(mb)):
-            raise ValueError(f"{api}: bucket_mb={mb!r} must be a positive number of MiB, or "
-                             f"None to turn bucketing off.")
+            raise ValueError(
+                f"{api}: bucket_mb={mb!r} must be a positive number of MiB, or "
+                f"None to turn bucketing off."
+            )
         check_algorithm(api, self.algorithm)
         check_hook(api, self.hook)
 
@@ -116,8 +120,9 @@ class Strategy:
         return f"dp.sync.{type(self).__name__}"
 
     # ------------------------------------------------------------------------------ binding
-    def bind(self, optimizer: optax.GradientTransformation, mesh: Mesh,
-             axis_name: AxisName) -> Strategy:
+    def bind(
+        self, optimizer: optax.GradientTransformation, mesh: Mesh, axis_name: AxisName
+    ) -> Strategy:
         """A copy of this strategy bound to ``optimizer`` and the data axis ``axis_name`` of
         ``mesh`` (checked by the caller): what the step builder calls. ``dp.Trainer`` binds
         its ``sync`` once, when it is built."""
@@ -127,9 +132,11 @@ class Strategy:
 
     def _bound(self) -> Binding:
         if self._binding is None:
-            raise RuntimeError(f"{self.api}: this strategy is not bound to an optimizer and a "
-                               f"mesh yet; pass it to dp.Trainer(..., sync=...), or call "
-                               f".bind(optimizer, mesh, axis_name) for a bound copy.")
+            raise RuntimeError(
+                f"{self.api}: this strategy is not bound to an optimizer and a "
+                f"mesh yet; pass it to dp.Trainer(..., sync=...), or call "
+                f".bind(optimizer, mesh, axis_name) for a bound copy."
+            )
         return self._binding
 
     @property
@@ -184,8 +191,7 @@ class Strategy:
 
     def named(self, specs: PyTree) -> PyTree:
         """``NamedSharding`` on the strategy's mesh for every ``PartitionSpec`` in ``specs``."""
-        return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs,
-                                      is_leaf=is_spec)
+        return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)
 
     # ---------------------------------------------------------------------------- placement
     def state_param_specs(self, params: PyTree) -> PyTree:
@@ -222,7 +228,8 @@ class Strategy:
         """
         shardings = self.named(self.param_specs(params))
         init = lambda p: self.optimizer.init(  # noqa: E731
-            jax.lax.with_sharding_constraint(p, shardings))
+            jax.lax.with_sharding_constraint(p, shardings)
+        )
         return jax.jit(init, out_shardings=self.opt_shardings(params))(params)
 
     def init_comm(self, params: PyTree) -> PyTree:
@@ -231,15 +238,18 @@ class Strategy:
         of n, split over the data axis: each device holds its own rank's state)."""
         leaves = jax.tree_util.tree_leaves(params)
         shapes = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
-        states = [init_state(self.bucket_hook, [shapes[i] for i in bucket], k)
-                  for k, bucket in enumerate(plan_buckets(shapes, self.bucket_bytes))]
+        states = [
+            init_state(self.bucket_hook, [shapes[i] for i in bucket], k)
+            for k, bucket in enumerate(plan_buckets(shapes, self.bucket_bytes))
+        ]
         if not jax.tree_util.tree_leaves(states):
             return {}
         n = self.n
 
         def stack(tree):
             return jax.tree_util.tree_map(
-                lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (n, *np.shape(x))), tree)
+                lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (n, *np.shape(x))), tree
+            )
 
         sharding = NamedSharding(self.mesh, P(self.axis_name))
         return jax.jit(lambda: stack(states), out_shardings=sharding)()
@@ -253,15 +263,17 @@ class Strategy:
         """The per-rank loss of the params as held, for ``jax.grad`` (unchanged here)."""
         return fn
 
-    def reduce(self, grads: PyTree, comm_state: PyTree, step: jax.Array,
-               like: PyTree = None) -> tuple[PyTree, PyTree]:  # pragma: no cover - interface
+    def reduce(
+        self, grads: PyTree, comm_state: PyTree, step: jax.Array, like: PyTree = None
+    ) -> tuple[PyTree, PyTree]:  # pragma: no cover - interface
         """Per rank, inside ``shard_map``: the local gradients -> the synchronised ones,
         and the hook's new state (``comm_state``: this rank's own state). ``like``: the
         params' global shapes; ``step``: the steps taken before this one."""
         raise NotImplementedError
 
-    def update(self, grads: PyTree, opt_state: PyTree,
-               params: PyTree) -> tuple[PyTree, PyTree]:  # pragma: no cover - interface
+    def update(
+        self, grads: PyTree, opt_state: PyTree, params: PyTree
+    ) -> tuple[PyTree, PyTree]:  # pragma: no cover - interface
         """Global view, inside the step's jit: ``(new params, new opt_state)``, the params
         placed as :meth:`state_param_specs` says."""
         raise NotImplementedError

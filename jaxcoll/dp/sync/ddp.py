@@ -53,18 +53,24 @@ class DDP(Strategy):
 
     grad_route: ClassVar[str] = "averaged over the devices by all-reduce (DDP)"
 
-    def reduce(self, grads: PyTree, comm_state: PyTree, step: jax.Array,
-               like: PyTree = None) -> tuple[PyTree, PyTree]:
+    def reduce(
+        self, grads: PyTree, comm_state: PyTree, step: jax.Array, like: PyTree = None
+    ) -> tuple[PyTree, PyTree]:
         count = len(plan_buckets(jax.tree_util.tree_leaves(grads), self.bucket_bytes))
         states = list(comm_state) if comm_state else [() for _ in range(count)]
         # Gradients cross devices here: each bucket through the hook (one all-reduce each
         # with the default hook).
-        means, states = sync_buckets(grads, self.axis_name, bucket_bytes=self.bucket_bytes,
-                                     hook=self.bucket_hook, states=states, step=step,
-                                     algorithm=self.algorithm)
+        means, states = sync_buckets(
+            grads,
+            self.axis_name,
+            bucket_bytes=self.bucket_bytes,
+            hook=self.bucket_hook,
+            states=states,
+            step=step,
+            algorithm=self.algorithm,
+        )
         return means, (states if comm_state else comm_state)
 
-    def update(self, grads: PyTree, opt_state: PyTree,
-               params: PyTree) -> tuple[PyTree, PyTree]:
+    def update(self, grads: PyTree, opt_state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state

@@ -73,16 +73,20 @@ class FSDP(ZeRO1):
         >>> state = trainer.init(params, rng)   # state.params: 1/8 of each split leaf
     """
 
-    grad_route: ClassVar[str] = ("reduce-scattered (all-reduced where no dimension splits) "
-                                 "over the devices (FSDP, sync=dp.sync.FSDP())")
+    grad_route: ClassVar[str] = (
+        "reduce-scattered (all-reduced where no dimension splits) "
+        "over the devices (FSDP, sync=dp.sync.FSDP())"
+    )
 
     reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.reshard_after_forward, bool):
-            raise TypeError(f"{self.api}: reshard_after_forward must be True or False, got "
-                            f"{self.reshard_after_forward!r} instead.")
+            raise TypeError(
+                f"{self.api}: reshard_after_forward must be True or False, got "
+                f"{self.reshard_after_forward!r} instead."
+            )
 
     def state_param_specs(self, params: PyTree) -> PyTree:
         return self.param_specs(params)
@@ -95,8 +99,10 @@ class FSDP(ZeRO1):
         dims = self.shard_dims(like)
         wire = hook_wire_dtype(self.bucket_hook)
         leaves, treedef = jax.tree_util.tree_flatten(params)
-        out = [x if d is None else _gather(x, d, self.axis_name, self.n, self.algorithm, wire)
-               for x, d in zip(leaves, dims, strict=True)]
+        out = [
+            x if d is None else _gather(x, d, self.axis_name, self.n, self.algorithm, wire)
+            for x, d in zip(leaves, dims, strict=True)
+        ]
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def wrap_loss(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -104,14 +110,14 @@ class FSDP(ZeRO1):
             return fn
         return jax.checkpoint(fn, policy=_not_gathered)
 
-    def reduce(self, grads: PyTree, comm_state: PyTree, step: jax.Array,
-               like: PyTree = None) -> tuple[PyTree, PyTree]:
+    def reduce(
+        self, grads: PyTree, comm_state: PyTree, step: jax.Array, like: PyTree = None
+    ) -> tuple[PyTree, PyTree]:
         # The split leaves' gradients are already their slices of the mean (the gather's
         # gradient); the replicated leaves cross devices here, one all-reduce per bucket.
         return self.reduce_kept(grads, self.shard_dims(like), scatter=False), comm_state
 
-    def update(self, grads: PyTree, opt_state: PyTree,
-               params: PyTree) -> tuple[PyTree, PyTree]:
+    def update(self, grads: PyTree, opt_state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
         shardings = self.named(self.param_specs(params))
         constrain = jax.lax.with_sharding_constraint
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
@@ -121,8 +127,9 @@ class FSDP(ZeRO1):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _gather(x: jax.Array, dim: int, axis_name: AxisName, n: int, algorithm: str,
-            wire: DTypeLike | None) -> jax.Array:
+def _gather(
+    x: jax.Array, dim: int, axis_name: AxisName, n: int, algorithm: str, wire: DTypeLike | None
+) -> jax.Array:
     """This rank's slice ``x`` of a param -> the whole param (typed varying: each rank's
     loss uses it with its own examples). Its gradient: the reduce-scatter of the mean."""
     # Params cross devices here: one all-gather per split leaf.
@@ -137,8 +144,10 @@ def _not_gathered(prim: Any, *_: Any, **params: Any) -> bool:
         return params.get("name") != GATHERED
     if str(prim) == "custom_vjp_call":
         body = getattr(params.get("call_jaxpr"), "jaxpr", None)
-        return not any(str(e.primitive) == "name" and e.params.get("name") == GATHERED
-                       for e in getattr(body, "eqns", ()))
+        return not any(
+            str(e.primitive) == "name" and e.params.get("name") == GATHERED
+            for e in getattr(body, "eqns", ())
+        )
     return True
 
 
@@ -150,8 +159,9 @@ def _gather_bwd(dim, axis_name, n, algorithm, wire, _, ct):
     ct = to_varying(ct, axis_names(axis_name))
     g = (ct / jnp.asarray(n, ct.dtype)).astype(wire or ct.dtype)
     # Gradients cross devices here: each rank receives only its slice of the mean.
-    g = primitives.reduce_scatter(g, axis_name, "sum", scatter_dimension=dim, tiled=True,
-                                  algorithm=algorithm)
+    g = primitives.reduce_scatter(
+        g, axis_name, "sum", scatter_dimension=dim, tiled=True, algorithm=algorithm
+    )
     return (g.astype(ct.dtype),)
 
 

@@ -78,8 +78,10 @@ class ZeRO1(Strategy):
         >>> state = trainer.init(params, rng)   # mu, nu: 1/8 of each split leaf per device
     """
 
-    grad_route: ClassVar[str] = ("reduce-scattered (all-reduced where no dimension splits) "
-                                 "over the devices (ZeRO-1, sync=dp.sync.ZeRO1())")
+    grad_route: ClassVar[str] = (
+        "reduce-scattered (all-reduced where no dimension splits) "
+        "over the devices (ZeRO-1, sync=dp.sync.ZeRO1())"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -89,7 +91,8 @@ class ZeRO1(Strategy):
                 f"{type(self).__name__} reduce-scatters each gradient, so each device "
                 f"receives a slice, and only the default hook and dp.hooks.Compress work on "
                 f"slices. Use this hook with dp.sync.DDP(hook=...), or pass "
-                f"hook=dp.hooks.Compress(dtype) or None here.")
+                f"hook=dp.hooks.Compress(dtype) or None here."
+            )
 
     def shard_dims(self, params: PyTree) -> list[int | None]:
         """:func:`shard_dim` of every leaf of ``params``, in leaf order."""
@@ -100,8 +103,9 @@ class ZeRO1(Strategy):
 
     def param_specs(self, params: PyTree) -> PyTree:
         treedef = jax.tree_util.tree_structure(params)
-        return jax.tree_util.tree_unflatten(treedef,
-                                            [self._spec(d) for d in self.shard_dims(params)])
+        return jax.tree_util.tree_unflatten(
+            treedef, [self._spec(d) for d in self.shard_dims(params)]
+        )
 
     def opt_specs(self, opt_state: PyTree, params: PyTree) -> PyTree:
         """Each optimizer-state leaf that mirrors a param is split like it.
@@ -112,17 +116,22 @@ class ZeRO1(Strategy):
         placement only decides memory: the update is exact with any placement.
         """
         flat, _ = jax.tree_util.tree_flatten_with_path(params)
-        specs = jax.tree_util.tree_leaves(self.param_specs(params), is_leaf=lambda s:
-                                          isinstance(s, P))
-        table = sorted(((tuple(path), _shape(leaf), spec)
-                        for (path, leaf), spec in zip(flat, specs, strict=True)),
-                       key=lambda row: -len(row[0]))
+        specs = jax.tree_util.tree_leaves(
+            self.param_specs(params), is_leaf=lambda s: isinstance(s, P)
+        )
+        table = sorted(
+            (
+                (tuple(path), _shape(leaf), spec)
+                for (path, leaf), spec in zip(flat, specs, strict=True)
+            ),
+            key=lambda row: -len(row[0]),
+        )
 
         def spec_of(path, leaf):
             path, shape = tuple(path), _shape(leaf)
             for p_path, p_shape, spec in table:
                 k = len(p_path)
-                if k <= len(path) and path[len(path) - k:] == p_path and shape == p_shape:
+                if k <= len(path) and path[len(path) - k :] == p_path and shape == p_shape:
                     return spec
             return P()
 
@@ -130,8 +139,9 @@ class ZeRO1(Strategy):
             return specs_like(opt_state, P())
         return jax.tree_util.tree_map_with_path(spec_of, opt_state)
 
-    def reduce(self, grads: PyTree, comm_state: PyTree, step: jax.Array,
-               like: PyTree = None) -> tuple[PyTree, PyTree]:
+    def reduce(
+        self, grads: PyTree, comm_state: PyTree, step: jax.Array, like: PyTree = None
+    ) -> tuple[PyTree, PyTree]:
         return self.reduce_kept(grads, self.shard_dims(grads), scatter=True), comm_state
 
     def reduce_kept(self, grads: PyTree, dims: list[int | None], *, scatter: bool) -> PyTree:
@@ -143,9 +153,13 @@ class ZeRO1(Strategy):
         kept = [i for i, d in enumerate(dims) if d is None]
         if kept:
             # Gradients of the replicated leaves cross devices here: one all-reduce per bucket.
-            means = mean_gradients([leaves[i] for i in kept], self.axis_name,
-                                   bucket_bytes=self.bucket_bytes, grad_dtype=wire_dtype,
-                                   algorithm=self.algorithm)
+            means = mean_gradients(
+                [leaves[i] for i in kept],
+                self.axis_name,
+                bucket_bytes=self.bucket_bytes,
+                grad_dtype=wire_dtype,
+                algorithm=self.algorithm,
+            )
             for i, g in zip(kept, means, strict=True):
                 out[i] = g
         for i, d in enumerate(dims):
@@ -154,13 +168,17 @@ class ZeRO1(Strategy):
             g = leaves[i]
             wire = (g / np.asarray(self.n, g.dtype)).astype(wire_dtype or g.dtype)
             # Gradients cross devices here: each rank receives only its slice of the mean.
-            out[i] = primitives.reduce_scatter(wire, self.axis_name, "sum", scatter_dimension=d,
-                                               tiled=True, algorithm=self.algorithm
-                                               ).astype(g.dtype)
+            out[i] = primitives.reduce_scatter(
+                wire,
+                self.axis_name,
+                "sum",
+                scatter_dimension=d,
+                tiled=True,
+                algorithm=self.algorithm,
+            ).astype(g.dtype)
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    def update(self, grads: PyTree, opt_state: PyTree,
-               params: PyTree) -> tuple[PyTree, PyTree]:
+    def update(self, grads: PyTree, opt_state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
         shardings = self.named(self.param_specs(params))
         constrain = jax.lax.with_sharding_constraint
         shards = constrain(params, shardings)  # each device's slice: no communication
@@ -176,11 +194,16 @@ class ZeRO1(Strategy):
         def body(tree):
             leaves, treedef = jax.tree_util.tree_flatten(tree)
             # Updated params cross devices here.
-            out = [x if d is None else primitives.all_gather(x, self.axis_name, axis=d,
-                                                              tiled=True,
-                                                              algorithm=self.algorithm)
-                   for x, d in zip(leaves, dims, strict=True)]
+            out = [
+                x
+                if d is None
+                else primitives.all_gather(
+                    x, self.axis_name, axis=d, tiled=True, algorithm=self.algorithm
+                )
+                for x, d in zip(leaves, dims, strict=True)
+            ]
             return jax.tree_util.tree_unflatten(treedef, out)
 
-        return jax.shard_map(body, mesh=self.mesh, in_specs=(self.param_specs(shards),),
-                             out_specs=P())(shards)
+        return jax.shard_map(
+            body, mesh=self.mesh, in_specs=(self.param_specs(shards),), out_specs=P()
+        )(shards)

@@ -148,10 +148,13 @@ def run_dist():
                 results[f"dist/{gname}/{opname}@{row}"] = value
     dist.barrier()
     results[f"proc/broadcast_object@{ME}"] = np.asarray(
-        dist.broadcast_object({"from": ME, "pad": "x" * (100 * ME)}, src=jax.process_count() - 1)
-        ["from"])
+        dist.broadcast_object({"from": ME, "pad": "x" * (100 * ME)}, src=jax.process_count() - 1)[
+            "from"
+        ]
+    )
     results[f"proc/all_gather_object@{ME}"] = np.asarray(
-        [o["p"] for o in dist.all_gather_object({"p": ME, "pad": [0] * ME})])
+        [o["p"] for o in dist.all_gather_object({"p": ME, "pad": [0] * ME})]
+    )
     results[f"proc/local_ranks_world@{ME}"] = np.asarray(dist.local_ranks())
     run_objects()
 
@@ -167,8 +170,9 @@ def run_objects():
     if ME == last:
         results[f"proc/gather_object@{ME}"] = np.asarray([o["p"] for o in gathered])
     out = [None]
-    dist.scatter_object_list(out, [10 + p for p in range(jax.process_count())] if ME == 0
-                             else None, src=0)
+    dist.scatter_object_list(
+        out, [10 + p for p in range(jax.process_count())] if ME == 0 else None, src=0
+    )
     results[f"proc/scatter_object_list@{ME}"] = np.asarray(out[0])
     if jax.process_count() == 2:  # send/recv need a peer: both directions, two in a row
         peer = 1 - ME
@@ -185,7 +189,8 @@ def run_objects():
         else:
             back = [None]
             results[f"proc/recv_object_list@{ME}"] = np.asarray(
-                [dist.recv_object_list(back, src=peer), back[0] == "back"])
+                [dist.recv_object_list(back, src=peer), back[0] == "back"]
+            )
 
 
 def main(out_dir):

@@ -32,8 +32,14 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 mesh = Mesh(np.array(jax.devices()), ("x",))
 sharding = NamedSharding(mesh, P("x"))
 x = jax.make_array_from_process_local_data(sharding, np.ones((jax.local_device_count(), 4)))
-step = jax.jit(jax.shard_map(lambda v: jaxcoll.primitives.all_reduce(v, "x"), mesh=mesh,
-                             in_specs=P("x"), out_specs=P("x")))
+step = jax.jit(
+    jax.shard_map(
+        lambda v: jaxcoll.primitives.all_reduce(v, "x"),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+    )
+)
 for i in range(100000):
     if i == 3:
         with open(os.path.join(OUT, f"loop{ME}"), "w") as fh:

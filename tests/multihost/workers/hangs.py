@@ -80,9 +80,17 @@ elif MODE == "shape":
 elif MODE == "spin":
     world = dist.world()
     spec = P(world.mesh_axes)
-    step = jaxcoll.watch(jax.jit(jax.shard_map(
-        lambda v: jaxcoll.primitives.all_reduce(v, world.axis_name), mesh=world.mesh,
-        in_specs=spec, out_specs=spec)), name="user step")
+    step = jaxcoll.watch(
+        jax.jit(
+            jax.shard_map(
+                lambda v: jaxcoll.primitives.all_reduce(v, world.axis_name),
+                mesh=world.mesh,
+                in_specs=spec,
+                out_specs=spec,
+            )
+        ),
+        name="user step",
+    )
     if ME == 1:
         mark("loop")
         while True:  # alive, heartbeating, and in no collective
@@ -139,6 +147,7 @@ elif MODE == "cost":
                 return fn(*args, **kwargs)
             finally:
                 spent[into].append(time.perf_counter() - t0)
+
         return wrapper
 
     _collectives._agree_first_use = timed(_collectives._agree_first_use, "check")
@@ -175,11 +184,15 @@ elif MODE == "cost":
         off, on = (float(np.median(first[k])) * 1e3 for k in ("off", "detail"))
         check = float(np.median(spent["check"][:20])) * 1e3
         agree = float(np.median(spent["agree"])) * 1e3
-        print(f"first call of a program (median of 20): {off:.1f} ms without detection, "
-              f"{on:.1f} ms with it; the check itself {check:.1f} ms, of which the key-value "
-              f"exchange {agree:.1f} ms and lowering + hashing {check - agree:.1f} ms")
-        print(f"cached call (median of 400): {plain:.1f} us without detection, {checked:.1f} us "
-              f"with it")
+        print(
+            f"first call of a program (median of 20): {off:.1f} ms without detection, "
+            f"{on:.1f} ms with it; the check itself {check:.1f} ms, of which the key-value "
+            f"exchange {agree:.1f} ms and lowering + hashing {check - agree:.1f} ms"
+        )
+        print(
+            f"cached call (median of 400): {plain:.1f} us without detection, {checked:.1f} us "
+            f"with it"
+        )
     _watch.configure(0, "off")
     y = dist.all_reduce(x)
 else:

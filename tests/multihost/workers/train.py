@@ -62,17 +62,26 @@ class LocalBatches:
             if KILL_AT and FIRST_RUN and ME == 1 and s == KILL_AT:
                 os.kill(os.getpid(), SIGNAL)
             idx = (s * BATCH + local_rows) % len(X)
-            yield {k: jax.make_array_from_process_local_data(sharding, v[idx])
-                   for k, v in (("x", X), ("y", Y))}
+            yield {
+                k: jax.make_array_from_process_local_data(sharding, v[idx])
+                for k, v in (("x", X), ("y", Y))
+            }
 
 
-init = {"w": rng.standard_normal((4, 16)).astype(np.float32) * 0.5,
-        "b": np.zeros(16, np.float32),
-        "v": rng.standard_normal((16, 1)).astype(np.float32) * 0.5}
+init = {
+    "w": rng.standard_normal((4, 16)).astype(np.float32) * 0.5,
+    "b": np.zeros(16, np.float32),
+    "v": rng.standard_normal((16, 1)).astype(np.float32) * 0.5,
+}
 state = trainer.init(jax.tree_util.tree_map(jnp.asarray, init), jax.random.key(0))
 # Saving is collective: every process builds its Checkpointer on the same directory.
-state, _ = trainer.fit(state, LocalBatches(), steps=STEPS,
-                       checkpoint=dp.Checkpointer(CKPT, every=EVERY), progress=False)
+state, _ = trainer.fit(
+    state,
+    LocalBatches(),
+    steps=STEPS,
+    checkpoint=dp.Checkpointer(CKPT, every=EVERY),
+    progress=False,
+)
 if FSDP:  # every leaf is split over the 8 devices of both processes: gather them
     assert all(not v.is_fully_replicated for v in state.params.values())
     params = multihost_utils.process_allgather(state.params, tiled=True)
