@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test docs lint typecheck bench clean test-slurm
+.PHONY: demo test docs lint typecheck check bench clean test-slurm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,11 +36,16 @@ docs: $(STAMP)
 test-slurm: $(STAMP)
 	bash tests/slurm/run.sh
 
+# Lint and the format check over the whole tree (`ruff format .` fixes the latter).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check jaxcoll tests examples benchmarks
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy jaxcoll
+
+# What CI runs (.ci/run): lint, format, types, the strict docs build, then the tests.
+check: lint typecheck docs test
 
 clean:
 	rm -rf $(VENV) build site *.egg-info
