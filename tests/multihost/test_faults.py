@@ -153,7 +153,7 @@ def test_a_taken_coordinator_port_is_named_before_jax_starts(tmp_path):
 
 
 def test_the_launcher_drops_gloos_connection_reports_only():
-    from jaxcoll.run import _gloo_report
+    from jaxcoll.run._output import gloo_report
 
     for line in (
         "[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected "
@@ -163,11 +163,11 @@ def test_the_launcher_drops_gloos_connection_reports_only():
         "Expected number of connected peer ranks is : 7\n",
         " peer ranks. Expected number of connected peer ranks is : 7\n",
     ):
-        assert _gloo_report(line), line
+        assert gloo_report(line), line
     for line in (
         "result [36. 36.]\n",
         "RuntimeError: Gloo connect timed out\n",
         "[Gloo] Rank 3 is connected to 5 peer ranks; giving up\n",
         "\n",
     ):
-        assert not _gloo_report(line), line
+        assert not gloo_report(line), line

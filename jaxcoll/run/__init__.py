@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -47,10 +46,9 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import IO
 
-from ._xla_flags import with_xla_cpu_flags
+from .._xla_flags import with_xla_cpu_flags
+from ._output import Proc, because, describe_exit, pump
 
 __all__ = ["main"]
 
@@ -239,103 +237,6 @@ def _die_with_parent() -> None:
         pass
 
 
-# A line that says why a process stopped: ``RuntimeError: ...``, ``jaxcoll: ...``,
-# ``dist.all_reduce: ...``, ``init: ...`` (a name, a colon, a message), not a stack frame.
-_CAUSE = re.compile(r"^[A-Za-z_][\w.]*: \S")
-# jaxcoll's own last words (watchdog, SIGTERM): the process exits right after this line, so it
-# counts as failing from here (a peer may die of it sooner, e.g. from a closed connection).
-_ANNOUNCE = re.compile(r"^jaxcoll: process \d+ .*[Ee]xiting with code \d+")
-# A failure caused by another process's: jaxcoll saw another process fail or leave, the
-# peers' transport broke (gloo), or JAX lost the job's coordination service. Never named as
-# the cause while a failure of another kind is there.
-_FOLLOW_ON = re.compile(
-    r"stops: process \d+ failed|exited while this one waits|[Cc]onnection (reset|closed) by "
-    r"peer|Socket closed|Broken pipe|JAX distributed service detected fatal errors"
-)
-# Lines that never say why a process stopped: C++ log lines (``E1123 16:40:06.048386 ...``),
-# traceback frames, blank lines.
-_NOT_A_CAUSE = re.compile(r"^([EWIF]\d{4} |\s|Traceback|$)")
-# Gloo's connection report: one line per local rank, written by several threads at once, so
-# fragments of two can share a line ("[Gloo] Rank 3[Gloo] Rank 2 is connected to  is connected
-# to 77 peer ranks. ..."). The launcher drops these lines.
-_GLOO_PARTS = re.compile(
-    r"\[Gloo\] Rank \d+|is connected to|Expected number of connected peer ranks is :|"
-    r"peer ranks|\d+"
-)
-
-
-def _gloo_report(line: str) -> bool:
-    """True for a line made only of (fragments of) gloo's connection report."""
-    return ("[Gloo]" in line or "peer ranks" in line) and not _GLOO_PARTS.sub("", line).strip(
-        " .:\n"
-    )
-
-
-def _pump(
-    stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock, proc: _Proc | None = None
-) -> None:
-    """Copy ``stream`` line by line to ``out``, each line prefixed; remember causes."""
-    for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", errors="replace")
-        if not line.endswith("\n"):
-            line += "\n"
-        if _gloo_report(line):
-            continue
-        if proc is not None:
-            proc.note(line.strip())
-        with lock:
-            out.write(prefix + line)
-            out.flush()
-    stream.close()
-
-
-@dataclass
-class _Proc:
-    index: int
-    popen: subprocess.Popen
-    threads: list[threading.Thread] = field(default_factory=list)
-    exited_at: float | None = None  # monotonic time the reaper saw the exit
-    cause: str | None = None  # the last "Name: message" line it wrote to stderr
-    last: str | None = None  # the last line it wrote to stderr that may say why it stopped
-    announced_at: float | None = None  # monotonic time of its jaxcoll exit line, if any
-    follow_on: bool = False  # it reported another process's failure (see _FOLLOW_ON)
-
-    def note(self, line: str) -> None:
-        """Remember what a line of stderr says about why this process stops."""
-        if _FOLLOW_ON.search(line):
-            self.follow_on = True
-        if _NOT_A_CAUSE.match(line):
-            return
-        self.last = line[:400]
-        if _CAUSE.match(line):
-            self.cause = line[:400]
-            if self.announced_at is None and _ANNOUNCE.match(line):
-                self.announced_at = time.monotonic()
-
-    def why(self) -> str | None:
-        """Its cause line, else the last line that may say why (``SystemExit("...")``)."""
-        return self.cause or self.last
-
-    def failed_at(self) -> float:
-        return min(t for t in (self.exited_at, self.announced_at) if t is not None)
-
-    def reap(self) -> None:
-        """Wait for the process in a thread, so exits are ordered by when they happened."""
-        self.popen.wait()
-        self.exited_at = time.monotonic()
-
-
-def describe_exit(code: int) -> str:
-    """``exited with code 3`` or ``was killed by SIGKILL``, from a Popen return code."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with code {code}"
-
-
 class _Group:
     """One generation of worker processes."""
 
@@ -343,7 +244,7 @@ class _Group:
         host_port = a.coordinator or f"127.0.0.1:{free_port()}"
         bind = a.bind or host_port
         self.lock = threading.Lock()
-        self.procs: list[_Proc] = []
+        self.procs: list[Proc] = []
         for local in range(a.nprocs):
             index = a.node_rank * a.nprocs + local
             env = _child_env(a, host_port, bind, local, restart)
@@ -355,7 +256,7 @@ class _Group:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
-            proc = _Proc(index, popen)
+            proc = Proc(index, popen)
             threading.Thread(target=proc.reap, daemon=True).start()
             prefix = "" if a.no_prefix else f"[{index}] "
             for stream, out, who in (
@@ -363,20 +264,20 @@ class _Group:
                 (popen.stderr, sys.stderr, proc),
             ):
                 t = threading.Thread(
-                    target=_pump, args=(stream, out, prefix, self.lock, who), daemon=True
+                    target=pump, args=(stream, out, prefix, self.lock, who), daemon=True
                 )
                 t.start()
                 proc.threads.append(t)
             self.procs.append(proc)
 
-    def failures(self) -> list[_Proc]:
+    def failures(self) -> list[Proc]:
         """Processes that exited non-zero or were killed, earliest first."""
         failed = [
             p for p in self.procs if p.exited_at is not None and p.popen.returncode not in (0, None)
         ]
         return sorted(failed, key=lambda p: p.failed_at())
 
-    def first_cause(self, window: float = 0.5) -> _Proc:
+    def first_cause(self, window: float = 0.5) -> Proc:
         """The failure to name first: the earliest of those not caused by another process's
         failure (see ``_FOLLOW_ON``), unless a process killed by a signal (that announced
         nothing) failed within ``window`` seconds of it. A killed peer's partners can notice
@@ -428,11 +329,6 @@ class _Group:
                 t.join(timeout=2.0)
 
 
-def _because(proc: _Proc) -> str:
-    why = proc.why()
-    return f": {why.rstrip('.')}" if why else ""
-
-
 def _say(msg: str) -> None:
     print(f"jaxcoll-run: {msg}", file=sys.stderr, flush=True)
 
@@ -456,7 +352,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         restart = 0
         while True:
             group = _Group(a, command, restart)
-            failed: list[_Proc] = []
+            failed: list[Proc] = []
             while True:
                 if received:
                     sig = received[0]
@@ -491,7 +387,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             for p in group.failures():
                 if p is proc:
                     continue
-                _say(f"then process {p.index} {describe_exit(p.popen.returncode)}{_because(p)}.")
+                _say(f"then process {p.index} {describe_exit(p.popen.returncode)}{because(p)}.")
             if restart < a.max_restarts:
                 restart += 1
                 _say(
@@ -499,7 +395,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                     f"{a.max_restarts})."
                 )
                 continue
-            _say(f"failed: process {proc.index} {describe_exit(code)}{_because(proc)}.")
+            _say(f"failed: process {proc.index} {describe_exit(code)}{because(proc)}.")
             return code if code > 0 else 128 - code
     finally:
         for s, h in old.items():
@@ -509,7 +405,3 @@ def run(argv: Sequence[str] | None = None) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point of ``jaxcoll-run``."""
     raise SystemExit(run(argv))
-
-
-if __name__ == "__main__":
-    main()
