@@ -15,6 +15,9 @@ why:
 Defining primitives (where jax has an extension API, it is used: ``jax.extend.core`` and the
 ``jax.interpreters`` re-exports, the paths libraries such as mpi4jax use):
 
+* :class:`Literal` (``jax.extend.core``): a constant operand of a jaxpr equation, told apart
+  from a variable when FSDP evaluates a traced loss equation by equation
+  (:mod:`jaxcoll.dp.sync.layerwise`).
 * :class:`Primitive` (``jax.extend.core``): jaxcoll's primitives, so that a collective can get
   one lowering per platform and its own transpose and batching rules.
 * :func:`register_lowering`, :func:`lower_fun` (``jax.interpreters.mlir``): a lowering rule
@@ -55,6 +58,7 @@ from typing import Any
 
 from jax._src import distributed as _distributed
 from jax._src import xla_bridge as _xla_bridge
+from jax.extend.core import Literal as Literal
 from jax.extend.core import Primitive as Primitive
 from jax.interpreters.ad import deflinear2 as deflinear2
 from jax.interpreters.ad import instantiate_zeros as instantiate_zeros
@@ -75,6 +79,7 @@ except ImportError:  # pragma: no cover - a JAX that moved it: callers fall back
 
 __all__ = [
     "ArrayImpl",
+    "Literal",
     "Primitive",
     "backends_are_initialized",
     "deflinear2",

@@ -52,9 +52,7 @@ def local_grads(
     if strategy is None:
         of_params = lambda p, ms, b, r: loss(p, ms, b, r, step)  # noqa: E731
     else:
-        of_params = strategy.wrap_loss(
-            lambda p, ms, b, r: loss(strategy.materialize(p, like), ms, b, r, step)
-        )
+        of_params = strategy.loss_of_held(lambda p, ms, b, r: loss(p, ms, b, r, step), like)
     grad_fn = jax.value_and_grad(of_params, has_aux=True)
     k = accum_steps
     if k == 1:
@@ -265,8 +263,8 @@ def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree):
     like = abstract(params)
 
     def per_rank(params, model_state, step, batch):
-        whole = strategy.materialize(to_varying(params, axis_names(axis)), like)
-        value, (aux, _) = loss(whole, model_state, batch, None, step)
+        of_held = strategy.loss_of_held(lambda p, ms, b: loss(p, ms, b, None, step), like)
+        value, (aux, _) = of_held(to_varying(params, axis_names(axis)), model_state, batch)
         return mean_metrics({"loss": value, **aux}, axis, strategy.algorithm)
 
     return jax.jit(

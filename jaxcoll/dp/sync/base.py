@@ -259,6 +259,13 @@ class Strategy:
         ``like``: the params' global shapes (``jax.ShapeDtypeStruct``)."""
         return params
 
+    def loss_of_held(self, fn: Callable[..., Any], like: PyTree) -> Callable[..., Any]:
+        """Per rank, inside ``shard_map``: ``fn(params, *rest)``, the loss of the whole
+        params, as a function of the params as the train state holds them, for
+        ``jax.grad``: :meth:`materialize` then ``fn``, through :meth:`wrap_loss`. ``like``:
+        the params' global shapes."""
+        return self.wrap_loss(lambda p, *rest: fn(self.materialize(p, like), *rest))
+
     def wrap_loss(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """The per-rank loss of the params as held, for ``jax.grad`` (unchanged here)."""
         return fn

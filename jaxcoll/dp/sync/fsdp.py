@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
@@ -24,6 +25,7 @@ from ... import primitives
 from ..._core.typing import AxisName, PyTree
 from ..._core.vma import axis_names, to_varying
 from ..hooks.base import wire_dtype as hook_wire_dtype
+from .layerwise import gather_per_layer
 from .zero1 import ZeRO1
 
 #: The name the gathered params carry in the loss (``jax.ad_checkpoint.checkpoint_name``): the
@@ -95,20 +97,48 @@ class FSDP(ZeRO1):
         """Extra state that mirrors the params (an EMA) is split like them."""
         return self.opt_specs(extra, params)
 
-    def materialize(self, params: PyTree, like: PyTree) -> PyTree:
-        dims = self.shard_dims(like)
-        wire = hook_wire_dtype(self.bucket_hook)
-        leaves, treedef = jax.tree_util.tree_flatten(params)
-        out = [
-            x if d is None else _gather(x, d, self.axis_name, self.n, self.algorithm, wire)
-            for x, d in zip(leaves, dims, strict=True)
+    def shard_dims(self, params: PyTree) -> list[int | None]:
+        """Per leaf, the dimension FSDP splits it along: the first one after the leading
+        one that n divides (a stacked layer axis leads, so each layer's slice is split and
+        a scan over layers gathers one layer at a time), else the leading one when n
+        divides it, else None (replicated)."""
+        return [
+            fsdp_dim(tuple(np.shape(leaf)), self.n) for leaf in jax.tree_util.tree_leaves(params)
         ]
-        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def _gather_leaf(self, x: jax.Array, dim: int) -> jax.Array:
+        wire = hook_wire_dtype(self.bucket_hook)
+        return _gather(x, dim, self.axis_name, self.n, self.algorithm, wire)
+
+    def _gather_all(self, leaves: list[jax.Array], dims: list[int | None]) -> list[jax.Array]:
+        return [
+            x if d is None else self._gather_leaf(x, d) for x, d in zip(leaves, dims, strict=True)
+        ]
+
+    def materialize(self, params: PyTree, like: PyTree) -> PyTree:
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        return jax.tree_util.tree_unflatten(
+            treedef, self._gather_all(leaves, self.shard_dims(like))
+        )
+
+    def loss_of_held(self, fn: Callable[..., Any], like: PyTree) -> Callable[..., Any]:
+        """``fn`` of the params as held, each stacked layer gathered inside the scan that
+        uses it (:mod:`~jaxcoll.dp.sync.layerwise`), the other split leaves where the loss
+        first uses them."""
+        dims = self.shard_dims(like)
+        run = gather_per_layer(
+            fn,
+            self._gather_leaf,
+            dims,
+            lambda leaves: self._gather_all(leaves, dims),
+            policy=not_gathered,
+        )
+        return self.wrap_loss(run)
 
     def wrap_loss(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not self.reshard_after_forward:
             return fn
-        return jax.checkpoint(fn, policy=_not_gathered)
+        return jax.checkpoint(fn, policy=not_gathered)
 
     def reduce(
         self, grads: PyTree, comm_state: PyTree, step: jax.Array, like: PyTree = None
@@ -137,7 +167,17 @@ def _gather(
     return checkpoint_name(to_varying(whole, axis_names(axis_name)), GATHERED)
 
 
-def _not_gathered(prim: Any, *_: Any, **params: Any) -> bool:
+def fsdp_dim(shape: tuple[int, ...], n: int) -> int | None:
+    """The dimension FSDP splits a leaf of ``shape`` along (see :meth:`FSDP.shard_dims`)."""
+    for d in range(1, len(shape)):
+        if shape[d] > 0 and shape[d] % n == 0:
+            return d
+    if shape and shape[0] > 0 and shape[0] % n == 0:
+        return 0
+    return None
+
+
+def not_gathered(prim: Any, *_: Any, **params: Any) -> bool:
     """The rematerialisation policy: save every value for the backward but the gathered
     params (the output of :func:`_gather`, which carries the name :data:`GATHERED`)."""
     if str(prim) == "name":

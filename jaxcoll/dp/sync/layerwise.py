@@ -1,0 +1,237 @@
+"""FSDP's per-layer gathering: the loss's scans over stacked params gather one layer at a time.
+
+A deep model is written as a scan over layers whose params are stacked along a leading layer
+axis (flax ``nn.scan`` / ``nnx.scan`` with ``variable_axes={"params": 0}``, or ``lax.scan``
+over a stacked pytree). FSDP holds each stacked leaf split along a dimension after the layer
+axis, so every layer's slice is itself split over the devices. :func:`gather_per_layer` runs
+the loss on the params as held: it traces the loss once (``jax.make_jaxpr``, in the caller's
+trace, so the shard_map's types stay on) with the whole params as FSDP's gather produces them,
+then evaluates that program equation by equation, with each gathered param kept *lazy* (its
+slice, not yet gathered):
+
+* a ``scan`` that takes lazy params among its scanned inputs (``xs``) gets the slices
+  instead, and its body gathers its own layer at the start of each iteration: the forward
+  holds one gathered layer at a time; the body is rematerialised without saving the gathered
+  layer, so the backward gathers each layer again where it needs it, and the gather's
+  gradient reduce-scatters that layer's gradient as soon as the iteration has it;
+* calls (``jit`` inside the loss, ``jax.checkpoint``) are entered the same way, so a scan
+  inside them is found; a ``jax.checkpoint`` keeps its policy;
+* any other use of a lazy param gathers it whole there, once per scope (a tied embedding used
+  twice is gathered once).
+
+The program is the user's: nothing but where the params are gathered changes, so the result
+is the same function of the params; the rewrite is checked by the FSDP equivalence tests
+against single-device training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax import lax
+
+from ..._jax import Literal
+
+#: Gathers a lazy param: ``gather(slice, dim) -> whole`` (FSDP's differentiable all-gather).
+Gather = Callable[[jax.Array, int], jax.Array]
+
+# Call-like primitives whose body is entered (their params name the inner jaxpr).
+_CALLS = {"pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+_REMAT = "remat2"
+_SCAN = "scan"
+
+
+@dataclass
+class Lazy:
+    """A param not gathered yet: this rank's ``slice`` of it, split along ``dim``."""
+
+    slice: jax.Array
+    dim: int
+
+
+class _Scope:
+    """The values of one jaxpr's variables; lazy params gathered at most once each."""
+
+    def __init__(self, gather: Gather, policy: Callable[..., bool]) -> None:
+        self.env: dict[Any, Any] = {}
+        self.gather = gather
+        self.policy = policy
+        self.forced: dict[int, jax.Array] = {}
+
+    def read(self, v: Any) -> Any:
+        if isinstance(v, Literal):
+            return v.val
+        return self.env[v]
+
+    def value(self, v: Any) -> Any:
+        """The value of ``v``, a lazy param gathered (once) if it is one."""
+        x = self.read(v)
+        if isinstance(x, Lazy):
+            key = id(x)
+            if key not in self.forced:
+                self.forced[key] = self.gather(x.slice, x.dim)
+            return self.forced[key]
+        return x
+
+
+def gather_per_layer(
+    fn: Callable[..., Any],
+    gather: Gather,
+    dims: Sequence[int | None],
+    whole: Callable[[list[jax.Array]], list[jax.Array]],
+    policy: Callable[..., bool],
+) -> Callable[..., Any]:
+    """``fn(params, *rest)`` as a function of the params as held (``run(held, *rest)``),
+    gathering each stacked layer inside the scan that uses it.
+
+    Args:
+        fn: the loss of the whole params.
+        gather: ``gather(slice, dim) -> whole``, differentiable (its gradient is the
+            reduce-scatter of the mean).
+        dims: per param leaf (in ``jax.tree_util`` order), the dimension it is split along,
+            or None (replicated).
+        whole: the gather of every param leaf at once (``gather`` per split leaf), traced
+            to give the loss its inputs' types; the equations it adds are replaced by lazy
+            params, never run as they are.
+        policy: the rematerialisation policy of a rewritten scan's body: it must not save
+            the gathered params (the backward gathers them again).
+    """
+
+    def run(params: Any, *rest: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+
+        def traced(leaves, *rest):
+            return fn(jax.tree_util.tree_unflatten(treedef, whole(leaves)), *rest)
+
+        closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(leaves, *rest)
+        flat_rest = jax.tree_util.tree_leaves(rest)
+        jaxpr = closed.jaxpr
+        n = len(leaves)
+        scope = _Scope(gather, policy)
+        for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
+            scope.env[v] = c
+        for v, x in zip(jaxpr.invars, [*leaves, *flat_rest], strict=True):
+            scope.env[v] = x
+        # The whole(...) gathers are the equations whose input is a split param: their
+        # outputs become lazy params (this rank's slice).
+        param_vars = {v: (leaves[i], d) for i, (v, d) in enumerate(zip(jaxpr.invars[:n], dims))}
+        eqns = []
+        for eqn in jaxpr.eqns:
+            ins = [v for v in eqn.invars if not isinstance(v, Literal)]
+            if (
+                len(ins) == 1
+                and len(eqn.outvars) == 1
+                and ins[0] in param_vars
+                and param_vars[ins[0]][1] is not None
+                and str(eqn.primitive) in ("custom_vjp_call", "custom_vjp_call_jaxpr")
+            ):
+                x, d = param_vars[ins[0]]
+                scope.env[eqn.outvars[0]] = Lazy(x, int(d))  # type: ignore[arg-type]
+            else:
+                eqns.append(eqn)
+        outs = _eval(eqns, jaxpr.outvars, scope)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+    return run
+
+
+def _eval(eqns: Sequence[Any], outvars: Sequence[Any], scope: _Scope) -> list[Any]:
+    for eqn in eqns:
+        name = str(eqn.primitive)
+        lazy_in = any(isinstance(scope.read(v), Lazy) for v in eqn.invars)
+        if lazy_in and name == _SCAN:
+            outs = _scan(eqn, scope)
+        elif lazy_in and name in _CALLS:
+            inner = eqn.params[_CALLS[name]]
+            outs = _run_inner(inner, [scope.read(v) for v in eqn.invars], scope)
+        elif lazy_in and name == _REMAT:
+            outs = _remat(eqn, [scope.read(v) for v in eqn.invars], scope)
+        else:
+            outs = _bind(eqn, [scope.value(v) for v in eqn.invars])
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            scope.env[v] = x
+    return [scope.value(v) for v in outvars]
+
+
+def _bind(eqn: Any, args: Sequence[Any]) -> Any:
+    """The equation applied to ``args``, as ``jax.core.eval_jaxpr`` applies it."""
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    ctx = getattr(eqn, "ctx", None)
+    if ctx is None:
+        return eqn.primitive.bind(*subfuns, *args, **params)
+    with ctx.manager:
+        return eqn.primitive.bind(*subfuns, *args, **params)
+
+
+def _closed_parts(inner: Any) -> tuple[Any, Sequence[Any]]:
+    """(jaxpr, consts) of a ClosedJaxpr or an open Jaxpr."""
+    if hasattr(inner, "jaxpr") and hasattr(inner, "consts"):
+        return inner.jaxpr, inner.consts
+    return inner, ()
+
+
+def _run_inner(inner: Any, args: Sequence[Any], outer: _Scope) -> list[Any]:
+    """An inner jaxpr (a call's, a scan's body) evaluated on ``args``, lazy ones included."""
+    jaxpr, consts = _closed_parts(inner)
+    scope = _Scope(outer.gather, outer.policy)
+    for v, c in zip(jaxpr.constvars, consts, strict=True):
+        scope.env[v] = c
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        scope.env[v] = x
+    return _eval(jaxpr.eqns, jaxpr.outvars, scope)
+
+
+def _remat(eqn: Any, args: Sequence[Any], outer: _Scope) -> list[Any]:
+    """A ``jax.checkpoint`` entered, keeping its policy: the lazy params are its slices."""
+    p = eqn.params
+    lazy = [i for i, a in enumerate(args) if isinstance(a, Lazy)]
+    dims = {i: args[i].dim for i in lazy}
+
+    def body(*xs):
+        full = [Lazy(x, dims[i]) if i in dims else x for i, x in enumerate(xs)]
+        return _run_inner(p["jaxpr"], full, outer)
+
+    flat = [a.slice if isinstance(a, Lazy) else a for a in args]
+    f = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy"))
+    return list(f(*flat))
+
+
+def _scan(eqn: Any, scope: _Scope) -> list[Any]:
+    """A scan whose scanned inputs include lazy params: it scans their slices, and each
+    iteration gathers its own layer (rematerialised: the backward gathers it again)."""
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    args = [scope.read(v) for v in eqn.invars]
+    consts = [scope.value(v) for v in eqn.invars[:nc]]
+    carry = [scope.value(v) for v in eqn.invars[nc : nc + nk]]
+    xs_in = args[nc + nk :]
+    layered: dict[int, int] = {}
+    xs: list[Any] = []
+    for i, (v, a) in enumerate(zip(eqn.invars[nc + nk :], xs_in, strict=True)):
+        if isinstance(a, Lazy) and a.dim >= 1:
+            layered[i] = a.dim - 1  # the split dimension within one layer
+            xs.append(a.slice)
+        else:
+            xs.append(scope.value(v))
+    body_jaxpr = p["jaxpr"]
+
+    def body(carry, x):
+        x = [Lazy(xi, layered[i]) if i in layered else xi for i, xi in enumerate(x)]
+        outs = _run_inner(body_jaxpr, [*consts, *carry, *x], scope)
+        return outs[:nk], outs[nk:]
+
+    carry, ys = lax.scan(
+        jax.checkpoint(body, policy=scope.policy),
+        carry,
+        xs,
+        length=p["length"],
+        reverse=p["reverse"],
+        unroll=p["unroll"],
+    )
+    return [*carry, *ys]
