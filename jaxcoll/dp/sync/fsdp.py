@@ -1,10 +1,12 @@
 """FSDP: ZeRO stage 3 (torch's FullyShardedDataParallel). Params, gradients and optimizer
-state are all held 1/n per device; each step gathers the params leaf by leaf for the loss.
+state are all held 1/n per device; each step gathers the params where the loss uses them, one
+layer at a time inside a scan over stacked layers.
 
-The split is :class:`~jaxcoll.dp.sync.ZeRO1`'s: every leaf with a dimension divisible by n is
-split along the first such dimension (each device's slice contiguous), the others stay
-replicated; the params keep their pytree structure and shapes, so the optimizer sees the
-real tree and every optax transformation gives the unsharded result.
+Each leaf with a dimension divisible by n is split along the first such dimension after the
+leading one (the leading one when no other divides; a stacked layer axis leads, so every
+layer's slice is split), the others stay replicated; the params keep their pytree structure
+and shapes, so the optimizer sees the real tree and every optax transformation gives the
+unsharded result.
 """
 
 from __future__ import annotations
@@ -43,17 +45,23 @@ class FSDP(ZeRO1):
     params, gradients and optimizer state between steps (``state.params`` is split). Per
     step:
 
-    1. per rank, inside ``shard_map``: each split leaf is all-gathered
-       (:func:`~jaxcoll.primitives.all_gather`, ``tiled=True``, one collective per leaf) into
-       the whole params the loss sees; the gather's gradient is the reduce-scatter of the
+    1. per rank, inside ``shard_map``: the split leaves are all-gathered
+       (:func:`~jaxcoll.primitives.all_gather`, ``tiled=True``) where the loss uses them.
+       A scan over stacked layers (``lax.scan``, flax ``nn.scan``, ``nnx.scan``, also
+       inside a ``jax.jit`` or ``jax.checkpoint`` of the loss) scans the slices instead and
+       gathers its own layer in each iteration (:mod:`~jaxcoll.dp.sync.layerwise`), so the
+       forward holds one gathered layer at a time; the other split leaves are gathered
+       together at their first use. The gather's gradient is the reduce-scatter of the
        local gradient divided by n (:func:`~jaxcoll.primitives.reduce_scatter`, in the
-       hook's wire dtype), so ``jax.grad`` returns each device its slice of the mean, leaf by
-       leaf as the backward pass reaches it; the replicated leaves are all-reduced by buckets;
+       hook's wire dtype), so ``jax.grad`` returns each device its slice of the mean, layer
+       by layer as the backward pass reaches it; the replicated leaves are all-reduced by
+       buckets;
     2. with ``reshard_after_forward`` (default), the loss is rematerialised
        (``jax.checkpoint``) with a policy that saves everything but the gathered params: the
        backward gathers each leaf again where it needs it instead of keeping the whole
        params alive from the forward (torch FSDP's option of the same name); the
-       activations are saved as usual;
+       activations are saved as usual. A scan's body over layers is always rematerialised
+       that way (else the forward would save every gathered layer for the backward);
     3. in the global view: ``optimizer.update`` and ``optax.apply_updates`` on the sharded
        tree; the params stay sharded (no all-gather after the update).
 
@@ -115,6 +123,9 @@ class FSDP(ZeRO1):
             x if d is None else self._gather_leaf(x, d) for x, d in zip(leaves, dims, strict=True)
         ]
 
+    def _gather_many(self, slices: list[jax.Array], dims: list[int]) -> list[jax.Array]:
+        return [self._gather_leaf(x, d) for x, d in zip(slices, dims, strict=True)]
+
     def materialize(self, params: PyTree, like: PyTree) -> PyTree:
         leaves, treedef = jax.tree_util.tree_flatten(params)
         return jax.tree_util.tree_unflatten(
@@ -128,7 +139,7 @@ class FSDP(ZeRO1):
         dims = self.shard_dims(like)
         run = gather_per_layer(
             fn,
-            self._gather_leaf,
+            self._gather_many,
             dims,
             lambda leaves: self._gather_all(leaves, dims),
             policy=not_gathered,

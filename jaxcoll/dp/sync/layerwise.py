@@ -35,8 +35,9 @@ from jax import lax
 
 from ..._jax import Literal
 
-#: Gathers a lazy param: ``gather(slice, dim) -> whole`` (FSDP's differentiable all-gather).
-Gather = Callable[[jax.Array, int], jax.Array]
+#: Gathers lazy params: ``gather(slices, dims) -> wholes`` (FSDP's differentiable
+#: all-gather, batched: the params a scope gathers are gathered together).
+Gather = Callable[[list[jax.Array], list[int]], list[jax.Array]]
 
 # Call-like primitives whose body is entered (their params name the inner jaxpr).
 _CALLS = {"pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
@@ -44,7 +45,7 @@ _REMAT = "remat2"
 _SCAN = "scan"
 
 
-@dataclass
+@dataclass(eq=False)
 class Lazy:
     """A param not gathered yet: this rank's ``slice`` of it, split along ``dim``."""
 
@@ -53,28 +54,62 @@ class Lazy:
 
 
 class _Scope:
-    """The values of one jaxpr's variables; lazy params gathered at most once each."""
+    """The values of one jaxpr's variables. The lazy params this jaxpr uses whole are
+    gathered together, at the first such use (one batched gather per scope)."""
 
     def __init__(self, gather: Gather, policy: Callable[..., bool]) -> None:
         self.env: dict[Any, Any] = {}
         self.gather = gather
         self.policy = policy
-        self.forced: dict[int, jax.Array] = {}
+        self.wholes: dict[int, jax.Array] = {}  # id(Lazy) -> the gathered param
+        self.needed: list[Lazy] = []
 
     def read(self, v: Any) -> Any:
         if isinstance(v, Literal):
             return v.val
         return self.env[v]
 
+    def plan(self, jaxpr: Any) -> None:
+        """Find the lazy params ``jaxpr`` uses whole (all but those it only passes to a
+        scan over their layers or into a call that is entered): gathered together."""
+        seen: dict[int, Lazy] = {}
+
+        def need(v: Any) -> None:
+            x = None if isinstance(v, Literal) else self.env.get(v)
+            if isinstance(x, Lazy):
+                seen.setdefault(id(x), x)
+
+        for eqn in jaxpr.eqns:
+            name = str(eqn.primitive)
+            if name in _CALLS or name == _REMAT:
+                continue
+            if name == _SCAN:
+                nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+                for v in eqn.invars[: nc + nk]:
+                    need(v)
+                for v in eqn.invars[nc + nk :]:
+                    x = None if isinstance(v, Literal) else self.env.get(v)
+                    if isinstance(x, Lazy) and x.dim == 0:  # split along the layer axis
+                        need(v)
+                continue
+            for v in eqn.invars:
+                need(v)
+        for v in jaxpr.outvars:
+            need(v)
+        self.needed = list(seen.values())
+
     def value(self, v: Any) -> Any:
-        """The value of ``v``, a lazy param gathered (once) if it is one."""
+        """The value of ``v``; a lazy param gathered (with the others this scope needs)."""
         x = self.read(v)
-        if isinstance(x, Lazy):
-            key = id(x)
-            if key not in self.forced:
-                self.forced[key] = self.gather(x.slice, x.dim)
-            return self.forced[key]
-        return x
+        if not isinstance(x, Lazy):
+            return x
+        if id(x) not in self.wholes:
+            batch = [z for z in self.needed if id(z) not in self.wholes]
+            if x not in batch:
+                batch.append(x)
+            wholes = self.gather([z.slice for z in batch], [z.dim for z in batch])
+            self.wholes.update({id(z): w for z, w in zip(batch, wholes, strict=True)})
+        return self.wholes[id(x)]
 
 
 def gather_per_layer(
@@ -89,7 +124,7 @@ def gather_per_layer(
 
     Args:
         fn: the loss of the whole params.
-        gather: ``gather(slice, dim) -> whole``, differentiable (its gradient is the
+        gather: ``gather(slices, dims) -> wholes``, differentiable (its gradient is the
             reduce-scatter of the mean).
         dims: per param leaf (in ``jax.tree_util`` order), the dimension it is split along,
             or None (replicated).
@@ -132,6 +167,7 @@ def gather_per_layer(
                 scope.env[eqn.outvars[0]] = Lazy(x, int(d))  # type: ignore[arg-type]
             else:
                 eqns.append(eqn)
+        scope.plan(jaxpr)
         outs = _eval(eqns, jaxpr.outvars, scope)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
@@ -184,6 +220,7 @@ def _run_inner(inner: Any, args: Sequence[Any], outer: _Scope) -> list[Any]:
         scope.env[v] = c
     for v, x in zip(jaxpr.invars, args, strict=True):
         scope.env[v] = x
+    scope.plan(jaxpr)
     return _eval(jaxpr.eqns, jaxpr.outvars, scope)
 
 
