@@ -12,9 +12,21 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import Mesh
 
 from jaxcoll import dp
-from tests.dp._models import MLP, batches, cross_entropy, max_rel_diff
+from tests.dp._models import (
+    MLP,
+    Twin,
+    batches,
+    cross_entropy,
+    max_rel_diff,
+    oracle,
+    twin_diffs,
+    twin_loss,
+    twin_optimizer,
+)
+from tests.dp.test_export import _executed, _functions
 from tests.helpers import mesh_1d, mesh_2d
 
 K = 20
@@ -133,3 +145,101 @@ def test_each_device_holds_one_nth_of_the_optimizer_state():
     # the optimizer state keeps optax's own structure: an unsharded run can load it
     single = optax.adamw(1e-3).init(params)
     assert jax.tree_util.tree_structure(single) == jax.tree_util.tree_structure(state.opt_state)
+
+
+def _collectives(trainer, state, batch, op) -> int:
+    step, args = trainer.step_program(state, batch)
+    return _executed(_functions(step.lower(*args).as_text()), "main", f"stablehlo.{op}")
+
+
+def test_a_step_reduce_scatters_and_gathers_the_split_leaves_by_buckets():
+    model = dp.Linen(MLP(), _loss)
+    data = batches("mlp", 1, 32)
+    params, _ = model.init(jax.random.key(0), data[0])
+    leaves = jax.tree_util.tree_leaves(params)
+    split = [x for x in leaves if any(s % 8 == 0 for s in x.shape)]
+    assert len(split) == len(leaves) - 1  # all but Dense_2's bias (4,)
+    counts, state = {}, None
+    for mb in (None, 2500 / 2**20, 25.0):  # per leaf, 2.5 kB (several leaves each), one
+        sync = dp.sync.ZeRO1(algorithm="native", bucket_mb=mb)
+        trainer = dp.Trainer(model, optax.adam(1e-3), mesh=mesh_1d(8, "data"), sync=sync)
+        if state is None:  # placed alike whatever the buckets
+            state = trainer.init(params, jax.random.key(1))
+        want = len(dp.plan_buckets(split, trainer.sync.bucket_bytes))
+        got = tuple(
+            _collectives(trainer, state, data[0], op) for op in ("reduce_scatter", "all_gather")
+        )
+        assert got == (want, want), (mb, got, want)
+        counts[mb] = want
+    assert counts[None] == len(split) > counts[2500 / 2**20] > counts[25.0] == 1, counts
+
+
+def _hybrid_mesh():
+    return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("replica", "shard"))
+
+
+def test_hybrid_sharding_matches_one_device_with_one_quarter_of_the_state_per_device():
+    data = batches("mlp", 5, 32)
+    model = dp.Linen(Twin(MLP), twin_loss)
+    params, _ = model.init(jax.random.key(0), data[0])
+    want, _ = oracle(model, twin_optimizer(), params, {}, data, n=8)
+    sync = dp.sync.ZeRO1(shard_axis="shard", bucket_mb=0.001)  # ~1 kB: several buckets
+    trainer = dp.Trainer(
+        model,
+        twin_optimizer(),
+        mesh=_hybrid_mesh(),
+        axis_name=("replica", "shard"),
+        sync=sync,
+    )
+    bound = trainer.sync
+    assert (bound.shard_axis_name, bound.n_shard, bound.replica_axes) == ("shard", 4, ("replica",))
+    state = trainer.init(params, jax.random.key(1))
+    for batch in data:
+        state, _ = trainer.step(state, batch)
+    diffs = twin_diffs(state.params, want)
+    assert max(diffs.values()) <= TOL, diffs  # Adam and plain SGD: a scale error fails SGD
+    adam = state.opt_state.inner_states["adam"].inner_state[0]
+    mesh_devices = trainer.mesh.devices
+    for p, m in zip(
+        jax.tree_util.tree_leaves(params["adam"]), jax.tree_util.tree_leaves(adam.mu["adam"])
+    ):
+        d = next(i for i, size in enumerate(p.shape) if size % 4 == 0)
+        local = p.shape[:d] + (p.shape[d] // 4,) + p.shape[d + 1 :]
+        held = {s.device: np.asarray(s.data) for s in m.addressable_shards}
+        assert {x.shape for x in held.values()} == {local}, (p.shape, d)
+        for j in range(4):  # the two replicas of each slice hold the same values
+            np.testing.assert_array_equal(held[mesh_devices[0, j]], held[mesh_devices[1, j]])
+        whole = np.concatenate([held[mesh_devices[0, j]] for j in range(4)], axis=d)
+        np.testing.assert_array_equal(whole, np.asarray(m))
+
+
+def test_shard_axis_is_checked_at_construction_and_when_bound():
+    with pytest.raises(
+        TypeError,
+        match=r"dp\.sync\.ZeRO1: shard_axis must be the name of one data axis \(a string\) "
+        r"or None, got \('shard',\) of type tuple instead",
+    ):
+        dp.sync.ZeRO1(shard_axis=("shard",))
+    message = (
+        r"dp\.sync\.ZeRO1: shard_axis='{}' is not one of the Trainer's data axes "
+        r"\({}\)\. Pass one of them \(the params are split over it and replicated over the "
+        r"others\), or shard_axis=None to split over all of them\."
+    )
+    with pytest.raises(ValueError, match=message.format("model", r"'replica', 'shard'")):
+        dp.Trainer(
+            lambda w, b, r: (w.sum(), {}),
+            optax.sgd(0.1),
+            mesh=_hybrid_mesh(),
+            axis_name=("replica", "shard"),
+            sync=dp.sync.ZeRO1(shard_axis="model"),
+        )
+    trainer = dp.Trainer(
+        lambda w, b, r: (w.sum(), {}),
+        optax.sgd(0.1),
+        mesh=_hybrid_mesh(),
+        axis_name="shard",
+        sync=dp.sync.ZeRO1(shard_axis="shard"),
+    )
+    assert trainer.sync.replica_axes == () and trainer.sync.n_shard == 4
+    with pytest.raises(ValueError, match=message.format("replica", r"'shard',")):
+        trainer.sync.replace(shard_axis="replica")

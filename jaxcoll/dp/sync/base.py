@@ -126,9 +126,15 @@ class Strategy:
         """A copy of this strategy bound to ``optimizer`` and the data axis ``axis_name`` of
         ``mesh`` (checked by the caller): what the step builder calls. ``dp.Trainer`` binds
         its ``sync`` once, when it is built."""
+        binding = Binding(optimizer, mesh, axis_name)
+        self.check_binding(binding)
         bound = copy.copy(self)
-        object.__setattr__(bound, "_binding", Binding(optimizer, mesh, axis_name))
+        object.__setattr__(bound, "_binding", binding)
         return bound
+
+    def check_binding(self, binding: Binding) -> None:
+        """Check the fields against what :meth:`bind` fixes (a field that names a mesh axis):
+        called by :meth:`bind` and by :meth:`replace` on a bound strategy. Nothing here."""
 
     def _bound(self) -> Binding:
         if self._binding is None:
@@ -186,6 +192,8 @@ class Strategy:
     def replace(self, **changes: Any) -> Strategy:
         """A copy with ``changes`` to its fields (checked again), bound as this one is."""
         new = dataclasses.replace(self, **changes)
+        if self._binding is not None:
+            new.check_binding(self._binding)
         object.__setattr__(new, "_binding", self._binding)
         return new
 

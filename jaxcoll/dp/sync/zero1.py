@@ -3,10 +3,12 @@ of the optimizer state, per leaf.
 
 The params keep their pytree structure: every leaf with a dimension divisible by n is split
 along it (the first such dimension, so each device's slice is contiguous), the others stay
-replicated. The optimizer runs in ``jax.jit``'s global view on those sharded leaves, so it
-sees the real tree (masks, ``multi_transform`` labels) and every reduction over params (a
-global norm, lamb's trust ratio) is computed by XLA's SPMD partitioner over the whole
-params: the result of any optax transformation is the unsharded one.
+replicated; n is the number of data ranks, or the size of ``shard_axis`` (hybrid sharding:
+split over one data axis, replicated over the others). The optimizer runs in ``jax.jit``'s
+global view on those sharded leaves, so it sees the real tree (masks, ``multi_transform``
+labels) and every reduction over params (a global norm, lamb's trust ratio) is computed by
+XLA's SPMD partitioner over the whole params: the result of any optax transformation is the
+unsharded one.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ import jax
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
 from ... import primitives
-from ..._core.typing import PyTree
-from ..buckets import mean_gradients
+from ..._core.typing import AxisName, PyTree
+from ..._core.vma import axis_names
+from ..buckets import mean_gradients, plan_buckets
 from ..hooks.base import is_elementwise
 from ..hooks.base import wire_dtype as hook_wire_dtype
-from .base import Strategy, specs_like
+from .base import Binding, Strategy, specs_like
+from .packing import gather_leaves, scatter_leaves
 
 
 def shard_dim(shape: tuple[int, ...], n: int) -> int | None:
@@ -52,30 +57,51 @@ class ZeRO1(Strategy):
 
     1. per rank, inside ``shard_map``: each split leaf's local gradient (divided by n, in
        the wire dtype of ``hook``: :class:`~jaxcoll.dp.hooks.Compress`) is
-       reduce-scattered along its split dimension (:func:`~jaxcoll.primitives.reduce_scatter`,
-       ``tiled=True``): each device receives its slice of the mean; the replicated leaves
-       are all-reduced by buckets (:func:`~jaxcoll.dp.mean_gradients`);
+       reduce-scattered along its split dimension, the split leaves of a bucket in one
+       reduce-scatter (:func:`~jaxcoll.dp.sync.packing.scatter_leaves`): each device
+       receives its slice of the mean; the replicated leaves are all-reduced by buckets
+       (:func:`~jaxcoll.dp.mean_gradients`);
     2. in the global view: the params are resharded to the same slices (a local slice: no
        communication), ``optimizer.update`` and ``optax.apply_updates`` run on the sharded
        tree, the optimizer state pinned to its sharding (each leaf that mirrors a param is
        split like it; counts and other leaves are replicated); XLA adds one all-reduce of a
        scalar wherever the optimizer reduces over params;
-    3. the updated slices are all-gathered (:func:`~jaxcoll.primitives.all_gather`,
-       ``tiled=True``) back to replicated params.
+    3. the updated slices are all-gathered back to replicated params, the split leaves of a
+       bucket in one all-gather (:func:`~jaxcoll.dp.sync.packing.gather_leaves`).
+
+    Hybrid sharding (torch FSDP's ``HYBRID_SHARD``, HSDP) with ``shard_axis``: on a mesh with
+    several data axes, e.g. ``axis_name=("replica", "shard")``, the params' slices and the
+    optimizer state are split over ``shard_axis`` alone (its size must divide the split
+    dimension) and replicated over the other data axes; the gradients are reduce-scattered
+    over ``shard_axis`` (the local gradient divided by the *total* number of data ranks),
+    then each slice is summed over the other data axes (one all-reduce per bucket), so every
+    slice is the global mean; the update is all-gathered over ``shard_axis`` alone. The
+    collectives over ``shard_axis`` stay within its group (one host's devices, say), and
+    only slices cross the replica axes.
 
     Args:
-        bucket_mb: bucket size in MiB for the all-reduce of the leaves that stay replicated
-            (each split leaf is one reduce-scatter); None: one collective per leaf.
+        bucket_mb: bucket size in MiB (DDP's ``bucket_cap_mb``) for every collective of the
+            step: the all-reduce of the leaves that stay replicated, the reduce-scatter of
+            the split leaves' gradients and the all-gather of their updated slices (split
+            leaves of a bucket travel as one buffer, planned on the whole leaves' bytes);
+            None: one collective per leaf.
         algorithm: the collective algorithm (as :class:`~jaxcoll.dp.sync.DDP`'s).
         hook: None (the exact mean) or :class:`~jaxcoll.dp.hooks.Compress` (the
             reduce-scatters travel in its dtype too). A reduce-scatter gives each device a
             slice, which a hook that needs whole gradients (PowerSGD) cannot produce;
             torch's FSDP has the same limit.
+        shard_axis: None (split over every data axis) or the name of one of the Trainer's
+            data axes to split over, the others replicating (hybrid sharding, above);
+            checked when the Trainer binds the strategy.
 
     Example (8 devices)::
 
         >>> trainer = dp.Trainer(loss_fn, optax.adamw(1e-3), sync=dp.sync.ZeRO1())
         >>> state = trainer.init(params, rng)   # mu, nu: 1/8 of each split leaf per device
+        >>> hybrid = dp.Trainer(loss_fn, optax.adamw(1e-3),
+        ...                     mesh=jax.make_mesh((2, 4), ("replica", "shard")),
+        ...                     axis_name=("replica", "shard"),
+        ...                     sync=dp.sync.ZeRO1(shard_axis="shard"))  # 1/4 per device
     """
 
     grad_route: ClassVar[str] = (
@@ -83,8 +109,16 @@ class ZeRO1(Strategy):
         "over the devices (ZeRO-1, sync=dp.sync.ZeRO1())"
     )
 
+    shard_axis: str | None = None
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.shard_axis is not None and not isinstance(self.shard_axis, str):
+            raise TypeError(
+                f"{self.api}: shard_axis must be the name of one data axis (a string) or "
+                f"None, got {self.shard_axis!r} of type {type(self.shard_axis).__name__} "
+                f"instead."
+            )
         if not is_elementwise(self.hook):
             raise ValueError(
                 f"{self.api}: hook={self.hook!r} cannot be used with a sharded strategy: "
@@ -94,12 +128,44 @@ class ZeRO1(Strategy):
                 f"hook=dp.hooks.Compress(dtype) or None here."
             )
 
+    def check_binding(self, binding: Binding) -> None:
+        names = axis_names(binding.axis_name)
+        if self.shard_axis is not None and self.shard_axis not in names:
+            raise ValueError(
+                f"{self.api}: shard_axis={self.shard_axis!r} is not one of the Trainer's "
+                f"data axes {names}. Pass one of them (the params are split over it and "
+                f"replicated over the others), or shard_axis=None to split over all of them."
+            )
+
+    # ----------------------------------------------------------------------------- sharding
+    @property
+    def shard_axis_name(self) -> AxisName:
+        """The mesh axis (or tuple of axes) the params are split over (bound): ``shard_axis``,
+        or every data axis (:attr:`axis_name`) when it is None."""
+        return self.axis_name if self.shard_axis is None else self.shard_axis
+
+    @property
+    def n_shard(self) -> int:
+        """The number of slices a split leaf is cut into: the size of
+        :attr:`shard_axis_name` (bound)."""
+        return int(np.prod([self.mesh.shape[a] for a in axis_names(self.shard_axis_name)]))
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """The data axes the slices are replicated over (bound): every data axis but
+        ``shard_axis``; empty when ``shard_axis`` is None."""
+        if self.shard_axis is None:
+            return ()
+        return tuple(a for a in axis_names(self.axis_name) if a != self.shard_axis)
+
     def shard_dims(self, params: PyTree) -> list[int | None]:
-        """:func:`shard_dim` of every leaf of ``params``, in leaf order."""
-        return [shard_dim(_shape(leaf), self.n) for leaf in jax.tree_util.tree_leaves(params)]
+        """:func:`shard_dim` of every leaf of ``params`` over :attr:`n_shard` slices, in leaf
+        order."""
+        n = self.n_shard
+        return [shard_dim(_shape(leaf), n) for leaf in jax.tree_util.tree_leaves(params)]
 
     def _spec(self, d: int | None) -> P:
-        return P() if d is None else P(*([None] * d), self.axis_name)
+        return P() if d is None else P(*([None] * d), self.shard_axis_name)
 
     def param_specs(self, params: PyTree) -> PyTree:
         treedef = jax.tree_util.tree_structure(params)
@@ -162,21 +228,47 @@ class ZeRO1(Strategy):
             )
             for i, g in zip(kept, means, strict=True):
                 out[i] = g
-        for i, d in enumerate(dims):
-            if d is None or not scatter:
-                continue
-            g = leaves[i]
-            wire = (g / np.asarray(self.n, g.dtype)).astype(wire_dtype or g.dtype)
-            # Gradients cross devices here: each rank receives only its slice of the mean.
-            out[i] = primitives.reduce_scatter(
-                wire,
-                self.axis_name,
-                "sum",
-                scatter_dimension=d,
-                tiled=True,
-                algorithm=self.algorithm,
-            ).astype(g.dtype)
+        split = {i: d for i, d in enumerate(dims) if d is not None}
+        if scatter and split:
+            slices = self.scatter_split(
+                [leaves[i] for i in split], list(split.values()), wire_dtype
+            )
+            for i, g in zip(split, slices, strict=True):
+                out[i] = g
         return jax.tree_util.tree_unflatten(treedef, out)
+
+    def scatter_split(
+        self, grads: list[jax.Array], dims: list[int], wire_dtype: DTypeLike | None
+    ) -> list[jax.Array]:
+        """Per rank: the local gradients of split leaves -> this rank's slices of the global
+        mean, one reduce-scatter per bucket over :attr:`shard_axis_name`, then (hybrid
+        sharding) one all-reduce per bucket over :attr:`replica_axes`."""
+        # Divided by every data rank's count before the cast to the wire dtype: the sum over
+        # the shard axis, then over the replica axes, is the global mean.
+        divided = [g / np.asarray(self.n, g.dtype) for g in grads]
+        # Gradients cross devices here: each rank receives only its slice of the sum.
+        slices = scatter_leaves(
+            divided,
+            dims,
+            self.shard_axis_name,
+            algorithm=self.algorithm,
+            bucket_bytes=self.bucket_bytes,
+            wire_dtype=wire_dtype,
+        )
+        replicas = self.replica_axes
+        if not replicas:
+            return slices
+        over = replicas[0] if len(replicas) == 1 else replicas
+        out = list(slices)
+        wire = [g if wire_dtype is None else g.astype(wire_dtype) for g in slices]
+        for bucket in plan_buckets(wire, self.bucket_bytes):
+            # Gradient slices cross the replica axes here: one all-reduce per bucket.
+            sums = primitives.all_reduce(
+                [wire[i] for i in bucket], over, "sum", algorithm=self.algorithm
+            )
+            for i, g in zip(bucket, sums, strict=True):
+                out[i] = g.astype(slices[i].dtype)
+        return out
 
     def update(self, grads: PyTree, opt_state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
         shardings = self.named(self.param_specs(params))
@@ -188,20 +280,24 @@ class ZeRO1(Strategy):
         return self.gather(shards), opt_state
 
     def gather(self, shards: PyTree) -> PyTree:
-        """The replicated params from every device's updated slices (one gather per leaf)."""
-        dims = self.shard_dims(shards)
+        """The replicated params from every device's updated slices: one all-gather per
+        bucket of split leaves over :attr:`shard_axis_name`
+        (:func:`~jaxcoll.dp.sync.packing.gather_leaves`)."""
+        split = {i: d for i, d in enumerate(self.shard_dims(shards)) if d is not None}
 
         def body(tree):
             leaves, treedef = jax.tree_util.tree_flatten(tree)
-            # Updated params cross devices here.
-            out = [
-                x
-                if d is None
-                else primitives.all_gather(
-                    x, self.axis_name, axis=d, tiled=True, algorithm=self.algorithm
-                )
-                for x, d in zip(leaves, dims, strict=True)
-            ]
+            out = list(leaves)
+            # Updated params cross devices here: one all-gather per bucket.
+            whole = gather_leaves(
+                [leaves[i] for i in split],
+                list(split.values()),
+                self.shard_axis_name,
+                algorithm=self.algorithm,
+                bucket_bytes=self.bucket_bytes,
+            )
+            for i, x in zip(split, whole, strict=True):
+                out[i] = x
             return jax.tree_util.tree_unflatten(treedef, out)
 
         return jax.shard_map(
