@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import primitives
@@ -81,7 +81,9 @@ class Trainer:
             ``apply_if_finite``, ...), or an ``optax.MultiSteps``, whose accumulation over
             successive *steps* (one update every k calls) is kept; ``accum_steps=k`` is the
             cheaper way when the k micro-batches come in one global batch.
-        mesh: the device mesh; default: every device on one axis named ``axis_name``.
+        mesh: the device mesh; default: every device on one axis named ``axis_name``. A
+            mesh with Explicit axes (``jax.make_mesh``'s default) is used with Auto axes
+            over the same devices (``trainer.mesh``): the Trainer places its arrays itself.
         axis_name: the mesh axis (or tuple of axes) the batch is split over.
         sync: the gradient-sync strategy, a value that carries its own options:
             ``dp.sync.DDP(bucket_mb=25.0, algorithm="auto", hook=None)`` (torch's
@@ -158,6 +160,13 @@ class Trainer:
                     f"mesh that has them."
                 )
             mesh = Mesh(np.array(jax.devices()), (axis_name,))
+        if any(t != AxisType.Auto for t in mesh.axis_types):
+            # jax.make_mesh's axes are Explicit (shardings in the types); the Trainer places
+            # every array itself, with sharding constraints, which need Auto axes: the same
+            # devices and names, Auto.
+            mesh = Mesh(
+                mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
+            )
         names = axis_names(axis_name)
         missing = [a for a in names if a not in mesh.axis_names]
         if missing:

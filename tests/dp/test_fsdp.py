@@ -85,17 +85,23 @@ def _gathers(trainer, state, batch) -> int:
 
 
 def test_the_backward_gathers_the_params_again_instead_of_keeping_them():
-    trainer, params, data = _setup(sync=dp.sync.FSDP())
+    # Per leaf (bucket_mb=None), then by buckets (the default 25 MiB: one bucket here).
+    trainer, params, data = _setup(sync=dp.sync.FSDP(bucket_mb=None))
     state = trainer.init(params, jax.random.key(1))
     split = sum(d is not None for d in trainer.sync.shard_dims(params))
     assert split == len(jax.tree_util.tree_leaves(params)) - 1  # all but the last bias
     again = _gathers(trainer, state, data[0])
-    keeping, _, _ = _setup(sync=dp.sync.FSDP(reshard_after_forward=False))
+    keeping, _, _ = _setup(sync=dp.sync.FSDP(bucket_mb=None, reshard_after_forward=False))
     kept = _gathers(keeping, state, data[0])  # the same state: FSDP places it alike
     # Kept whole: one gather per split leaf. Regathered: the backward needs the kernels of
     # Dense_1 and Dense_2 again (for the gradient of their inputs) and gathers them anew;
     # the biases and the first kernel are not needed by the backward.
     assert kept == split and again == split + 2, (kept, again)
+    bucketed, _, _ = _setup(sync=dp.sync.FSDP())
+    kept_bucketed, _, _ = _setup(sync=dp.sync.FSDP(reshard_after_forward=False))
+    # One bucket: one gather for the forward, one for the two kernels the backward needs.
+    assert _gathers(kept_bucketed, state, data[0]) == 1
+    assert _gathers(bucketed, state, data[0]) == 2
 
 
 def test_ema_evaluate_to_module_and_resume_with_sharded_params(tmp_path):

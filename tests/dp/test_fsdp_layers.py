@@ -22,7 +22,9 @@ from jax import lax
 
 from jaxcoll import dp
 from tests.dp._models import (
+    MLP,
     TWIN,
+    Twin,
     batches,
     oracle,
     twin_diffs,
@@ -233,24 +235,66 @@ def test_fsdp_peak_memory_on_scanned_and_unrolled_layers():
     assert peak["scanned", "fsdp"] <= 0.5 * peak["scanned", "zero1"], peak
 
 
+def _elements(tensor_type: str) -> int:
+    """The element count of an MLIR ``tensor<AxBxf32>`` type."""
+    return int(np.prod([int(d) for d in re.findall(r"(\d+)x", tensor_type)]))
+
+
 def test_the_scan_gathers_one_layer_at_a_time():
-    # The stacked leaves are gathered one (D, D) / (D,) layer at a time, never whole
-    # (4, D, D) / (4, D), and each layer's gradient is reduce-scattered alone.
+    # The stacked leaves are gathered one layer at a time (w and b of one layer, D*D + D
+    # floats, packed in one buffer), never whole (4 layers), and each layer's gradient is
+    # reduce-scattered alone; per leaf with bucket_mb=None.
     rng = np.random.default_rng(0)
     params = {
         "w": jnp.asarray(rng.normal(size=(4, D, D)) * 0.1, jnp.float32),
         "b": jnp.zeros((4, D), jnp.float32),
     }
     batch = {"x": np.ones((N, D), np.float32), "y": np.zeros((N, D), np.float32)}
-    trainer = dp.Trainer(_deep_loss, optax.sgd(0.1), mesh=mesh_1d(N, "data"), sync=dp.sync.FSDP())
+    for bucket_mb, sizes in ((25.0, {D * D + D}), (None, {D * D, D})):
+        sync = dp.sync.FSDP(bucket_mb=bucket_mb)
+        trainer = dp.Trainer(_deep_loss, optax.sgd(0.1), mesh=mesh_1d(N, "data"), sync=sync)
+        state = trainer.init(params, jax.random.key(1))
+        step, args = trainer.step_program(state, batch)
+        text = step.lower(*args).as_text()
+        gathered = re.findall(r"call @all_gather\w*\(.*\) -> (tensor<[^>]*>)", text)
+        scattered = re.findall(r"call @reduce_scatter\w*\(.*\) : \((tensor<[^>]*>)\)", text)
+        assert gathered and {_elements(t) for t in gathered} == sizes, (bucket_mb, gathered)
+        assert scattered and {_elements(t) for t in scattered} == sizes, (bucket_mb, scattered)
+        assert text.count("stablehlo.while") >= 2  # the forward's and the backward's loops
+
+
+# --------------------------------------------------------------------------------- HSDP
+@pytest.mark.parametrize("kind", ["lax.scan", "unrolled"])
+def test_hsdp_equals_one_device_and_holds_a_quarter_per_device(kind):
+    # Hybrid sharding on a (replica 2, shard 4) mesh made by jax.make_mesh (Explicit axes):
+    # params and Adam state split over "shard" only, equal over "replica".
+    if kind == "lax.scan":
+        model, single, params = _model("lax.scan")
+    else:
+        model = dp.Linen(Twin(MLP), twin_loss)
+        params, _ = model.init(jax.random.key(0), batches("mlp", 1, 8)[0])
+        single = model
+    data = batches("mlp", 4, 32)
+    trainer = dp.Trainer(
+        model,
+        OPT,
+        mesh=jax.make_mesh((2, 4), ("replica", "shard")),
+        axis_name=("replica", "shard"),
+        sync=dp.sync.FSDP(shard_axis="shard"),
+    )
     state = trainer.init(params, jax.random.key(1))
-    step, args = trainer.step_program(state, batch)
-    text = step.lower(*args).as_text()
-    gathered = re.findall(r"call @all_gather\w*\(.*\) -> (tensor<[^>]*>)", text)
-    scattered = re.findall(r"call @reduce_scatter\w*\((.*)\) : \((tensor<[^>]*>)\)", text)
-    layer = {f"tensor<{D}x{D}xf32>", f"tensor<{D}xf32>"}
-    assert gathered and set(gathered) == layer, gathered
-    assert scattered and {t for _, t in scattered} == layer, scattered
-    # Their calls live in the loops' bodies: as many loops as the forward and backward need,
-    # no gather outside them (the module's functions other than the loops' callers hold none).
-    assert text.count("stablehlo.while") >= 2
+    devices = trainer.mesh.devices
+    for leaf, d in zip(
+        jax.tree_util.tree_leaves(state.params), trainer.sync.shard_dims(params), strict=True
+    ):
+        held = {s.device: np.asarray(s.data) for s in leaf.addressable_shards}
+        if d is None:
+            continue
+        assert next(iter(held.values())).shape[d] * 4 == leaf.shape[d]
+        for j in range(4):  # the two replicas of each slice are equal
+            np.testing.assert_array_equal(held[devices[0, j]], held[devices[1, j]])
+    for b in data:
+        state, _ = trainer.step(state, b)
+    want, _ = oracle(single, OPT, params, {}, data, n=N)
+    diffs = twin_diffs(jax.device_get(state.params), want)
+    assert max(diffs.values()) <= TOL, diffs

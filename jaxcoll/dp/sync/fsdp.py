@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +23,11 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
-from ... import primitives
 from ..._core.typing import AxisName, PyTree
 from ..._core.vma import axis_names, to_varying
 from ..hooks.base import wire_dtype as hook_wire_dtype
 from .layerwise import gather_per_layer
+from .packing import gather_leaves, scatter_leaves
 from .zero1 import ZeRO1
 
 #: The name the gathered params carry in the loss (``jax.ad_checkpoint.checkpoint_name``): the
@@ -107,30 +107,47 @@ class FSDP(ZeRO1):
 
     def shard_dims(self, params: PyTree) -> list[int | None]:
         """Per leaf, the dimension FSDP splits it along: the first one after the leading
-        one that n divides (a stacked layer axis leads, so each layer's slice is split and
-        a scan over layers gathers one layer at a time), else the leading one when n
-        divides it, else None (replicated)."""
-        return [
-            fsdp_dim(tuple(np.shape(leaf)), self.n) for leaf in jax.tree_util.tree_leaves(params)
-        ]
+        one that :attr:`n_shard` divides (a stacked layer axis leads, so each layer's slice
+        is split and a scan over layers gathers one layer at a time), else the leading one
+        when it divides it, else None (replicated)."""
+        n = self.n_shard
+        return [fsdp_dim(tuple(np.shape(leaf)), n) for leaf in jax.tree_util.tree_leaves(params)]
 
-    def _gather_leaf(self, x: jax.Array, dim: int) -> jax.Array:
-        wire = hook_wire_dtype(self.bucket_hook)
-        return _gather(x, dim, self.axis_name, self.n, self.algorithm, wire)
-
-    def _gather_all(self, leaves: list[jax.Array], dims: list[int | None]) -> list[jax.Array]:
-        return [
-            x if d is None else self._gather_leaf(x, d) for x, d in zip(leaves, dims, strict=True)
-        ]
+    def _plan(self, dims: list[int]) -> _Plan:
+        return _Plan(
+            dims=tuple(dims),
+            axis=self.shard_axis_name,
+            names=axis_names(self.axis_name),
+            n=self.n,
+            algorithm=self.algorithm,
+            wire=hook_wire_dtype(self.bucket_hook),
+            bucket_bytes=self.bucket_bytes,
+        )
 
     def _gather_many(self, slices: list[jax.Array], dims: list[int]) -> list[jax.Array]:
-        return [self._gather_leaf(x, d) for x, d in zip(slices, dims, strict=True)]
+        """Per rank: the whole params from this rank's slices, one all-gather per bucket
+        over the shard axis; differentiable (the gradient: this rank's slice of the sum over
+        the shard axis of the local gradients / n, one reduce-scatter per bucket)."""
+        return _gather(list(slices), self._plan(dims)) if slices else []
+
+    def _gather_all(self, leaves: list[jax.Array], dims: list[int | None]) -> list[jax.Array]:
+        """Every split leaf gathered, each by a gather of its own (what the loss is traced
+        with: :func:`~jaxcoll.dp.sync.layerwise.gather_per_layer` finds them one by one)."""
+        out = list(leaves)
+        for i, d in enumerate(dims):
+            if d is not None:
+                (out[i],) = self._gather_many([leaves[i]], [d])
+        return out
 
     def materialize(self, params: PyTree, like: PyTree) -> PyTree:
         leaves, treedef = jax.tree_util.tree_flatten(params)
-        return jax.tree_util.tree_unflatten(
-            treedef, self._gather_all(leaves, self.shard_dims(like))
-        )
+        dims = self.shard_dims(like)
+        split = [i for i, d in enumerate(dims) if d is not None]
+        wholes = self._gather_many([leaves[i] for i in split], [int(dims[i] or 0) for i in split])
+        out = list(leaves)
+        for i, w in zip(split, wholes, strict=True):
+            out[i] = w
+        return jax.tree_util.tree_unflatten(treedef, out)
 
     def loss_of_held(self, fn: Callable[..., Any], like: PyTree) -> Callable[..., Any]:
         """``fn`` of the params as held, each stacked layer gathered inside the scan that
@@ -154,9 +171,21 @@ class FSDP(ZeRO1):
     def reduce(
         self, grads: PyTree, comm_state: PyTree, step: jax.Array, like: PyTree = None
     ) -> tuple[PyTree, PyTree]:
-        # The split leaves' gradients are already their slices of the mean (the gather's
-        # gradient); the replicated leaves cross devices here, one all-reduce per bucket.
-        return self.reduce_kept(grads, self.shard_dims(like), scatter=False), comm_state
+        # The split leaves' gradients are already their slices of the sum over the shard
+        # axis (the gather's gradient): with hybrid sharding they are summed over the
+        # replica axes here; the replicated leaves cross devices here, one all-reduce per
+        # bucket.
+        dims = self.shard_dims(like)
+        grads = self.reduce_kept(grads, dims, scatter=False)
+        if self.replica_axes:
+            leaves, treedef = jax.tree_util.tree_flatten(grads)
+            split = [i for i, d in enumerate(dims) if d is not None]
+            wire = hook_wire_dtype(self.bucket_hook)
+            sums = self.sum_over_replicas([leaves[i] for i in split], wire)
+            for i, g in zip(split, sums, strict=True):
+                leaves[i] = g
+            grads = jax.tree_util.tree_unflatten(treedef, leaves)
+        return grads, comm_state
 
     def update(self, grads: PyTree, opt_state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
         shardings = self.named(self.param_specs(params))
@@ -167,15 +196,28 @@ class FSDP(ZeRO1):
         return params, opt_state
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _gather(
-    x: jax.Array, dim: int, axis_name: AxisName, n: int, algorithm: str, wire: DTypeLike | None
-) -> jax.Array:
-    """This rank's slice ``x`` of a param -> the whole param (typed varying: each rank's
-    loss uses it with its own examples). Its gradient: the reduce-scatter of the mean."""
-    # Params cross devices here: one all-gather per split leaf.
-    whole = primitives.all_gather(x, axis_name, axis=dim, tiled=True, algorithm=algorithm)
-    return checkpoint_name(to_varying(whole, axis_names(axis_name)), GATHERED)
+class _Plan(NamedTuple):
+    """How a set of split leaves is gathered (hashable: the gather's static argument)."""
+
+    dims: tuple[int, ...]  # each leaf's split dimension
+    axis: AxisName  # the axis (or axes) the leaves are split over
+    names: tuple[str, ...]  # every data axis (the gathered params vary over them all)
+    n: int  # the number of data ranks (the gradient is the local one / n)
+    algorithm: str
+    wire: DTypeLike | None  # the dtype the gradients travel in
+    bucket_bytes: float | None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather(slices: list[jax.Array], plan: _Plan) -> list[jax.Array]:
+    """This rank's slices of some params -> the whole params (typed varying: each rank's
+    loss uses them with its own examples). Its gradient: the reduce-scatter of the local
+    gradient / n over the shard axis."""
+    # Params cross devices here: one all-gather per bucket of split leaves.
+    wholes = gather_leaves(
+        slices, plan.dims, plan.axis, algorithm=plan.algorithm, bucket_bytes=plan.bucket_bytes
+    )
+    return [checkpoint_name(to_varying(w, plan.names), GATHERED) for w in wholes]
 
 
 def fsdp_dim(shape: tuple[int, ...], n: int) -> int | None:
@@ -202,18 +244,23 @@ def not_gathered(prim: Any, *_: Any, **params: Any) -> bool:
     return True
 
 
-def _gather_fwd(x, dim, axis_name, n, algorithm, wire):
-    return _gather(x, dim, axis_name, n, algorithm, wire), None
+def _gather_fwd(slices, plan):
+    return _gather(slices, plan), None
 
 
-def _gather_bwd(dim, axis_name, n, algorithm, wire, _, ct):
-    ct = to_varying(ct, axis_names(axis_name))
-    g = (ct / jnp.asarray(n, ct.dtype)).astype(wire or ct.dtype)
-    # Gradients cross devices here: each rank receives only its slice of the mean.
-    g = primitives.reduce_scatter(
-        g, axis_name, "sum", scatter_dimension=dim, tiled=True, algorithm=algorithm
+def _gather_bwd(plan, _, cts):
+    cts = [to_varying(ct, plan.names) / jnp.asarray(plan.n, ct.dtype) for ct in cts]
+    # Gradients cross devices here: each rank receives only its slice of the sum, one
+    # reduce-scatter per bucket (in the wire dtype).
+    grads = scatter_leaves(
+        cts,
+        plan.dims,
+        plan.axis,
+        algorithm=plan.algorithm,
+        bucket_bytes=plan.bucket_bytes,
+        wire_dtype=plan.wire,
     )
-    return (g.astype(ct.dtype),)
+    return (grads,)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)

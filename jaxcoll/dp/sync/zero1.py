@@ -255,9 +255,17 @@ class ZeRO1(Strategy):
             bucket_bytes=self.bucket_bytes,
             wire_dtype=wire_dtype,
         )
+        return self.sum_over_replicas(slices, wire_dtype)
+
+    def sum_over_replicas(
+        self, slices: list[jax.Array], wire_dtype: DTypeLike | None
+    ) -> list[jax.Array]:
+        """Per rank (hybrid sharding): each slice summed over :attr:`replica_axes`, one
+        all-reduce per bucket, in ``wire_dtype`` when given; the slices unchanged when
+        ``shard_axis`` is None."""
         replicas = self.replica_axes
         if not replicas:
-            return slices
+            return list(slices)
         over = replicas[0] if len(replicas) == 1 else replicas
         out = list(slices)
         wire = [g if wire_dtype is None else g.astype(wire_dtype) for g in slices]
