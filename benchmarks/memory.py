@@ -1,0 +1,466 @@
+"""Per-device memory and step time of a data-parallel training step: jaxcoll vs GSPMD vs ideal.
+
+    .venv/bin/python benchmarks/memory.py                      # the default run, see below
+    .venv/bin/python benchmarks/memory.py --layers 8,16 --steps 3 --rounds 2   # quick look
+
+8 simulated CPU devices, Adam (``optax.adam(1e-3)``), global batch 64, float32, loss
+``mean((f(x) - y) ** 2)`` with x, y of shape (64, 512). Models:
+
+- ``scanned``: L layers ``x = tanh(x @ w + b)`` of 512x512 stacked as params
+  ``{"w": (L, 512, 512), "b": (L, 512)}`` and applied with ``jax.lax.scan`` over the stack,
+  for every L in ``--layers``;
+- ``unrolled``: 16 separate layers ``{"l0": {"w", "b"}, ...}`` applied in a Python loop;
+- ``flax-scan``: the scanned model as flax.linen ``nn.scan`` over a ``Dense`` + tanh block
+  (``variable_axes={"params": 0}, split_rngs={"params": True}``), given to the Trainer as a
+  plain loss that calls ``module.apply``.
+
+Rows, for each model (and L):
+
+- ``DDP``, ``ZeRO-1``, ``FSDP``: ``dp.Trainer(loss_fn, optax.adam(1e-3), sync=...)`` with
+  ``dp.sync.DDP()``, ``dp.sync.ZeRO1()``, ``dp.sync.FSDP()`` on one mesh axis of 8 devices;
+- ``HSDP``: ``dp.sync.FSDP(shard_axis="shard")`` on ``jax.make_mesh((2, 4), ("replica",
+  "shard"))`` (Auto axes) with ``axis_name=("replica", "shard")``; reported as n/a when this
+  jaxcoll's FSDP has no ``shard_axis`` (its construction raises TypeError);
+- ``GSPMD FSDP``: what a user writes in plain JAX: ``jax.jit`` of value_and_grad + optax
+  update, params and Adam state placed by ``NamedSharding`` over the 8 devices, each leaf
+  split along one dimension (the stacked leaves along dim 1, not the layer axis, so that XLA
+  can gather one layer per loop iteration; the unrolled leaves along dim 0), the batch split
+  over the devices, ``out_shardings`` equal to the input shardings, params and optimizer
+  state donated;
+- ``ideal FSDP`` (computed, not run): per device, with P the bytes of one copy of the params,
+  p the bytes of one layer (w + b), L layers and B the global batch::
+
+      ideal = 3 P / 8          # params, Adam mu and nu, each split over the 8 devices
+            + 2 p              # two gathered layers (the one in use and the next one)
+            + p                # one layer of full (not yet reduce-scattered) gradient
+            + L (B / 8) 512 4  # saved activations: one (B/8, 512) float32 per layer,
+                               # the residual the backward needs
+
+  (the device's slice of the batch, 32 KiB, and the scalars are left out).
+
+Memory is per device, from the compiled step's ``memory_analysis()`` (for jaxcoll
+``trainer.step_program(state, batch)``, lowered and compiled; for GSPMD its jitted step):
+``args`` is ``argument_size_in_bytes`` (the state's and the batch's buffers on one device),
+``temp`` is ``temp_size_in_bytes`` (XLA's scratch for the step), ``args+temp`` their sum and
+``/ideal`` its ratio to the ideal row; ``out-alias`` is the output bytes that do not reuse a
+donated input (``output_size_in_bytes - alias_size_in_bytes``: the metrics, and everything
+a step returns that it could not write in place). The bounds checked: scanned (and
+flax-scan) FSDP ``args+temp <= 1.5 x ideal`` at every L; unrolled FSDP ``args+temp <=``
+ZeRO-1's.
+
+Time: the median of per-step wall times (each step waited for with
+``jax.block_until_ready``) after ``--warmup`` steps. Within one model (and L) every row is
+compiled and warmed up first, then each of ``--rounds`` rounds times a share of every row's
+steps in turn (A, B, C, A, B, C, ...), so that load from other processes on a shared machine
+hits all rows alike. Large L is slow on 2 CPU cores, so a model with more than 16 layers
+times ``max(3, steps * 16 // L)`` steps per row instead of ``--steps`` (the header says how
+many each table used).
+
+Measured on 2026-11-23 with jaxcoll at commit 69f8f7a (before this script), the default run
+(``benchmarks/memory.py``, no options; 4 min 20 s on 2 shared CPU cores; step times on such
+a machine vary by up to 2x from run to run)::
+
+    Per-device memory and step time: 8 simulated CPU devices on 2 CPU cores (shared)
+    jax 0.10.2, optax 0.2.8; Adam, global batch 64, float32, width 512
+    2 warm-up steps, 5 interleaved rounds; 2026-11-23
+
+    scanned, L=8: params 8.0 MiB, ideal 6.14 MiB per device; median of 10 steps
+
+    | row                   | args MiB | temp MiB | args+temp | /ideal | out-alias | step ms |
+    |-----------------------|---------:|---------:|----------:|-------:|----------:|--------:|
+    | jaxcoll DDP           |    24.08 |    16.03 |     40.11 |  6.54x |      0.00 |   125.3 |
+    | jaxcoll ZeRO-1        |    10.05 |    16.02 |     26.07 |  4.25x |      0.00 |    96.8 |
+    | jaxcoll FSDP          |     3.04 |    17.45 |     20.49 |  3.34x |      0.00 |   101.4 |
+    | jaxcoll HSDP (2 x 4)  | n/a (this jaxcoll has no FSDP(shard_axis=)) | | | | | |
+    | GSPMD FSDP (jit)      |     3.04 |     3.41 |      6.45 |  1.05x |      0.00 |    93.2 |
+    | ideal FSDP (computed) |          |          |      6.14 |  1.00x |           |       - |
+
+    bound: FSDP args+temp 3.34x ideal <= 1.5x: FAILS
+
+    scanned, L=16: params 16.0 MiB, ideal 9.27 MiB per device; median of 10 steps
+
+    | row                   | args MiB | temp MiB | args+temp | /ideal | out-alias | step ms |
+    |-----------------------|---------:|---------:|----------:|-------:|----------:|--------:|
+    | jaxcoll DDP           |    48.13 |    32.06 |     80.19 |  8.65x |      0.00 |   365.5 |
+    | jaxcoll ZeRO-1        |    20.07 |    32.03 |     52.10 |  5.62x |      0.00 |   363.6 |
+    | jaxcoll FSDP          |     6.04 |    33.86 |     39.90 |  4.31x |      0.00 |   356.7 |
+    | jaxcoll HSDP (2 x 4)  | n/a (this jaxcoll has no FSDP(shard_axis=)) | | | | | |
+    | GSPMD FSDP (jit)      |     6.04 |     4.79 |     10.83 |  1.17x |      0.00 |   174.6 |
+    | ideal FSDP (computed) |          |          |      9.27 |  1.00x |           |       - |
+
+    bound: FSDP args+temp 4.31x ideal <= 1.5x: FAILS
+
+    scanned, L=32: params 32.1 MiB, ideal 15.53 MiB per device; median of 5 steps
+
+    | row                   | args MiB | temp MiB | args+temp | /ideal | out-alias | step ms |
+    |-----------------------|---------:|---------:|----------:|-------:|----------:|--------:|
+    | jaxcoll DDP           |    96.22 |    64.13 |    160.34 | 10.33x |      0.00 |   960.6 |
+    | jaxcoll ZeRO-1        |    40.11 |    64.06 |    104.17 |  6.71x |      0.00 |   814.2 |
+    | jaxcoll FSDP          |    12.05 |    66.67 |     78.73 |  5.07x |      0.00 |   908.8 |
+    | jaxcoll HSDP (2 x 4)  | n/a (this jaxcoll has no FSDP(shard_axis=)) | | | | | |
+    | GSPMD FSDP (jit)      |    12.05 |     7.54 |     19.60 |  1.26x |      0.00 |   352.4 |
+    | ideal FSDP (computed) |          |          |     15.53 |  1.00x |           |       - |
+
+    bound: FSDP args+temp 5.07x ideal <= 1.5x: FAILS
+
+    scanned, L=64: params 64.1 MiB, ideal 28.05 MiB per device; median of 3 steps
+
+    | row                   | args MiB | temp MiB | args+temp | /ideal | out-alias | step ms |
+    |-----------------------|---------:|---------:|----------:|-------:|----------:|--------:|
+    | jaxcoll DDP           |   192.41 |   128.25 |    320.66 | 11.43x |      0.00 |  1721.7 |
+    | jaxcoll ZeRO-1        |    80.19 |   128.13 |    208.31 |  7.43x |      0.00 |  1753.0 |
+    | jaxcoll FSDP          |    24.08 |   132.30 |    156.38 |  5.57x |      0.00 |  1677.2 |
+    | jaxcoll HSDP (2 x 4)  | n/a (this jaxcoll has no FSDP(shard_axis=)) | | | | | |
+    | GSPMD FSDP (jit)      |    24.08 |    13.05 |     37.13 |  1.32x |      0.00 |   804.8 |
+    | ideal FSDP (computed) |          |          |     28.05 |  1.00x |           |       - |
+
+    bound: FSDP args+temp 5.57x ideal <= 1.5x: FAILS
+
+    unrolled, 16 layers: params 16.0 MiB, ideal 9.27 MiB per device; median of 10 steps
+
+    | row                   | args MiB | temp MiB | args+temp | /ideal | out-alias | step ms |
+    |-----------------------|---------:|---------:|----------:|-------:|----------:|--------:|
+    | jaxcoll DDP           |    48.13 |    32.06 |     80.19 |  8.65x |      0.00 |   495.8 |
+    | jaxcoll ZeRO-1        |    20.07 |     2.47 |     22.54 |  2.43x |      0.00 |   211.0 |
+    | jaxcoll FSDP          |     6.04 |    16.05 |     22.09 |  2.38x |      0.00 |   166.3 |
+    | jaxcoll HSDP (2 x 4)  | n/a (this jaxcoll has no FSDP(shard_axis=)) | | | | | |
+    | GSPMD FSDP (jit)      |     6.04 |    15.19 |     21.23 |  2.29x |      0.00 |   125.7 |
+    | ideal FSDP (computed) |          |          |      9.27 |  1.00x |           |       - |
+
+    bound: FSDP args+temp 22.09 MiB <= ZeRO-1's 22.54 MiB: holds
+
+    (flax-scan tables left out: every memory column equals scanned's at the same L; their
+    step ms, DDP / ZeRO-1 / FSDP / GSPMD: L=8 74.4 / 51.4 / 48.2 / 89.9, L=16 503.4 / 488.5 /
+    510.5 / 177.1, L=32 890.3 / 732.3 / 801.5 / 425.8, L=64 1036.5 / 1225.7 / 1768.8 / 894.4)
+
+Reading them: the jaxcoll rows of the scanned models have a temp of about 2x the params at
+every L (FSDP at this commit gathers every leaf whole at the loss's start, and the stacked
+leaf's gradient is one (L, 512, 512) buffer), so FSDP's ratio to ideal grows with L. The
+GSPMD step's compiled HLO has one all-gather of a (512, 512) layer inside the forward and
+the backward loops and, in the backward loop, an all-reduce of the layer's whole (512, 512)
+weight gradient (of which it keeps its slice; no reduce-scatter); its excess over ideal is
+the gradient's slice (P / 8, which the ideal leaves out) and the activations. For the
+unrolled model the same GSPMD step issues all 16 layers' all-gathers in the entry
+computation, so its temp holds about a whole copy of the params.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from datetime import date
+
+import jaxcoll
+
+DEVICES = 8
+MODELS = ("scanned", "unrolled", "flax-scan")
+ROWS = ("ddp", "zero1", "fsdp", "hsdp", "gspmd")
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--layers", default="8,16,32,64", help="comma list of L (scanned models)")
+parser.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
+parser.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {ROWS}")
+parser.add_argument("--steps", type=int, default=10, help="timed steps per row (L <= 16)")
+parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row after compile")
+parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the rows")
+args = parser.parse_args()
+for name, got, known in [("models", args.models, MODELS), ("rows", args.rows, ROWS)]:
+    bad = [x for x in got.split(",") if x not in known]
+    if bad:
+        parser.error(f"--{name}: unknown {bad}; pick from {known}")
+# jaxcoll's XLA:CPU flags (the device count, and collectives on a loaded machine finish
+# instead of aborting); set before JAX starts its backend.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), *jaxcoll.xla_cpu_flags(devices=DEVICES)]
+).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxcoll import dp  # noqa: E402
+
+WIDTH = 512
+BATCH = 64
+UNROLLED = 16  # layers of the unrolled model
+LR = 1e-3
+MIB = 2**20
+FLOAT = 4  # bytes
+
+
+# ------------------------------------------------------------------------------------ models
+def mse(out, y):
+    return jnp.mean((out - y) ** 2)
+
+
+def scanned_params(layers: int) -> dict:
+    rng = np.random.default_rng(0)
+    return {
+        "w": (rng.normal(size=(layers, WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32),
+        "b": np.zeros((layers, WIDTH), np.float32),
+    }
+
+
+def scanned_loss(params, batch, rng=None):
+    def layer(x, wb):
+        w, b = wb
+        return jnp.tanh(x @ w + b), None
+
+    out, _ = jax.lax.scan(layer, batch["x"], (params["w"], params["b"]))
+    return mse(out, batch["y"]), {}
+
+
+def unrolled_params(layers: int) -> dict:
+    stacked = scanned_params(layers)
+    return {f"l{i}": {"w": stacked["w"][i], "b": stacked["b"][i]} for i in range(layers)}
+
+
+def unrolled_loss(params, batch, rng=None):
+    x = batch["x"]
+    for i in range(len(params)):
+        x = jnp.tanh(x @ params[f"l{i}"]["w"] + params[f"l{i}"]["b"])
+    return mse(x, batch["y"]), {}
+
+
+def flax_model(layers: int):
+    """(params, loss_fn) of the flax.linen ``nn.scan`` model with ``layers`` layers."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return jnp.tanh(nn.Dense(WIDTH)(x)), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(
+                Block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=layers,
+            )
+            return scan()(x, None)[0]
+
+    module = Stack()
+    params = module.init(jax.random.key(0), jnp.zeros((1, WIDTH)))["params"]
+
+    def loss_fn(params, batch, rng=None):
+        return mse(module.apply({"params": params}, batch["x"]), batch["y"]), {}
+
+    return jax.device_get(params), loss_fn
+
+
+def model(name: str, layers: int):
+    """(params, loss_fn, stacked): ``stacked`` when the leaves carry a leading layer axis."""
+    if name == "scanned":
+        return scanned_params(layers), scanned_loss, True
+    if name == "unrolled":
+        return unrolled_params(layers), unrolled_loss, False
+    return (*flax_model(layers), True)
+
+
+def ideal_bytes(params, layers: int) -> int:
+    """The ideal FSDP row (the module docstring's formula), in bytes per device."""
+    total = sum(x.size * FLOAT for x in jax.tree.leaves(params))
+    layer = total // layers
+    saved = layers * (BATCH // DEVICES) * WIDTH * FLOAT
+    return 3 * total // DEVICES + 2 * layer + layer + saved
+
+
+# ------------------------------------------------------------------------------------ timing
+def timed(step, state, batch):
+    """``run``: ``run(k)`` times k steps, each waited for, after a first call and warm-up."""
+    state = jax.block_until_ready(step(state, batch))
+    for _ in range(args.warmup):
+        state = jax.block_until_ready(step(state, batch))
+    held = [state]
+
+    def run(k: int) -> list[float]:
+        times = []
+        for _ in range(k):
+            t = time.perf_counter()
+            held[0] = jax.block_until_ready(step(held[0], batch))
+            times.append(time.perf_counter() - t)
+        return times
+
+    return run
+
+
+def interleaved(runs: list, steps: int) -> list[float]:
+    """Median step ms of every row, its ``steps`` steps timed in interleaved rounds."""
+    rounds = max(1, min(args.rounds, steps))
+    times: list[list[float]] = [[] for _ in runs]
+    for r in range(rounds):
+        k = steps // rounds + (r < steps % rounds)
+        for i, run in enumerate(runs):
+            times[i].extend(run(k))
+    return [1e3 * statistics.median(t) for t in times]
+
+
+def memory(compiled) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    return {
+        "args": m.argument_size_in_bytes,
+        "temp": m.temp_size_in_bytes,
+        "out-alias": m.output_size_in_bytes - m.alias_size_in_bytes,
+    }
+
+
+# -------------------------------------------------------------------------------------- rows
+def row_trainer(params, loss_fn, batch, sync, mesh=None, axis_name="data"):
+    trainer = dp.Trainer(loss_fn, optax.adam(LR), sync=sync, mesh=mesh, axis_name=axis_name)
+    state = trainer.init(params, jax.random.key(0))
+    step, specs = trainer.step_program(state, batch)
+    mem = memory(step.lower(*specs).compile())
+    placed = trainer.shard_batch(batch)
+    return mem, timed(lambda s, b: trainer.step(s, b)[0], state, placed)
+
+
+def row_hsdp(params, loss_fn, batch):
+    try:
+        sync = dp.sync.FSDP(shard_axis="shard")
+    except TypeError:
+        return None
+    # Auto axes: jax.make_mesh's default (Explicit) axes refuse the Trainer's
+    # with_sharding_constraint placement of split state.
+    mesh = jax.make_mesh((2, 4), ("replica", "shard"), axis_types=(AxisType.Auto,) * 2)
+    return row_trainer(params, loss_fn, batch, sync, mesh, ("replica", "shard"))
+
+
+def row_gspmd(params, loss_fn, batch, stacked: bool):
+    """Plain-JAX FSDP: jit + NamedSharding, every split leaf split along one dimension."""
+    opt = optax.adam(LR)
+    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+
+    def spec(x) -> P:
+        # The stacked (L, 512, 512) and (L, 512) along dim 1, the layer axis whole; the
+        # unrolled (512, 512) and (512,) along dim 0; scalars (Adam's count) replicated.
+        dim = 1 if stacked else 0
+        if np.ndim(x) <= dim:
+            return P()
+        return P(*[None] * dim, "fsdp")
+
+    def shardings(tree):
+        return jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), tree)
+
+    p_sh = shardings(params)
+    o_sh = shardings(jax.eval_shape(opt.init, params))
+    b_sh = NamedSharding(mesh, P("fsdp"))
+    rep = NamedSharding(mesh, P())
+
+    def step(params, opt_state, batch):
+        loss, g = jax.value_and_grad(lambda p: loss_fn(p, batch)[0])(params)
+        updates, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jax.jit(
+        step,
+        in_shardings=(p_sh, o_sh, b_sh),
+        out_shardings=(p_sh, o_sh, rep),
+        donate_argnums=(0, 1),
+    )
+    placed_params = jax.device_put(params, p_sh)
+    opt_state = jax.jit(opt.init, out_shardings=o_sh)(placed_params)
+    placed = jax.device_put(batch, b_sh)
+    mem = memory(step.lower(placed_params, opt_state, placed).compile())
+
+    def run(state, b):
+        return step(*state, b)[:2]
+
+    return mem, timed(run, (placed_params, opt_state), placed)
+
+
+# ------------------------------------------------------------------------------------ tables
+def table(name: str, layers: int, rows: list[str]) -> list[str]:
+    params, loss_fn, stacked = model(name, layers)
+    rng = np.random.default_rng(1)
+    batch = {
+        "x": rng.normal(size=(BATCH, WIDTH)).astype(np.float32),
+        "y": rng.normal(size=(BATCH, WIDTH)).astype(np.float32),
+    }
+    ideal = ideal_bytes(params, layers)
+    built: list[tuple[str, object]] = []  # (label, (mem, run) or None)
+    for row in rows:
+        if row == "ddp":
+            built.append(("jaxcoll DDP", row_trainer(params, loss_fn, batch, dp.sync.DDP())))
+        elif row == "zero1":
+            built.append(("jaxcoll ZeRO-1", row_trainer(params, loss_fn, batch, dp.sync.ZeRO1())))
+        elif row == "fsdp":
+            built.append(("jaxcoll FSDP", row_trainer(params, loss_fn, batch, dp.sync.FSDP())))
+        elif row == "hsdp":
+            built.append(("jaxcoll HSDP (2 x 4)", row_hsdp(params, loss_fn, batch)))
+        elif row == "gspmd":
+            built.append(("GSPMD FSDP (jit)", row_gspmd(params, loss_fn, batch, stacked)))
+    steps = args.steps if layers <= 16 else max(3, args.steps * 16 // layers)
+    live = [b for _, b in built if b is not None]
+    medians = iter(interleaved([b[1] for b in live], steps))
+    total = sum(x.size * FLOAT for x in jax.tree.leaves(params))
+    title = f"{name}, L={layers}" if name != "unrolled" else f"unrolled, {layers} layers"
+    out = [
+        f"\n{title}: params {total / MIB:.1f} MiB, ideal {ideal / MIB:.2f} MiB per device; "
+        f"median of {steps} steps",
+        "",
+        "| row                   | args MiB | temp MiB | args+temp | /ideal | out-alias "
+        "| step ms |",
+        "|-----------------------|---------:|---------:|----------:|-------:|----------:"
+        "|--------:|",
+    ]
+    sums: dict[str, int] = {}
+    for label, b in built:
+        if b is None:
+            na = "n/a (this jaxcoll has no FSDP(shard_axis=))"
+            out.append(f"| {label:21s} | {na} | | | | | |")
+            continue
+        mem, _ = b
+        both = mem["args"] + mem["temp"]
+        sums[label] = both
+        out.append(
+            f"| {label:21s} | {mem['args'] / MIB:8.2f} | {mem['temp'] / MIB:8.2f} "
+            f"| {both / MIB:9.2f} | {both / ideal:5.2f}x | {mem['out-alias'] / MIB:9.2f} "
+            f"| {next(medians):7.1f} |"
+        )
+    out.append(
+        f"| {'ideal FSDP (computed)':21s} | {'':8s} | {'':8s} | {ideal / MIB:9.2f} "
+        f"| {1:5.2f}x | {'':9s} | {'-':>7s} |"
+    )
+    fsdp = sums.get("jaxcoll FSDP")
+    if fsdp is not None and stacked:
+        ok = fsdp <= 1.5 * ideal
+        out.append(
+            f"\nbound: FSDP args+temp {fsdp / ideal:.2f}x ideal <= 1.5x: "
+            f"{'holds' if ok else 'FAILS'}"
+        )
+    elif fsdp is not None and "jaxcoll ZeRO-1" in sums:
+        zero1 = sums["jaxcoll ZeRO-1"]
+        ok = fsdp <= zero1
+        out.append(
+            f"\nbound: FSDP args+temp {fsdp / MIB:.2f} MiB <= ZeRO-1's {zero1 / MIB:.2f} MiB: "
+            f"{'holds' if ok else 'FAILS'}"
+        )
+    return out
+
+
+def main() -> int:
+    layers = [int(x) for x in args.layers.split(",")]
+    rows = args.rows.split(",")
+    models = args.models.split(",")
+    print(
+        f"Per-device memory and step time: {jax.device_count()} simulated CPU devices on "
+        f"{os.cpu_count()} CPU cores (shared)\njax {jax.__version__}, optax "
+        f"{optax.__version__}; Adam, global batch {BATCH}, float32, width {WIDTH}\n"
+        f"{args.warmup} warm-up steps, {args.rounds} interleaved rounds; {date.today()}"
+    )
+    for name in models:
+        for n in layers if name != "unrolled" else [UNROLLED]:
+            print("\n".join(table(name, n, rows)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
