@@ -1,5 +1,5 @@
-"""dp.Trainer across processes: 2 x 4 reaches the 1 x 8 params (DDP and FSDP), and survives
-a SIGKILL.
+"""dp.Trainer across processes: 2 x 4 reaches the 1 x 8 params (DDP, FSDP and HSDP with the
+replicas across processes), and survives a SIGKILL.
 
 Each process feeds only its own rows of every global batch
 (``jax.make_array_from_process_local_data``; tests/multihost/workers/train.py).
@@ -94,6 +94,19 @@ def test_fsdp_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path, single):
         for p in resumed:
             np.testing.assert_allclose(p[k], single[k], rtol=1e-5, atol=1e-6, err_msg=k)
             np.testing.assert_array_equal(p[k], resumed[0][k])
+
+
+@pytest.mark.timeout(200)
+def test_hsdp_with_replicas_across_processes_matches_1x8(tmp_path, single):
+    # dp.sync.FSDP(shard_axis="shard") on a (replica 2, shard 4) mesh whose rows are the two
+    # processes: params split over each process's 4 devices, replicated across processes,
+    # the gradient slices summed across them (HSDP across nodes).
+    _, two = _train(tmp_path, "hsdp", ["--nprocs", "2", "--devices-per-proc", "4"], strategy="hsdp")
+    assert len(two) == 2
+    for k in KEYS:
+        for p in two:
+            np.testing.assert_allclose(p[k], single[k], rtol=1e-5, atol=1e-6, err_msg=k)
+            np.testing.assert_array_equal(p[k], two[0][k])
 
 
 @pytest.mark.timeout(120)

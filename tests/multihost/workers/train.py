@@ -1,7 +1,10 @@
 """dp.Trainer on the global world, each process feeding only its own part of every batch.
 
 Usage: ``train.py OUT CKPT_DIR KILL_AT [SIGNAL [STRATEGY]]`` under ``jaxcoll-run``
-(STRATEGY ``fsdp``: ``Trainer(sync=dp.sync.FSDP())``, the params split over both processes).
+(STRATEGY ``fsdp``: ``Trainer(sync=dp.sync.FSDP())``, the params split over both processes;
+``hsdp``: hybrid sharding on a ("replica", "shard") mesh whose rows are the processes:
+``dp.sync.FSDP(shard_axis="shard")`` splits the params over each process's devices and
+replicates them across the processes, as HSDP across nodes).
 Trains a small MLP for STEPS steps with ``fit(checkpoint=dp.Checkpointer(CKPT_DIR,
 every=EVERY))`` and
 writes the final params to ``OUT/p{k}.npz``. ``KILL_AT`` > 0: on the first run
@@ -30,7 +33,7 @@ from jaxcoll import dp  # noqa: E402
 
 OUT, CKPT, KILL_AT = sys.argv[1], sys.argv[2], int(sys.argv[3])
 SIGNAL = getattr(signal, "SIG" + (sys.argv[4] if len(sys.argv) > 4 else "KILL"))
-FSDP = len(sys.argv) > 5 and sys.argv[5] == "fsdp"
+STRATEGY = sys.argv[5] if len(sys.argv) > 5 else "ddp"
 STEPS, EVERY, BATCH = 12, 4, 32
 ME = jax.process_index()
 FIRST_RUN = os.environ.get("JAXCOLL_RESTART_COUNT", "0") == "0"
@@ -46,7 +49,19 @@ def loss_fn(params, batch, rng):
     return jnp.mean(err**2), {}
 
 
-trainer = dp.Trainer(loss_fn, optax.adam(0.05), sync=dp.sync.FSDP() if FSDP else dp.sync.DDP())
+if STRATEGY == "hsdp":
+    # jax.make_mesh lays the devices out in process order: each row is one process.
+    trainer = dp.Trainer(
+        loss_fn,
+        optax.adam(0.05),
+        mesh=jax.make_mesh((jax.process_count(), jax.local_device_count()), ("replica", "shard")),
+        axis_name=("replica", "shard"),
+        sync=dp.sync.FSDP(shard_axis="shard"),
+    )
+    assert {d.process_index for d in trainer.mesh.devices[ME]} == {ME}
+else:
+    sync = dp.sync.FSDP() if STRATEGY == "fsdp" else dp.sync.DDP()
+    trainer = dp.Trainer(loss_fn, optax.adam(0.05), sync=sync)
 sharding = NamedSharding(trainer.mesh, P(trainer.axis_name))
 # The rows of a global batch that this process's devices hold (devices are in global order).
 mine = [k for k, d in enumerate(trainer.mesh.devices.reshape(-1)) if d.process_index == ME]
@@ -82,7 +97,7 @@ state, _ = trainer.fit(
     checkpoint=dp.Checkpointer(CKPT, every=EVERY),
     progress=False,
 )
-if FSDP:  # every leaf is split over the 8 devices of both processes: gather them
+if STRATEGY != "ddp":  # every leaf is split over several devices: gather them
     assert all(not v.is_fully_replicated for v in state.params.values())
     params = multihost_utils.process_allgather(state.params, tiled=True)
 else:
