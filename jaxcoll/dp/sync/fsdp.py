@@ -160,8 +160,11 @@ class FSDP(ZeRO1):
             dims,
             lambda leaves: self._gather_all(leaves, dims),
             policy=not_gathered,
+            bucket_bytes=self.bucket_bytes,
+            n=self.n_shard,
+            remat=self.reshard_after_forward,
         )
-        return self.wrap_loss(run)
+        return run
 
     def wrap_loss(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not self.reshard_after_forward:

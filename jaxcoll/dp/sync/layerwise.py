@@ -34,6 +34,7 @@ import jax
 from jax import lax
 
 from ..._jax import Literal
+from ..buckets import plan_buckets
 
 #: Gathers lazy params: ``gather(slices, dims) -> wholes`` (FSDP's differentiable
 #: all-gather, batched: the params a scope gathers are gathered together).
@@ -53,62 +54,80 @@ class Lazy:
     dim: int
 
 
+@dataclass(frozen=True)
+class _Config:
+    gather: Gather
+    policy: Callable[..., bool]
+    bucket_bytes: float | None  # the gathered bytes of one group of params
+    n: int  # the number of slices of a split param
+    remat: bool  # segments rematerialised (the backward gathers their params again)
+
+
 class _Scope:
     """The values of one jaxpr's variables. The lazy params this jaxpr uses whole are
-    gathered together, at the first such use (one batched gather per scope)."""
+    gathered in groups of about ``bucket_bytes``, in the order of their first use, each group
+    at the first use of one of its params (one differentiable gather per group, so the
+    backward reduce-scatters a group's gradients as soon as they all exist)."""
 
-    def __init__(self, gather: Gather, policy: Callable[..., bool]) -> None:
+    def __init__(self, config: _Config) -> None:
         self.env: dict[Any, Any] = {}
-        self.gather = gather
-        self.policy = policy
+        self.config = config
         self.wholes: dict[int, jax.Array] = {}  # id(Lazy) -> the gathered param
-        self.needed: list[Lazy] = []
+        self.group_of: dict[int, list[Lazy]] = {}  # id(Lazy) -> the params gathered with it
 
     def read(self, v: Any) -> Any:
         if isinstance(v, Literal):
             return v.val
         return self.env[v]
 
-    def plan(self, jaxpr: Any) -> None:
-        """Find the lazy params ``jaxpr`` uses whole (all but those it only passes to a
-        scan over their layers or into a call that is entered): gathered together."""
+    def lazy(self, v: Any) -> Lazy | None:
+        x = None if isinstance(v, Literal) else self.env.get(v)
+        return x if isinstance(x, Lazy) else None
+
+    def forced(self, eqn: Any) -> list[Lazy]:
+        """The lazy params ``eqn`` uses whole (all but those it only passes to a scan over
+        their layers or into a call that is entered)."""
+        name = str(eqn.primitive)
+        if name in _CALLS or name == _REMAT:
+            return []
+        if name == _SCAN:
+            nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+            out = [self.lazy(v) for v in eqn.invars[: nc + nk]]
+            out += [
+                x for x in map(self.lazy, eqn.invars[nc + nk :]) if x is not None and x.dim == 0
+            ]
+        else:
+            out = [self.lazy(v) for v in eqn.invars]
+        return [x for x in out if x is not None]
+
+    def plan(self, eqns: Sequence[Any], outvars: Sequence[Any]) -> None:
+        """Group the lazy params ``eqns`` and ``outvars`` use whole (see the class)."""
         seen: dict[int, Lazy] = {}
-
-        def need(v: Any) -> None:
-            x = None if isinstance(v, Literal) else self.env.get(v)
-            if isinstance(x, Lazy):
+        for eqn in eqns:
+            for x in self.forced(eqn):
                 seen.setdefault(id(x), x)
-
-        for eqn in jaxpr.eqns:
-            name = str(eqn.primitive)
-            if name in _CALLS or name == _REMAT:
-                continue
-            if name == _SCAN:
-                nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
-                for v in eqn.invars[: nc + nk]:
-                    need(v)
-                for v in eqn.invars[nc + nk :]:
-                    x = None if isinstance(v, Literal) else self.env.get(v)
-                    if isinstance(x, Lazy) and x.dim == 0:  # split along the layer axis
-                        need(v)
-                continue
-            for v in eqn.invars:
-                need(v)
-        for v in jaxpr.outvars:
-            need(v)
-        self.needed = list(seen.values())
+        for v in outvars:
+            out = self.lazy(v)
+            if out is not None:
+                seen.setdefault(id(out), out)
+        order = list(seen.values())  # first use first
+        n = self.config.n
+        wholes = [jax.ShapeDtypeStruct((x.slice.size * n,), x.slice.dtype) for x in reversed(order)]
+        # plan_buckets groups from the end of its list: the reversed order groups from the
+        # first use on.
+        for bucket in plan_buckets(wholes, self.config.bucket_bytes):
+            group = [order[len(order) - 1 - i] for i in bucket]
+            self.group_of.update({id(z): group for z in group})
 
     def value(self, v: Any) -> Any:
-        """The value of ``v``; a lazy param gathered (with the others this scope needs)."""
+        """The value of ``v``; a lazy param gathered (with the rest of its group)."""
         x = self.read(v)
         if not isinstance(x, Lazy):
             return x
         if id(x) not in self.wholes:
-            batch = [z for z in self.needed if id(z) not in self.wholes]
-            if x not in batch:
-                batch.append(x)
-            wholes = self.gather([z.slice for z in batch], [z.dim for z in batch])
-            self.wholes.update({id(z): w for z, w in zip(batch, wholes, strict=True)})
+            group = [z for z in self.group_of.get(id(x), [x]) if id(z) not in self.wholes]
+            wholes = self.config.gather([z.slice for z in group], [z.dim for z in group])
+            self.wholes.update({id(z): w for z, w in zip(group, wholes, strict=True)})
         return self.wholes[id(x)]
 
 
@@ -118,6 +137,9 @@ def gather_per_layer(
     dims: Sequence[int | None],
     whole: Callable[[list[jax.Array]], list[jax.Array]],
     policy: Callable[..., bool],
+    bucket_bytes: float | None,
+    n: int,
+    remat: bool = True,
 ) -> Callable[..., Any]:
     """``fn(params, *rest)`` as a function of the params as held (``run(held, *rest)``),
     gathering each stacked layer inside the scan that uses it.
@@ -133,7 +155,16 @@ def gather_per_layer(
             params, never run as they are.
         policy: the rematerialisation policy of a rewritten scan's body: it must not save
             the gathered params (the backward gathers them again).
+        bucket_bytes: the gathered bytes of one group of params (gathered together, in the
+            order the loss first uses them); None: one param per group.
+        n: the number of slices a split param is cut into.
+        remat: rematerialise each segment of the loss between two groups' first uses
+            (``jax.checkpoint`` with ``policy``), so the backward gathers each group again
+            when it reaches it (torch FSDP's ``reshard_after_forward``); False: the gathered
+            params are kept for the backward. A scan's body over layers is rematerialised
+            either way.
     """
+    config = _Config(gather, policy, bucket_bytes, n, remat)
 
     def run(params: Any, *rest: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -145,7 +176,7 @@ def gather_per_layer(
         flat_rest = jax.tree_util.tree_leaves(rest)
         jaxpr = closed.jaxpr
         n = len(leaves)
-        scope = _Scope(gather, policy)
+        scope = _Scope(config)
         for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
             scope.env[v] = c
         for v, x in zip(jaxpr.invars, [*leaves, *flat_rest], strict=True):
@@ -167,11 +198,77 @@ def gather_per_layer(
                 scope.env[eqn.outvars[0]] = Lazy(x, int(d))  # type: ignore[arg-type]
             else:
                 eqns.append(eqn)
-        scope.plan(jaxpr)
-        outs = _eval(eqns, jaxpr.outvars, scope)
+        outs = _eval_segments(eqns, jaxpr.outvars, scope)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
     return run
+
+
+def _segments(eqns: Sequence[Any], scope: _Scope) -> list[list[Any]]:
+    """``eqns`` cut where the next group of params is first used whole: each segment uses
+    about ``bucket_bytes`` of gathered params (one param each with None)."""
+    limit, n = scope.config.bucket_bytes, scope.config.n
+    segments: list[list[Any]] = [[]]
+    held: set[int] = set()
+    size = 0.0
+    for eqn in eqns:
+        new = [x for x in scope.forced(eqn) if id(x) not in held]
+        if new and held and (limit is None or size >= limit):
+            segments.append([])
+            held, size = set(), 0.0
+        for x in new:
+            if id(x) not in held:
+                held.add(id(x))
+                size += x.slice.size * n * x.slice.dtype.itemsize
+        segments[-1].append(eqn)
+    return segments
+
+
+def _eval_segments(eqns: Sequence[Any], outvars: Sequence[Any], scope: _Scope) -> list[Any]:
+    """``eqns`` evaluated segment by segment (:func:`_segments`), each segment a
+    ``jax.checkpoint`` with the policy that saves everything but gathered params: each
+    segment gathers the params it uses, and the backward gathers them again segment by
+    segment, as torch's FSDP does module by module, instead of all at once. With
+    ``config.remat`` off, or one segment, the eqns are evaluated as they are."""
+    segments = _segments(eqns, scope) if scope.config.remat else [list(eqns)]
+    if len(segments) == 1 and not scope.config.remat:
+        scope.plan(eqns, outvars)
+        return _eval(eqns, outvars, scope)
+    # Which variables each segment must return: those used after it.
+    later: list[set[Any]] = [set() for _ in segments]
+    used_after = {v for v in outvars if not isinstance(v, Literal)}
+    for k in range(len(segments) - 1, -1, -1):
+        later[k] = set(used_after)
+        for eqn in segments[k]:
+            used_after.update(v for v in eqn.invars if not isinstance(v, Literal))
+    for k, segment in enumerate(segments):
+        defined = [v for eqn in segment for v in eqn.outvars]
+        own = set(defined)
+        inputs = list(
+            dict.fromkeys(
+                v
+                for eqn in segment
+                for v in eqn.invars
+                if not isinstance(v, Literal) and v not in own
+            )
+        )
+        outputs = [v for v in defined if v in later[k]]
+        args = [scope.read(v) for v in inputs]
+        dims = {i: a.dim for i, a in enumerate(args) if isinstance(a, Lazy)}
+
+        def run(*xs, segment=segment, inputs=inputs, outputs=outputs, dims=dims):
+            inner = _Scope(scope.config)
+            for i, (v, x) in enumerate(zip(inputs, xs, strict=True)):
+                inner.env[v] = Lazy(x, dims[i]) if i in dims else x
+            inner.plan(segment, outputs)
+            return _eval(segment, outputs, inner)
+
+        flat = [a.slice if isinstance(a, Lazy) else a for a in args]
+        outs = jax.checkpoint(run, policy=scope.config.policy)(*flat)
+        for v, x in zip(outputs, outs, strict=True):
+            scope.env[v] = x
+    scope.plan([], outvars)
+    return [scope.value(v) for v in outvars]
 
 
 def _eval(eqns: Sequence[Any], outvars: Sequence[Any], scope: _Scope) -> list[Any]:
@@ -182,7 +279,7 @@ def _eval(eqns: Sequence[Any], outvars: Sequence[Any], scope: _Scope) -> list[An
             outs = _scan(eqn, scope)
         elif lazy_in and name in _CALLS:
             inner = eqn.params[_CALLS[name]]
-            outs = _run_inner(inner, [scope.read(v) for v in eqn.invars], scope)
+            outs = _run_inner(inner, [scope.read(v) for v in eqn.invars], scope, segmented=True)
         elif lazy_in and name == _REMAT:
             outs = _remat(eqn, [scope.read(v) for v in eqn.invars], scope)
         else:
@@ -212,15 +309,19 @@ def _closed_parts(inner: Any) -> tuple[Any, Sequence[Any]]:
     return inner, ()
 
 
-def _run_inner(inner: Any, args: Sequence[Any], outer: _Scope) -> list[Any]:
+def _run_inner(
+    inner: Any, args: Sequence[Any], outer: _Scope, *, segmented: bool = False
+) -> list[Any]:
     """An inner jaxpr (a call's, a scan's body) evaluated on ``args``, lazy ones included."""
     jaxpr, consts = _closed_parts(inner)
-    scope = _Scope(outer.gather, outer.policy)
+    scope = _Scope(outer.config)
     for v, c in zip(jaxpr.constvars, consts, strict=True):
         scope.env[v] = c
     for v, x in zip(jaxpr.invars, args, strict=True):
         scope.env[v] = x
-    scope.plan(jaxpr)
+    if segmented:
+        return _eval_segments(jaxpr.eqns, jaxpr.outvars, scope)
+    scope.plan(jaxpr.eqns, jaxpr.outvars)
     return _eval(jaxpr.eqns, jaxpr.outvars, scope)
 
 
@@ -264,7 +365,7 @@ def _scan(eqn: Any, scope: _Scope) -> list[Any]:
         return outs[:nk], outs[nk:]
 
     carry, ys = lax.scan(
-        jax.checkpoint(body, policy=scope.policy),
+        jax.checkpoint(body, policy=scope.config.policy),
         carry,
         xs,
         length=p["length"],
