@@ -1,15 +1,32 @@
-"""Checkpoints of the whole TrainState with orbax-checkpoint."""
+"""Checkpoints of the whole TrainState with orbax-checkpoint, restored into any layout.
+
+A checkpoint holds every leaf as one global array, whatever the strategy and the device
+count that wrote it; :meth:`Checkpointer.restore_latest` reads it into the shardings of the
+template it is given (torch DCP's resharding). Saving and restoring are collective in a
+multi-process job: every process first meets the others in ``jax.distributed``'s key-value
+store (:func:`rendezvous`), so a call made on one process only fails at once with an error
+that says so, instead of inside orbax's collectives.
+"""
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import os
+import time
 import warnings
+from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
+from .._watch import process
 from .state import TrainState
+
+# The n-th save or restore of this process: every process of a job makes the same calls in
+# the same order, so the n-th meets the others' n-th.
+_calls = itertools.count(1)
 
 
 def check_directory(api: str, argname: str, path: str | os.PathLike) -> str:
@@ -59,6 +76,18 @@ class Checkpointer:
         every: steps between saves in :meth:`Trainer.fit` (it saves when
             ``step % every == 0``).
         max_to_keep: how many checkpoints to keep (the newest).
+        rendezvous_timeout: in a multi-process job, the seconds :meth:`save` and
+            :meth:`restore_latest` wait for every other process to make the same call
+            before they raise (at once when a peer has exited or failed); raise it if your
+            processes reach a save further apart than that.
+
+    Saved: the whole :class:`TrainState` (params, optimizer state, model state, step, rng,
+    extra, hook state), each leaf as one global array: a checkpoint written under any
+    strategy (``dp.sync.DDP``, ``ZeRO1``, ``FSDP``) and any device or process count restores
+    under any other; :meth:`restore_latest` places every leaf as its template is placed. The
+    one exception is the communication hook's state (``state.comm_state``, e.g. PowerSGD's
+    error feedback), which is per rank: it restores only into the same hook on the same
+    number of ranks; otherwise it starts fresh from the template, with a warning.
 
     A checkpoint that cannot be read back (a file truncated, emptied or deleted, e.g. by a
     crash during the write or a full disk) is skipped on restore with a warning naming its
@@ -74,7 +103,12 @@ class Checkpointer:
     """
 
     def __init__(
-        self, directory: str | os.PathLike, *, every: int = 100, max_to_keep: int = 2
+        self,
+        directory: str | os.PathLike,
+        *,
+        every: int = 100,
+        max_to_keep: int = 2,
+        rendezvous_timeout: float = 60.0,
     ) -> None:
         for name, value, what in (
             ("every", every, "steps between saves"),
@@ -87,9 +121,20 @@ class Checkpointer:
                 )
             if value < 1:
                 raise ValueError(f"Checkpointer: {name}={value!r} must be a positive int ({what}).")
-        self.directory = check_directory("Checkpointer", "directory", directory)
-        self.every = int(every)
-        self.options = ocp.CheckpointManagerOptions(max_to_keep=int(max_to_keep), create=True)
+        t = rendezvous_timeout
+        if isinstance(t, bool) or not isinstance(t, numbers.Real):
+            raise TypeError(
+                f"Checkpointer: rendezvous_timeout must be a number of seconds, got {t!r} "
+                f"of type {type(t).__name__} instead."
+            )
+        if not t > 0:
+            raise ValueError(
+                f"Checkpointer: rendezvous_timeout={t!r} must be a positive number of seconds."
+            )
+        self.rendezvous_timeout: float = float(t)
+        self.directory: str = check_directory("Checkpointer", "directory", directory)
+        self.every: int = int(every)
+        self.options: Any = ocp.CheckpointManagerOptions(max_to_keep=int(max_to_keep), create=True)
         self._manager: ocp.CheckpointManager | None = None
         self.damaged: set[int] = set()
 
@@ -97,15 +142,34 @@ class Checkpointer:
     def manager(self) -> ocp.CheckpointManager:
         """The orbax ``CheckpointManager`` (opened on first use, again after :meth:`close`)."""
         if self._manager is None:
-            self._manager = ocp.CheckpointManager(self.directory, options=self.options)
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=self.options,
+                item_handlers=ocp.StandardCheckpointHandler(),
+            )
         return self._manager
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.directory!r}, every={self.every})"
 
     def save(self, state: TrainState) -> None:
-        """Save ``state`` under its step (a no-op if that step is saved already and good)."""
+        """Save ``state`` under its step (a no-op if that step is saved already and good).
+
+        Collective in a multi-process job: every process calls it with the same state, as
+        :meth:`Trainer.fit` does; each writes its own shards. A call on some processes only
+        (``if jax.process_index() == 0: ckpt.save(state)``, as one writes
+        ``torch.save`` on the master rank) raises RuntimeError on the processes that made it,
+        within ``rendezvous_timeout`` seconds, before any file is written.
+        """
         step = int(jax.device_get(state.step))
+        rendezvous(
+            "Checkpointer.save",
+            f"save step {step}",
+            self.directory,
+            self.rendezvous_timeout,
+            fix="call ckpt.save(state) on every process (drop the `if process_index == 0` "
+            "guard; orbax writes each shard once)",
+        )
         if step in self.damaged:
             self.manager.delete(step)
             self.damaged.discard(step)
@@ -117,15 +181,30 @@ class Checkpointer:
         """The newest state that reads back, placed like ``template``; ``template`` if none
         is saved.
 
+        Each leaf is read into the sharding of ``template``'s leaf, so a checkpoint written
+        under another strategy, device count or number of processes restores here: build
+        ``template`` with the Trainer that goes on (``trainer.init(params, rng)``). The hook
+        state (``comm_state``) is restored only when the checkpoint's has the template's
+        structure, shapes and dtypes (the same hook on the same number of ranks); otherwise
+        the template's fresh one is kept and a RuntimeWarning says what was reset and why.
+        Collective in a multi-process job, like :meth:`save`.
+
         Raises:
             RuntimeError: checkpoints exist but none can be restored into ``template``
-                (each one's error is listed: damaged files, or a model that changed).
+                (each one's error is listed: damaged files, or a model that changed); or,
+                in a multi-process job, another process did not call it too.
         """
-        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, template)
+        rendezvous(
+            "Checkpointer.restore_latest",
+            "restore_latest",
+            self.directory,
+            self.rendezvous_timeout,
+            fix="call it on every process (Trainer.fit does, with checkpoint=...)",
+        )
         errors = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+                return self._restore(step, template)
             except Exception as e:  # any failure to read it back: damaged (or a new model)
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 errors.append(f"step {step}: {reason}")
@@ -149,9 +228,132 @@ class Checkpointer:
             )
         return template
 
+    def _restore(self, step: int, template: TrainState) -> TrainState:
+        """Step ``step`` read into ``template``'s shardings; its hook state kept only if it
+        fits the template's (see :meth:`restore_latest`)."""
+        target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, template)
+        meta = self.manager.item_metadata(step)
+        saved = getattr(meta, "tree", meta)
+        saved_comm = saved.get("comm_state", {}) if isinstance(saved, dict) else {}
+        why = _comm_mismatch(saved_comm, template.comm_state)
+        if why is None:
+            return self.manager.restore(step, args=ocp.args.StandardRestore(target))
+        # The hook state is not read at all: a placeholder for every saved leaf of it, which
+        # orbax's PyTree handler (under the Standard one, which has no placeholders) skips.
+        target = target.replace(
+            comm_state=jax.tree_util.tree_map(lambda _: ocp.PLACEHOLDER, saved_comm)
+        )
+        path = self.manager.directory / ocp.step.standard_name_format().build_name(step)
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            restored = handler.restore(
+                path / "default",
+                args=ocp.args.PyTreeRestore(
+                    item=target, restore_args=jax.tree_util.tree_map(_restore_arg, target)
+                ),
+            )
+        finally:
+            handler.close()
+        warnings.warn(
+            f"Checkpointer.restore_latest: the communication hook's state (state.comm_state) "
+            f"saved at step {step} in {self.directory} is not restored: it is per rank and "
+            f"{why}. Everything else is restored; the hook state starts fresh from the "
+            f"template's (for PowerSGD: zero error feedback and new factors, as at step 0).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return restored.replace(comm_state=template.comm_state)
+
     def close(self) -> None:
         """Wait for pending saves and release the manager (a later use opens a new one)."""
         if self._manager is not None:
             self._manager.wait_until_finished()
             self._manager.close()
             self._manager = None
+
+
+def _restore_arg(x: Any) -> Any:
+    """orbax's restore argument for a leaf of a target: its sharding, shape and dtype."""
+    if not isinstance(x, jax.ShapeDtypeStruct):
+        return x  # a placeholder
+    if x.sharding is None:
+        return ocp.RestoreArgs(restore_type=np.ndarray, dtype=x.dtype)
+    return ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype)
+
+
+def _leaf_table(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``path -> (shape, dtype)`` of every leaf, paths written alike for a live tree and
+    orbax's metadata tree (a list index and a dict key both as their plain text)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    table = {}
+    for path, leaf in flat:
+        keys = "/".join(
+            str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path
+        )
+        table[keys] = (tuple(getattr(leaf, "shape", ())), str(getattr(leaf, "dtype", "")))
+    return table
+
+
+def _comm_mismatch(saved: Any, fresh: Any) -> str | None:
+    """Why the saved hook state cannot go into ``fresh``'s place, or None if it can."""
+    old, new = _leaf_table(saved), _leaf_table(fresh)
+    if old == new:
+        return None
+    if not new:
+        return "this Trainer's strategy has no hook state (its hook differs from the saved one)"
+    if not old:
+        return "the checkpoint holds none (it was written without this hook)"
+    lead = {k: (v[0][0] if v[0] else None) for k, v in old.items()}
+    now = {k: (v[0][0] if v[0] else None) for k, v in new.items()}
+    if old.keys() != new.keys():
+        return "its structure differs from this Trainer's hook state (another hook or buckets)"
+    a, b = set(lead.values()), set(now.values())
+    if len(a) == 1 and len(b) == 1 and a != b:
+        return f"was written for {a.pop()} ranks, and this Trainer has {b.pop()}"
+    return "its shapes or dtypes differ from this Trainer's hook state"
+
+
+def rendezvous(api: str, what: str, directory: str, timeout: float, *, fix: str) -> None:
+    """Meet every other process of the job at this call, or raise RuntimeError.
+
+    Each process writes ``what`` (e.g. ``save step 10``) under the number of its calls so far
+    in ``jax.distributed``'s key-value store and waits for every other process's entry of the
+    same number: up to ``timeout`` seconds, less when a peer exits or fails first. Raises,
+    naming ``api``, the processes and ``fix``, when one does not come or makes another call
+    (a save of another step, a restore). Nothing to do in a single process.
+    """
+    client = process.client()
+    me, n = process.me()
+    if client is None or n < 2:
+        return
+    seq = next(_calls)
+    key = f"{process.PREFIX}ckpt/{seq}/"
+    client.key_value_set(key + str(me), what)
+    deadline = time.monotonic() + timeout
+    got = {me: what}
+    for p in range(n):
+        while p not in got:
+            try:
+                got[p] = str(client.blocking_key_value_get(key + str(p), 500))
+                continue
+            except Exception:  # noqa: BLE001 - not there yet
+                pass
+            gone = p in process.exited() or p in process.failed()
+            if gone or time.monotonic() > deadline:
+                why = "ended" if gone else f"did not call it within {timeout:g}s"
+                raise RuntimeError(
+                    f"{api}: process {me} is at {what} ({directory}), but process {p} {why}. "
+                    f"Saving and restoring are collective in a multi-process job: every "
+                    f"process must make the same call at the same point, as Trainer.fit "
+                    f"does (each process writes or reads its own shards; orbax coordinates "
+                    f"them), so a save on one process only cannot work. Fix: {fix}. If the "
+                    f"processes do reach it but further apart, raise "
+                    f"dp.Checkpointer(..., rendezvous_timeout=) (now {timeout:g}s)."
+                )
+    if len(set(got.values())) > 1:
+        listing = "; ".join(f"process {p}: {got[p]}" for p in sorted(got))
+        raise RuntimeError(
+            f"{api}: the processes make different checkpoint calls at the same point "
+            f"({listing}). Saving and restoring are collective: every process must save the "
+            f"same step (or restore) together, as Trainer.fit does. Fix: {fix}."
+        )

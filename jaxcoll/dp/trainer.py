@@ -36,6 +36,7 @@ from .checks import (
 )
 from .data import Batches, leading_size
 from .extra import Extra
+from .host import to_host
 from .state import TrainState
 from .step import build_eval, build_step
 from .sync import DDP, Strategy
@@ -434,23 +435,53 @@ class Trainer:
     # The host loop: its signature, options and docstring are written once, in dp/loop.py.
     fit = loop.fit
 
-    # ----------------------------------------------------------------------------- to_module
+    # ------------------------------------------------------------------------- host copies
+    def host_params(self, state: TrainState) -> PyTree:
+        """The params of ``state`` as whole NumPy arrays on the host, on every process.
+
+        ``jax.device_get(state.params)`` works in one process; in a multi-process job whose
+        params are split over the processes' devices (``sync=dp.sync.FSDP()``) it raises
+        (an array that "spans non-addressable devices"). This gathers each such leaf with
+        ``jax.experimental.multihost_utils.process_allgather`` and reads the others locally;
+        every process gets the same whole params, bit-identical to a single-process read.
+
+        .. warning:: Collective in a multi-process job: every process must call it at the
+           same point (as ``torch.distributed``'s ``FSDP.state_dict`` under
+           ``FULL_STATE_DICT``); a call under ``if jax.process_index() == 0:`` waits for the
+           other processes for ever (the watchdog ends it). Each device briefly holds the
+           whole params.
+
+        Returns:
+            The params tree with ``numpy.ndarray`` leaves (independent of ``state``).
+
+        Example (any number of processes)::
+
+            >>> params = trainer.host_params(state)      # on every process
+            >>> if jax.process_index() == 0:
+            ...     np.savez("params.npz", **params)
+        """
+        check_state("Trainer.host_params", state)
+        return to_host(state.params)
+
     def to_module(self, state: TrainState) -> Any:
         """The trained model in its framework's form, on the default device, independent of
         ``state`` (a later step may donate the state's buffers).
 
         :class:`~jaxcoll.dp.Nnx`: a new nnx module with the trained params and BatchNorm
         statistics (call ``.eval()`` on it for inference); :class:`~jaxcoll.dp.Linen`: the
-        module bound to the trained variables (``bound(x, train=False)``).
+        module bound to the trained variables (``bound(x, train=False)``). The params are
+        read as :meth:`host_params` reads them, so in a multi-process job it is collective
+        too: every process calls it, and each gets the whole model.
         """
         api = "Trainer.to_module"
         check_state(api, state)
         if self.model is None:
             raise TypeError(
                 f"{api}: this Trainer trains a plain loss_fn, which has no module; "
-                f"its trained params are state.params."
+                f"its trained params are state.params (whole on the host: "
+                f"trainer.host_params(state))."
             )
-        params, model_state = jax.device_put(jax.device_get((state.params, state.model_state)))
+        params, model_state = jax.device_put(to_host((state.params, state.model_state)))
         return self.model.to_module(params, model_state)
 
 

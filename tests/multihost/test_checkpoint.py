@@ -1,0 +1,103 @@
+"""Checkpoints and host copies across processes, in one 2 x 4 launch
+(tests/multihost/workers/ckpt.py):
+
+* a checkpoint written by 2 processes x 4 devices under FSDP restores in this one process,
+  under DDP on 8 devices and FSDP on 4, bit-identical, and training goes on as the 2 x 4 run
+  did;
+* ``Trainer.host_params`` and ``Trainer.to_module`` give every process the whole params,
+  equal to a one-process run's;
+* a save made on process 0 only raises there at once, naming Checkpointer.save, and the job
+  ends on it (no abort inside gloo, no misleading error on process 1).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jaxcoll import dp
+from tests.helpers import mesh_1d
+
+from ._launch import launch, survivors
+from .workers import ckpt_model as cm
+
+
+def _host(trainer, state, prefix):
+    return cm.flat(trainer.host_params(state), prefix)
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_2x4_checkpoints_restore_anywhere_and_host_params_are_whole(tmp_path):
+    out, ckpt, solo = tmp_path / "out", tmp_path / "ckpt", tmp_path / "solo"
+    job = launch(
+        ["--nprocs", "2", "--devices-per-proc", "4"],
+        "ckpt.py",
+        [str(out), str(ckpt), str(solo)],
+        timeout=200,
+    )
+    err = job.stderr
+
+    # The save on process 0 only: its own clear error, the job ended on it, nothing written.
+    assert "process 0: wrote the params" in job.stdout and "process 1: wrote" in job.stdout
+    assert "got past the solo save" not in job.stdout, job.stdout[-2000:]
+    assert job.returncode == 1, err[-4000:]
+    assert re.search(
+        r"\[0\] RuntimeError: Checkpointer\.save: process 0 is at save step 4 \(.*solo\), but "
+        r"process 1 did not call it within 5s\. Saving and restoring are collective",
+        err,
+    ), err[-4000:]
+    assert "drop the `if process_index == 0` guard" in err
+    assert re.search(r"jaxcoll-run: process 0 \(pid \d+\) exited with code 1 first", err), err
+    assert not re.search(
+        r"EnforceNotMet|is not the same on each process|Check failure|^\[\d\] F\d{4} ", err, re.M
+    ), err[-4000:]
+    assert survivors(job.token) == []
+    assert not [p for p in solo.iterdir() if p.name.isdigit()]
+
+    # host_params and to_module: the whole params, the same on both processes.
+    got = [dict(np.load(out / f"p{k}.npz")) for k in (0, 1)]
+    assert got[0].keys() == got[1].keys() and len(got[0]) == 3 * 5
+    for key in got[0]:
+        np.testing.assert_array_equal(got[0][key], got[1][key], err_msg=key)
+    for key in (k for k in got[0] if k.startswith("saved/")):
+        np.testing.assert_array_equal(got[0]["module/" + key[6:]], got[0][key], err_msg=key)
+
+    # ... equal to one process's run on 8 devices (gloo sums across processes in another
+    # order: float32 rounding).
+    one = cm.trainer(dp.sync.FSDP(), mesh_1d(8, "data"))
+    params, model_state = one.model.init(jax.random.key(0), cm.global_batch(0))
+    state = one.init(params, jax.random.key(1), model_state=model_state)
+    want = {}
+    for s in range(cm.END):
+        state, _ = one.step(state, cm.global_batch(s))
+        if s + 1 == cm.SAVED_AT:
+            want.update(_host(one, state, "saved"))
+    want.update(_host(one, state, "end"))
+    for key, value in want.items():
+        assert np.abs(value).max() > 0
+        np.testing.assert_allclose(got[0][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+    # The 2 x 4 FSDP checkpoint restores here, under DDP on 8 devices and FSDP on 4:
+    # bit-identical to what the processes held, and the run goes on as theirs did.
+    for sync, n in ((dp.sync.DDP(), 8), (dp.sync.FSDP(), 4)):
+        trainer = cm.trainer(sync, mesh_1d(n, "data"))
+        template = trainer.init(params, jax.random.key(2), model_state=model_state)
+        restorer = dp.Checkpointer(ckpt)
+        state = restorer.restore_latest(template)
+        restorer.close()
+        assert int(state.step) == cm.SAVED_AT
+        for key, value in _host(trainer, state, "saved").items():
+            np.testing.assert_array_equal(value, got[0][key], err_msg=f"{sync} on {n}: {key}")
+        for x, t in zip(
+            jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(template), strict=True
+        ):
+            assert x.sharding == t.sharding
+        for s in range(cm.SAVED_AT, cm.END):
+            state, _ = trainer.step(state, cm.global_batch(s))
+        for key, value in _host(trainer, state, "end").items():
+            np.testing.assert_allclose(
+                value, got[0][key], rtol=1e-5, atol=1e-6, err_msg=f"{sync} on {n}: {key}"
+            )
