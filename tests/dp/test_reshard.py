@@ -25,6 +25,8 @@ LAYOUTS = {
     "zero1_8": (lambda: dp.sync.ZeRO1(), 8),
     "fsdp4": (lambda: dp.sync.FSDP(), 4),
     "fsdp8": (lambda: dp.sync.FSDP(), 8),
+    # HSDP: split over "shard" (4), replicated over "replica" (2)
+    "hsdp2x4": (lambda: dp.sync.FSDP(shard_axis="shard"), (2, 4)),
 }
 SAVED_AT, END = 2, 4
 
@@ -56,8 +58,12 @@ def _batches():
 
 
 def _trainer(sync, n):
+    if isinstance(n, tuple):
+        mesh, axis = jax.make_mesh(n, ("replica", "shard")), ("replica", "shard")
+    else:
+        mesh, axis = mesh_1d(n, "data"), "data"
     return dp.Trainer(
-        _loss, optax.adam(0.05), mesh=mesh_1d(n, "data"), sync=sync, extra=dp.ema(0.5)
+        _loss, optax.adam(0.05), mesh=mesh, axis_name=axis, sync=sync, extra=dp.ema(0.5)
     )
 
 
