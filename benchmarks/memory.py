@@ -157,7 +157,7 @@ import jaxcoll
 
 DEVICES = 8
 MODELS = ("scanned", "unrolled", "flax-scan")
-ROWS = ("ddp", "zero1", "fsdp", "hsdp", "gspmd")
+ROWS = ("ddp", "zero1", "zero1-per-leaf", "fsdp", "fsdp-per-leaf", "hsdp", "gspmd")
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--layers", default="8,16,32,64", help="comma list of L (scanned models)")
 parser.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
@@ -393,6 +393,12 @@ def table(name: str, layers: int, rows: list[str]) -> list[str]:
             built.append(("jaxcoll ZeRO-1", row_trainer(params, loss_fn, batch, dp.sync.ZeRO1())))
         elif row == "fsdp":
             built.append(("jaxcoll FSDP", row_trainer(params, loss_fn, batch, dp.sync.FSDP())))
+        elif row == "fsdp-per-leaf":
+            sync = dp.sync.FSDP(bucket_mb=None)
+            built.append(("jaxcoll FSDP per leaf", row_trainer(params, loss_fn, batch, sync)))
+        elif row == "zero1-per-leaf":
+            sync = dp.sync.ZeRO1(bucket_mb=None)
+            built.append(("jaxcoll ZeRO-1 per leaf", row_trainer(params, loss_fn, batch, sync)))
         elif row == "hsdp":
             built.append(("jaxcoll HSDP (2 x 4)", row_hsdp(params, loss_fn, batch)))
         elif row == "gspmd":
@@ -406,27 +412,27 @@ def table(name: str, layers: int, rows: list[str]) -> list[str]:
         f"\n{title}: params {total / MIB:.1f} MiB, ideal {ideal / MIB:.2f} MiB per device; "
         f"median of {steps} steps",
         "",
-        "| row                   | args MiB | temp MiB | args+temp | /ideal | out-alias "
+        "| row                     | args MiB | temp MiB | args+temp | /ideal | out-alias "
         "| step ms |",
-        "|-----------------------|---------:|---------:|----------:|-------:|----------:"
+        "|-------------------------|---------:|---------:|----------:|-------:|----------:"
         "|--------:|",
     ]
     sums: dict[str, int] = {}
     for label, b in built:
         if b is None:
             na = "n/a (this jaxcoll has no FSDP(shard_axis=))"
-            out.append(f"| {label:21s} | {na} | | | | | |")
+            out.append(f"| {label:23s} | {na} | | | | | |")
             continue
         mem, _ = b
         both = mem["args"] + mem["temp"]
         sums[label] = both
         out.append(
-            f"| {label:21s} | {mem['args'] / MIB:8.2f} | {mem['temp'] / MIB:8.2f} "
+            f"| {label:23s} | {mem['args'] / MIB:8.2f} | {mem['temp'] / MIB:8.2f} "
             f"| {both / MIB:9.2f} | {both / ideal:5.2f}x | {mem['out-alias'] / MIB:9.2f} "
             f"| {next(medians):7.1f} |"
         )
     out.append(
-        f"| {'ideal FSDP (computed)':21s} | {'':8s} | {'':8s} | {ideal / MIB:9.2f} "
+        f"| {'ideal FSDP (computed)':23s} | {'':8s} | {'':8s} | {ideal / MIB:9.2f} "
         f"| {1:5.2f}x | {'':9s} | {'-':>7s} |"
     )
     fsdp = sums.get("jaxcoll FSDP")

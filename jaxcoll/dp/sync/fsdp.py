@@ -76,11 +76,20 @@ class FSDP(ZeRO1):
         reshard_after_forward: gather the params again in the backward instead of keeping
             them whole from the forward (less memory, one more all-gather per leaf the
             backward needs); False: keep them (torch's ``reshard_after_forward=False``).
+        shard_axis: None (split over every data axis) or one of the Trainer's data axes:
+            hybrid sharding (HSDP, torch's ``HYBRID_SHARD``), the params, gradients and
+            optimizer state split over ``shard_axis`` and replicated over the other data
+            axes; the gathers and reduce-scatters stay within ``shard_axis`` (one host's
+            devices, say) and only the gradient slices are all-reduced across the others.
 
     Example (8 devices)::
 
         >>> trainer = dp.Trainer(loss_fn, optax.adamw(1e-3), sync=dp.sync.FSDP())
         >>> state = trainer.init(params, rng)   # state.params: 1/8 of each split leaf
+        >>> hsdp = dp.Trainer(loss_fn, optax.adamw(1e-3),
+        ...                   mesh=jax.make_mesh((2, 4), ("replica", "shard")),
+        ...                   axis_name=("replica", "shard"),
+        ...                   sync=dp.sync.FSDP(shard_axis="shard"))   # 1/4 per device
     """
 
     grad_route: ClassVar[str] = (
