@@ -5,6 +5,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/dp_multiproc.py --no-torch --configs jax-zero1
     PYTHONPATH=. .venv/bin/python benchmarks/dp_multiproc.py \
         --configs jax-plain,torch-plain,jax-nosync,torch-nosync     # where the time goes
+    PYTHONPATH=. .venv/bin/python benchmarks/dp_multiproc.py --model gpt   # sharded, many leaves
 
 An MLP 784-4096-4096-10 (20.0 M float32 params, 80 MB of gradients), synthetic data (inputs
 from a 16-dimensional latent, labels from a fixed random linear teacher of the latent; a new
@@ -28,6 +29,32 @@ batch every step), global batch 64, SGD lr 0.02 momentum 0.9, everything float32
   under ``no_sync()``), wrong on purpose: what a step costs besides the sync; and
   ``jax-powersgd-s0``, PowerSGD compressing from step 0 (``start_iter=0``: no ``lax.cond``
   between the exact and the compressed average in the step; torch allows no start below 2).
+
+``--model gpt``: the sharded strategies on a model of many medium leaves. A GPT of nanoGPT's
+small character configuration (vocabulary 65, context 64, 6 layers, 6 heads, width 384),
+written in plain JAX in this file (``gpt_loss``): no biases, parameter-free per-layer
+LayerNorms, a scaled final one, the output layer tied to the token embedding: 27 leaves of
+10.7 M float32 params (42.7 MB of gradients). Synthetic sequences (each counts up modulo 65
+by its own stride from a random start), global batch 8 sequences (one per device), the same
+SGD. Rows: ``jax-plain`` (DDP), ``jax-zero1`` (ZeRO-1: its reduce-scatters and all-gathers
+by 25 MiB buckets) and ``jax-fsdp`` (FSDP); on request ``jax-nosync`` and
+``jax-zero1-perleaf`` (``ZeRO1(bucket_mb=None)``: one reduce-scatter and one all-gather per
+leaf, as ZeRO-1 ran before its buckets); no torch rows. Measured on 2 shared CPU cores
+(other jobs running: load 6-10), ``--model gpt --rounds 4 --steps 5 --configs
+jax-plain,jax-zero1,jax-fsdp,jax-nosync``, 398 s::
+
+    | configuration               | step ms | p25-p75 ms | vs jax plain | MB params+opt/dev |
+    | jaxcoll DDP (all-reduce)    |  1503.5 |  1399-1677 |        1.00x |              85.3 |
+    | jaxcoll ZeRO-1              |  1389.0 |  1105-1487 |        0.92x |              48.0 |
+    | jaxcoll FSDP                |  1735.6 |  1252-2009 |        1.15x |              10.7 |
+    | (jaxcoll, no gradient sync) |   498.7 |    353-593 |        0.33x |              85.3 |
+
+ZeRO-1's compiled step: 2 reduce-scatters and 2 all-gathers (two 25 MiB buckets) where
+``bucket_mb=None`` has 27 of each; FSDP (its params gathered per leaf) 27 of each. The same
+command with ``--rounds 3 --configs jax-plain,jax-zero1,jax-zero1-perleaf``: DDP 1317.5 ms,
+ZeRO-1 1524.3 ms (1.16x), ZeRO-1 ``bucket_mb=None`` 1776.1 ms (1.35x); with ``--rounds 2``
+(DDP, ZeRO-1, FSDP): 1.00x, 1.19x, 1.09x. On these loaded cores a ratio moves by about 0.2
+from run to run.
 
 Method. The configurations run in ``--rounds`` interleaved rounds (jax, torch, jax, torch, ...,
 the order rotated by one every round) so that load from other work on a shared machine falls
@@ -68,6 +95,13 @@ import time
 
 SIZES = (784, 4096, 4096, 10)
 BATCH = 64
+# --model gpt: nanoGPT's small character model (vocab 65, context 64, 6 layers, 6 heads,
+# width 384), without biases and with parameter-free per-layer LayerNorms: 27 leaves
+# (4 matrices per layer, the token and position embeddings, the final LayerNorm's scale),
+# 10.7 M float32 params; the output layer is the token embedding (tied).
+GPT_VOCAB, GPT_BLOCK, GPT_LAYERS, GPT_HEADS, GPT_EMBD = 65, 64, 6, 6, 384
+GPT_BATCH = 8  # sequences per global batch: one per device
+GPT_CONFIGS = ("jax-plain", "jax-zero1", "jax-fsdp", "jax-nosync", "jax-zero1-perleaf")
 PROCS, DEVICES_PER_PROC = 2, 4
 WORLD = PROCS * DEVICES_PER_PROC
 JAX_CONFIGS = (
@@ -78,6 +112,7 @@ JAX_CONFIGS = (
     "jax-fsdp",
     "jax-nosync",
     "jax-powersgd-s0",
+    "jax-zero1-perleaf",
 )
 TORCH_CONFIGS = ("torch-plain", "torch-bf16", "torch-powersgd", "torch-nosync")
 # Interleaved: each jax row next to its torch counterpart.
@@ -96,6 +131,7 @@ LABELS = {
     "jax-bf16": "jaxcoll bf16 gradients",
     "jax-powersgd": "jaxcoll PowerSGD rank 4",
     "jax-zero1": "jaxcoll ZeRO-1",
+    "jax-zero1-perleaf": "jaxcoll ZeRO-1, bucket_mb=None",
     "jax-fsdp": "jaxcoll FSDP",
     "torch-plain": "torch DDP",
     "torch-bf16": "torch DDP bf16_compress_hook",
@@ -137,10 +173,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--configs",
-        default=",".join(ORDER),
-        help=f"comma-separated rows, run in this order (default {','.join(ORDER)})",
+        default=None,
+        help=f"comma-separated rows, run in this order (default {','.join(ORDER)}; with "
+        f"--model gpt jax-plain,jax-zero1,jax-fsdp)",
     )
     p.add_argument("--no-torch", action="store_true", help="jaxcoll rows only")
+    p.add_argument(
+        "--model",
+        choices=("mlp", "gpt"),
+        default="mlp",
+        help="mlp: the 784-4096-4096-10 MLP (every row); gpt: a 27-leaf GPT of 10.7 M "
+        "params (rows jax-plain, jax-zero1, jax-fsdp; default those three)",
+    )
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument(
@@ -190,6 +234,78 @@ def make_batches(count: int, latent: int = 16):
                 "y": np.argmax(z @ teacher, axis=1).astype(np.int32),
             }
         )
+    return out
+
+
+def gpt_init_params():
+    """numpy params of the GPT: ``wte``, ``wpe``, ``ln_f`` and ``h{i}: {attn_qkv, attn_proj,
+    mlp_fc, mlp_proj}`` (27 leaves), normal(0, 0.02) (the LayerNorm scale ones)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    c = GPT_EMBD
+
+    def normal(*shape):
+        return (0.02 * rng.normal(size=shape)).astype(np.float32)
+
+    params = {
+        "wte": normal(GPT_VOCAB, c),
+        "wpe": normal(GPT_BLOCK, c),
+        "ln_f": np.ones(c, np.float32),
+    }
+    for i in range(GPT_LAYERS):
+        params[f"h{i}"] = {
+            "attn_qkv": normal(c, 3 * c),
+            "attn_proj": normal(c, c),
+            "mlp_fc": normal(c, 4 * c),
+            "mlp_proj": normal(4 * c, c),
+        }
+    return params
+
+
+def gpt_loss(params, batch, rng=None):
+    """The GPT's mean next-token cross-entropy on ``batch = {"x": tokens, "y": next}``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    idx = batch["x"]
+    b, t = idx.shape
+    c, nh = GPT_EMBD, GPT_HEADS
+
+    def norm(x):  # LayerNorm without parameters
+        mu = x.mean(-1, keepdims=True)
+        return (x - mu) * jax.lax.rsqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+    def heads(z):
+        return z.reshape(b, t, nh, c // nh).transpose(0, 2, 1, 3)
+
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    x = params["wte"][idx] + params["wpe"][:t]
+    for i in range(GPT_LAYERS):
+        p = params[f"h{i}"]
+        q, k, v = map(heads, jnp.split(norm(x) @ p["attn_qkv"], 3, axis=-1))
+        att = jnp.where(causal, q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(c // nh), -jnp.inf)
+        y = (jax.nn.softmax(att, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(b, t, c)
+        x = x + y @ p["attn_proj"]
+        x = x + jax.nn.gelu(norm(x) @ p["mlp_fc"]) @ p["mlp_proj"]
+    logits = (norm(x) * params["ln_f"]) @ params["wte"].T
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}
+
+
+def gpt_batches(count: int):
+    """``count`` global batches of a learnable token task: each sequence counts up modulo
+    the vocabulary by its own stride (1-4) from a random start; ``y`` is ``x`` shifted by
+    one."""
+    import numpy as np
+
+    out = []
+    for s in range(count):
+        rng = np.random.default_rng(100 + s)
+        start = rng.integers(0, GPT_VOCAB, size=(GPT_BATCH, 1))
+        stride = rng.integers(1, 5, size=(GPT_BATCH, 1))
+        tokens = (start + stride * np.arange(GPT_BLOCK + 1)) % GPT_VOCAB
+        out.append({"x": tokens[:, :-1].astype(np.int32), "y": tokens[:, 1:].astype(np.int32)})
     return out
 
 
@@ -337,24 +453,27 @@ def jax_worker(a: argparse.Namespace) -> None:
                 x = jax.nn.relu(x)
         return x
 
-    def loss_fn(params, batch, rng=None):
+    def mlp_loss(params, batch, rng=None):
         logits = forward(params, batch["x"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}
+
+    gpt = a.model == "gpt"
+    loss_fn = gpt_loss if gpt else mlp_loss
 
     me = jax.process_index()
     mesh = Mesh(np.array(jax.devices()), ("data",))
     n = mesh.size
     optimizer = optax.sgd(a.lr, momentum=a.momentum)
     sharding = NamedSharding(mesh, P("data"))
-    per = BATCH // n
+    per = (GPT_BATCH if gpt else BATCH) // n
     mine = [k for k, d in enumerate(mesh.devices.reshape(-1)) if d.process_index == me]
     rows = np.concatenate([np.arange(k * per, (k + 1) * per) for k in mine])
     total = a.warmup + a.steps
     batches = [
         {k: jax.make_array_from_process_local_data(sharding, v[rows]) for k, v in b.items()}
-        for b in make_batches(total)
+        for b in (gpt_batches if gpt else make_batches)(total)
     ]
-    params = jax.tree_util.tree_map(jnp.asarray, init_params())
+    params = jax.tree_util.tree_map(jnp.asarray, (gpt_init_params if gpt else init_params)())
 
     if a.config == "jax-nosync":
         # Attribution only, wrong on purpose: every device steps on its own gradients (no
@@ -386,6 +505,7 @@ def jax_worker(a: argparse.Namespace) -> None:
             "jax-plain": dp.sync.DDP(),
             "jax-bf16": dp.sync.DDP(hook=dp.hooks.Compress(jnp.bfloat16)),
             "jax-zero1": dp.sync.ZeRO1(),
+            "jax-zero1-perleaf": dp.sync.ZeRO1(bucket_mb=None),  # a collective per leaf
             "jax-fsdp": dp.sync.FSDP(),
         }.get(a.config)
         if a.config in ("jax-powersgd", "jax-powersgd-s0"):
@@ -600,6 +720,8 @@ def launch(a: argparse.Namespace, config: str, hlo: bool, tmp: str) -> dict:
         str(a.lr),
         "--momentum",
         str(a.momentum),
+        "--model",
+        a.model,
     ]
     with open(log, "w") as logf:
         if config.startswith("jax"):
@@ -682,23 +804,54 @@ def available(configs: list[str], no_torch: bool) -> tuple[list[str], list[str]]
     return keep, notes
 
 
+def _leaves(tree) -> list:
+    """The arrays of a nested dict, in key order."""
+    if isinstance(tree, dict):
+        return [x for k in sorted(tree) for x in _leaves(tree[k])]
+    return [tree]
+
+
 def _mb(x) -> str:
     return "-" if x is None else f"{x / 1e6:.1f}"
 
 
 def main(a: argparse.Namespace) -> int:
-    configs, notes = available([c.strip() for c in a.configs.split(",") if c.strip()], a.no_torch)
+    gpt = a.model == "gpt"
+    if a.configs is None:
+        a.configs = ",".join(GPT_CONFIGS[:3] if gpt else ORDER)
+    named = [c.strip() for c in a.configs.split(",") if c.strip()]
+    if gpt and (other := [c for c in named if c not in GPT_CONFIGS]):
+        raise SystemExit(
+            f"--model gpt runs the rows {', '.join(GPT_CONFIGS)}; got {', '.join(other)}. "
+            f"Drop them from --configs, or use --model mlp."
+        )
+    configs, notes = available(named, a.no_torch)
     for note in notes:
         print(f"note: {note}")
     if not configs:
         return 1
-    nparams = sum(i * o + o for i, o in zip(SIZES[:-1], SIZES[1:], strict=True))
+    if gpt:
+        import numpy as np
+
+        leaves = _leaves(gpt_init_params())
+        nparams = sum(int(np.prod(x.shape)) for x in leaves)
+        model = (
+            f"GPT (vocab {GPT_VOCAB}, context {GPT_BLOCK}, {GPT_LAYERS} layers, {GPT_HEADS} "
+            f"heads, width {GPT_EMBD}; {len(leaves)} leaves, {nparams / 1e6:.1f} M params, "
+            f"{4 * nparams / 1e6:.1f} MB float32 gradients), global batch {GPT_BATCH} "
+            f"sequences"
+        )
+    else:
+        nparams = sum(i * o + o for i, o in zip(SIZES[:-1], SIZES[1:], strict=True))
+        model = (
+            f"MLP {'-'.join(map(str, SIZES))} ({nparams / 1e6:.1f} M params, "
+            f"{4 * nparams / 1e6:.1f} MB float32 gradients), global batch {BATCH}"
+        )
     print(
-        f"MLP {'-'.join(map(str, SIZES))} ({nparams / 1e6:.1f} M params, "
-        f"{4 * nparams / 1e6:.1f} MB float32 gradients), global batch {BATCH}, SGD lr {a.lr} "
-        f"momentum {a.momentum}; jaxcoll {PROCS} processes x {DEVICES_PER_PROC} devices, "
-        f"torch {WORLD} processes x 1 thread, gloo on 127.0.0.1, {os.cpu_count()} CPU cores; "
-        f"{a.rounds} interleaved rounds x ({a.warmup} warm-up + {a.steps} timed steps)",
+        f"{model}, SGD lr {a.lr} momentum {a.momentum}; jaxcoll {PROCS} processes x "
+        f"{DEVICES_PER_PROC} devices, torch {WORLD} processes x 1 thread, gloo on 127.0.0.1, "
+        f"{os.cpu_count()} CPU cores; {a.rounds} interleaved rounds x ({a.warmup} warm-up + "
+        f"{a.steps} timed steps)",
         flush=True,
     )
     results: dict[str, dict] = {c: {"times": [], "loss": [], "errors": []} for c in configs}

@@ -220,6 +220,12 @@ def test_shard_axis_is_checked_at_construction_and_when_bound():
         r"or None, got \('shard',\) of type tuple instead",
     ):
         dp.sync.ZeRO1(shard_axis=("shard",))
+    with pytest.raises(
+        ValueError,
+        match=r"dp\.sync\.ZeRO1: algorithm='hierarchical' needs collectives over a tuple of "
+        r"axes, but shard_axis='shard' runs them over one axis .* Pass algorithm='auto'",
+    ):
+        dp.sync.ZeRO1(shard_axis="shard", algorithm="hierarchical")
     message = (
         r"dp\.sync\.ZeRO1: shard_axis='{}' is not one of the Trainer's data axes "
         r"\({}\)\. Pass one of them \(the params are split over it and replicated over the "

@@ -91,8 +91,9 @@ class ZeRO1(Strategy):
             slice, which a hook that needs whole gradients (PowerSGD) cannot produce;
             torch's FSDP has the same limit.
         shard_axis: None (split over every data axis) or the name of one of the Trainer's
-            data axes to split over, the others replicating (hybrid sharding, above);
-            checked when the Trainer binds the strategy.
+            data axes to split over, the others replicating (hybrid sharding, above;
+            not with ``algorithm="hierarchical"``); checked when the Trainer binds the
+            strategy.
 
     Example (8 devices)::
 
@@ -118,6 +119,13 @@ class ZeRO1(Strategy):
                 f"{self.api}: shard_axis must be the name of one data axis (a string) or "
                 f"None, got {self.shard_axis!r} of type {type(self.shard_axis).__name__} "
                 f"instead."
+            )
+        if self.shard_axis is not None and self.algorithm == "hierarchical":
+            raise ValueError(
+                f"{self.api}: algorithm='hierarchical' needs collectives over a tuple of axes, "
+                f"but shard_axis={self.shard_axis!r} runs them over one axis (and the others "
+                f"separately: hybrid sharding is two-level already). Pass algorithm='auto', "
+                f"'native', 'ring' or 'tree'."
             )
         if not is_elementwise(self.hook):
             raise ValueError(
