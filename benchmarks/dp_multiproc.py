@@ -92,6 +92,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 SIZES = (784, 4096, 4096, 10)
 BATCH = 64
@@ -101,7 +102,15 @@ BATCH = 64
 # 10.7 M float32 params; the output layer is the token embedding (tied).
 GPT_VOCAB, GPT_BLOCK, GPT_LAYERS, GPT_HEADS, GPT_EMBD = 65, 64, 6, 6, 384
 GPT_BATCH = 8  # sequences per global batch: one per device
-GPT_CONFIGS = ("jax-plain", "jax-zero1", "jax-fsdp", "jax-nosync", "jax-zero1-perleaf")
+GPT_CONFIGS = (
+    "jax-plain",
+    "jax-zero1",
+    "jax-fsdp",
+    "jax-nosync",
+    "jax-zero1-perleaf",
+    "jax-fsdp-perleaf",
+    "jax-hsdp",
+)
 PROCS, DEVICES_PER_PROC = 2, 4
 WORLD = PROCS * DEVICES_PER_PROC
 JAX_CONFIGS = (
@@ -113,6 +122,8 @@ JAX_CONFIGS = (
     "jax-nosync",
     "jax-powersgd-s0",
     "jax-zero1-perleaf",
+    "jax-fsdp-perleaf",
+    "jax-hsdp",
 )
 TORCH_CONFIGS = ("torch-plain", "torch-bf16", "torch-powersgd", "torch-nosync")
 # Interleaved: each jax row next to its torch counterpart.
@@ -133,6 +144,8 @@ LABELS = {
     "jax-zero1": "jaxcoll ZeRO-1",
     "jax-zero1-perleaf": "jaxcoll ZeRO-1, bucket_mb=None",
     "jax-fsdp": "jaxcoll FSDP",
+    "jax-fsdp-perleaf": "jaxcoll FSDP, bucket_mb=None",
+    "jax-hsdp": "jaxcoll HSDP (shard in a process)",
     "torch-plain": "torch DDP",
     "torch-bf16": "torch DDP bf16_compress_hook",
     "torch-powersgd": "torch DDP powerSGD_hook rank 4",
@@ -507,12 +520,18 @@ def jax_worker(a: argparse.Namespace) -> None:
             "jax-zero1": dp.sync.ZeRO1(),
             "jax-zero1-perleaf": dp.sync.ZeRO1(bucket_mb=None),  # a collective per leaf
             "jax-fsdp": dp.sync.FSDP(),
+            "jax-fsdp-perleaf": dp.sync.FSDP(bucket_mb=None),
         }.get(a.config)
+        axis: Any = "data"
+        if a.config == "jax-hsdp":  # replicas across the processes, shards within one
+            sync = dp.sync.FSDP(shard_axis="shard")
+            mesh = jax.make_mesh((PROCS, DEVICES_PER_PROC), ("replica", "shard"))
+            axis = ("replica", "shard")
         if a.config in ("jax-powersgd", "jax-powersgd-s0"):
             start = 0 if a.config == "jax-powersgd-s0" else 2
             sync = dp.sync.DDP(hook=dp.hooks.PowerSGD(rank=4, start_iter=start))
         assert sync is not None, a.config
-        trainer = dp.Trainer(loss_fn, optimizer, mesh=mesh, sync=sync)
+        trainer = dp.Trainer(loss_fn, optimizer, mesh=mesh, axis_name=axis, sync=sync)
         state = trainer.init(params, jax.random.key(0))
         run = trainer.step
         program = trainer.step_program if a.hlo else None
