@@ -129,3 +129,14 @@ def replicated(x: jax.Array, ax: Any) -> jax.Array:
     if not vma or not set(names) & set(vma) or not types_tracked(names):
         return x
     return replicated_p.bind(x, axes=tuple(a for a in names if a in vma))
+
+
+def as_invariant(x: jax.Array, names: tuple) -> jax.Array:
+    """Type ``x`` invariant over the mesh axes ``names`` (the replicated cast, see
+    :func:`replicated`): only for values bit-identical over those axes, e.g. the result of
+    an all-reduce over them that was typed varying again. No op in the compiled program."""
+    vma = varying_axes(x)
+    axes = tuple(a for a in names if vma and a in vma)
+    if not axes or not types_tracked(axes):
+        return x
+    return replicated_p.bind(x, axes=axes)

@@ -23,8 +23,10 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
+from ... import primitives
 from ..._core.typing import AxisName, PyTree
-from ..._core.vma import axis_names, to_varying
+from ..._core.vma import as_invariant, axis_names, to_varying
+from ..buckets import plan_buckets
 from ..hooks.base import wire_dtype as hook_wire_dtype
 from .layerwise import gather_per_layer
 from .packing import gather_leaves, scatter_leaves
@@ -126,6 +128,7 @@ class FSDP(ZeRO1):
         return _Plan(
             dims=tuple(dims),
             axis=self.shard_axis_name,
+            replicas=self.replica_axes,
             names=axis_names(self.axis_name),
             n=self.n,
             algorithm=self.algorithm,
@@ -183,19 +186,17 @@ class FSDP(ZeRO1):
     def reduce(
         self, grads: PyTree, comm_state: PyTree, step: jax.Array, like: PyTree = None
     ) -> tuple[PyTree, PyTree]:
-        # The split leaves' gradients are already their slices of the sum over the shard
-        # axis (the gather's gradient): with hybrid sharding they are summed over the
-        # replica axes here; the replicated leaves cross devices here, one all-reduce per
-        # bucket.
+        # The split leaves' gradients are already their slices of the mean (the gather's
+        # gradient; with hybrid sharding summed over the replica axes there too, equal on
+        # every replica: typed so here, no communication); the replicated leaves cross
+        # devices here, one all-reduce per bucket.
         dims = self.shard_dims(like)
         grads = self.reduce_kept(grads, dims, scatter=False)
         if self.replica_axes:
             leaves, treedef = jax.tree_util.tree_flatten(grads)
-            split = [i for i, d in enumerate(dims) if d is not None]
-            wire = hook_wire_dtype(self.bucket_hook)
-            sums = self.sum_over_replicas([leaves[i] for i in split], wire)
-            for i, g in zip(split, sums, strict=True):
-                leaves[i] = g
+            for i, d in enumerate(dims):
+                if d is not None:
+                    leaves[i] = as_invariant(leaves[i], self.replica_axes)
             grads = jax.tree_util.tree_unflatten(treedef, leaves)
         return grads, comm_state
 
@@ -213,6 +214,7 @@ class _Plan(NamedTuple):
 
     dims: tuple[int, ...]  # each leaf's split dimension
     axis: AxisName  # the axis (or axes) the leaves are split over
+    replicas: tuple[str, ...]  # the data axes the slices are replicated over (HSDP)
     names: tuple[str, ...]  # every data axis (the gathered params vary over them all)
     n: int  # the number of data ranks (the gradient is the local one / n)
     algorithm: str
@@ -272,7 +274,27 @@ def _gather_bwd(plan, _, cts):
         bucket_bytes=plan.bucket_bytes,
         wire_dtype=plan.wire,
     )
+    if plan.replicas:
+        grads = _sum_over(grads, plan)
     return (grads,)
+
+
+def _sum_over(slices: list[jax.Array], plan: _Plan) -> list[jax.Array]:
+    """Hybrid sharding: each gradient slice summed over the replica axes, one all-reduce
+    per bucket (in the wire dtype), as soon as the backward has it (a layer's inside a
+    scan), typed varying again (the gather's input type; the values are equal on every
+    replica, which :meth:`FSDP.reduce` types)."""
+    over = plan.replicas[0] if len(plan.replicas) == 1 else plan.replicas
+    wire = [g if plan.wire is None else g.astype(plan.wire) for g in slices]
+    out = list(slices)
+    for bucket in plan_buckets(wire, plan.bucket_bytes):
+        # Gradient slices cross the replica axes here: one all-reduce per bucket.
+        sums = primitives.all_reduce(
+            [wire[i] for i in bucket], over, "sum", algorithm=plan.algorithm
+        )
+        for i, g in zip(bucket, sums, strict=True):
+            out[i] = to_varying(g.astype(slices[i].dtype), plan.names)
+    return out
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
