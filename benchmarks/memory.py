@@ -56,92 +56,18 @@ hits all rows alike. Large L is slow on 2 CPU cores, so a model with more than 1
 times ``max(3, steps * 16 // L)`` steps per row instead of ``--steps`` (the header says how
 many each table used).
 
-Measured on 2026-11-23 with jaxcoll at commit 69f8f7a (before this script), the default run
-(``benchmarks/memory.py``, no options; 4 min 20 s on 2 shared CPU cores; step times on such
-a machine vary by up to 2x from run to run)::
+The tables of the current code are in ``docs/benchmarks.md`` ("FSDP peak memory and step
+time"). Before FSDP gathered per layer (commit 69f8f7a), the same default run gave, for the
+scanned model, jaxcoll FSDP args+temp 20.49, 39.90, 78.73 and 156.38 MiB at L = 8, 16, 32, 64
+(3.34x, 4.31x, 5.07x, 5.57x the ideal; its temp about twice the params: every param gathered
+at the loss's start plus the stacked gradient), against GSPMD's 6.45, 10.83, 19.60 and 37.13
+MiB; unrolled, 16 layers: FSDP 22.09, ZeRO-1 22.54, GSPMD 21.23 MiB.
 
-    Per-device memory and step time: 8 simulated CPU devices on 2 CPU cores (shared)
-    jax 0.10.2, optax 0.2.8; Adam, global batch 64, float32, width 512
-    2 warm-up steps, 5 interleaved rounds; 2026-11-23
-
-    scanned, L=8: params 8.0 MiB, ideal 6.14 MiB per device; median of 10 steps
-
-    | row                   | args MiB | temp MiB | args+temp | /ideal | out-alias | step ms |
-    |-----------------------|---------:|---------:|----------:|-------:|----------:|--------:|
-    | jaxcoll DDP           |    24.08 |    16.03 |     40.11 |  6.54x |      0.00 |   125.3 |
-    | jaxcoll ZeRO-1        |    10.05 |    16.02 |     26.07 |  4.25x |      0.00 |    96.8 |
-    | jaxcoll FSDP          |     3.04 |    17.45 |     20.49 |  3.34x |      0.00 |   101.4 |
-    | jaxcoll HSDP (2 x 4)  | n/a (this jaxcoll has no FSDP(shard_axis=)) | | | | | |
-    | GSPMD FSDP (jit)      |     3.04 |     3.41 |      6.45 |  1.05x |      0.00 |    93.2 |
-    | ideal FSDP (computed) |          |          |      6.14 |  1.00x |           |       - |
-
-    bound: FSDP args+temp 3.34x ideal <= 1.5x: FAILS
-
-    scanned, L=16: params 16.0 MiB, ideal 9.27 MiB per device; median of 10 steps
-
-    | row                   | args MiB | temp MiB | args+temp | /ideal | out-alias | step ms |
-    |-----------------------|---------:|---------:|----------:|-------:|----------:|--------:|
-    | jaxcoll DDP           |    48.13 |    32.06 |     80.19 |  8.65x |      0.00 |   365.5 |
-    | jaxcoll ZeRO-1        |    20.07 |    32.03 |     52.10 |  5.62x |      0.00 |   363.6 |
-    | jaxcoll FSDP          |     6.04 |    33.86 |     39.90 |  4.31x |      0.00 |   356.7 |
-    | jaxcoll HSDP (2 x 4)  | n/a (this jaxcoll has no FSDP(shard_axis=)) | | | | | |
-    | GSPMD FSDP (jit)      |     6.04 |     4.79 |     10.83 |  1.17x |      0.00 |   174.6 |
-    | ideal FSDP (computed) |          |          |      9.27 |  1.00x |           |       - |
-
-    bound: FSDP args+temp 4.31x ideal <= 1.5x: FAILS
-
-    scanned, L=32: params 32.1 MiB, ideal 15.53 MiB per device; median of 5 steps
-
-    | row                   | args MiB | temp MiB | args+temp | /ideal | out-alias | step ms |
-    |-----------------------|---------:|---------:|----------:|-------:|----------:|--------:|
-    | jaxcoll DDP           |    96.22 |    64.13 |    160.34 | 10.33x |      0.00 |   960.6 |
-    | jaxcoll ZeRO-1        |    40.11 |    64.06 |    104.17 |  6.71x |      0.00 |   814.2 |
-    | jaxcoll FSDP          |    12.05 |    66.67 |     78.73 |  5.07x |      0.00 |   908.8 |
-    | jaxcoll HSDP (2 x 4)  | n/a (this jaxcoll has no FSDP(shard_axis=)) | | | | | |
-    | GSPMD FSDP (jit)      |    12.05 |     7.54 |     19.60 |  1.26x |      0.00 |   352.4 |
-    | ideal FSDP (computed) |          |          |     15.53 |  1.00x |           |       - |
-
-    bound: FSDP args+temp 5.07x ideal <= 1.5x: FAILS
-
-    scanned, L=64: params 64.1 MiB, ideal 28.05 MiB per device; median of 3 steps
-
-    | row                   | args MiB | temp MiB | args+temp | /ideal | out-alias | step ms |
-    |-----------------------|---------:|---------:|----------:|-------:|----------:|--------:|
-    | jaxcoll DDP           |   192.41 |   128.25 |    320.66 | 11.43x |      0.00 |  1721.7 |
-    | jaxcoll ZeRO-1        |    80.19 |   128.13 |    208.31 |  7.43x |      0.00 |  1753.0 |
-    | jaxcoll FSDP          |    24.08 |   132.30 |    156.38 |  5.57x |      0.00 |  1677.2 |
-    | jaxcoll HSDP (2 x 4)  | n/a (this jaxcoll has no FSDP(shard_axis=)) | | | | | |
-    | GSPMD FSDP (jit)      |    24.08 |    13.05 |     37.13 |  1.32x |      0.00 |   804.8 |
-    | ideal FSDP (computed) |          |          |     28.05 |  1.00x |           |       - |
-
-    bound: FSDP args+temp 5.57x ideal <= 1.5x: FAILS
-
-    unrolled, 16 layers: params 16.0 MiB, ideal 9.27 MiB per device; median of 10 steps
-
-    | row                   | args MiB | temp MiB | args+temp | /ideal | out-alias | step ms |
-    |-----------------------|---------:|---------:|----------:|-------:|----------:|--------:|
-    | jaxcoll DDP           |    48.13 |    32.06 |     80.19 |  8.65x |      0.00 |   495.8 |
-    | jaxcoll ZeRO-1        |    20.07 |     2.47 |     22.54 |  2.43x |      0.00 |   211.0 |
-    | jaxcoll FSDP          |     6.04 |    16.05 |     22.09 |  2.38x |      0.00 |   166.3 |
-    | jaxcoll HSDP (2 x 4)  | n/a (this jaxcoll has no FSDP(shard_axis=)) | | | | | |
-    | GSPMD FSDP (jit)      |     6.04 |    15.19 |     21.23 |  2.29x |      0.00 |   125.7 |
-    | ideal FSDP (computed) |          |          |      9.27 |  1.00x |           |       - |
-
-    bound: FSDP args+temp 22.09 MiB <= ZeRO-1's 22.54 MiB: holds
-
-    (flax-scan tables left out: every memory column equals scanned's at the same L; their
-    step ms, DDP / ZeRO-1 / FSDP / GSPMD: L=8 74.4 / 51.4 / 48.2 / 89.9, L=16 503.4 / 488.5 /
-    510.5 / 177.1, L=32 890.3 / 732.3 / 801.5 / 425.8, L=64 1036.5 / 1225.7 / 1768.8 / 894.4)
-
-Reading them: the jaxcoll rows of the scanned models have a temp of about 2x the params at
-every L (FSDP at this commit gathers every leaf whole at the loss's start, and the stacked
-leaf's gradient is one (L, 512, 512) buffer), so FSDP's ratio to ideal grows with L. The
-GSPMD step's compiled HLO has one all-gather of a (512, 512) layer inside the forward and
-the backward loops and, in the backward loop, an all-reduce of the layer's whole (512, 512)
-weight gradient (of which it keeps its slice; no reduce-scatter); its excess over ideal is
-the gradient's slice (P / 8, which the ideal leaves out) and the activations. For the
-unrolled model the same GSPMD step issues all 16 layers' all-gathers in the entry
-computation, so its temp holds about a whole copy of the params.
+What GSPMD does (read in its compiled HLO): on the scanned model the forward and backward
+loops each gather one (512, 512) layer per iteration, and the backward all-reduces each
+layer's whole weight gradient and keeps its slice (no reduce-scatter); on the unrolled model
+it issues all 16 layer gathers at the top of the program, so its temp is about one copy of
+the params.
 """
 
 from __future__ import annotations
