@@ -298,3 +298,29 @@ def test_hsdp_equals_one_device_and_holds_a_quarter_per_device(kind):
     want, _ = oracle(single, OPT, params, {}, data, n=N)
     diffs = twin_diffs(jax.device_get(state.params), want)
     assert max(diffs.values()) <= TOL, diffs
+
+
+def test_the_per_layer_step_exports_for_gpu_and_runs_equal():
+    # jax.export for ("cuda", "cpu"): the module a GPU gets (scans, per-layer gathers), run
+    # here on CPU, gives the jitted step's params exactly; FSDP and HSDP.
+    rng = np.random.default_rng(0)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(4, D, D)) * 0.1, jnp.float32),
+        "b": jnp.zeros((4, D), jnp.float32),
+    }
+    batch = {"x": rng.normal(size=(N, D)).astype(np.float32), "y": np.zeros((N, D), np.float32)}
+    layouts = (
+        (dp.sync.FSDP(), mesh_1d(N, "data"), "data"),
+        (dp.sync.FSDP(shard_axis="shard"), jax.make_mesh((2, 4), ("replica", "shard")), None),
+    )
+    for sync, mesh, axis in layouts:
+        axis = axis or ("replica", "shard")
+        trainer = dp.Trainer(_deep_loss, optax.sgd(0.1), mesh=mesh, axis_name=axis, sync=sync)
+        step, args = trainer.step_program(trainer.init(params, jax.random.key(1)), batch)
+        exported = jax.export.export(step, platforms=("cuda", "cpu"))(*args)
+        text = exported.mlir_module()
+        assert text.count("stablehlo.while") >= 2 and '"stablehlo.all_gather"' in text
+        got, _ = exported.call(trainer.init(params, jax.random.key(1)), trainer.shard_batch(batch))
+        want, _ = trainer.step(trainer.init(params, jax.random.key(1)), batch)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
