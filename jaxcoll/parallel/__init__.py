@@ -11,7 +11,7 @@ them (the pipeline takes ``data_axis=`` and averages gradients over it exactly o
 * :mod:`.pipeline`: :func:`pipeline_value_and_grad`, :func:`pipeline_apply`,
   :func:`bubble_fraction`;
 * :mod:`.tensor`: :func:`column_parallel`, :func:`row_parallel`, :func:`mlp`,
-  :func:`shard_mlp`;
+  :func:`shard_mlp`, :func:`gelu` (torch's exact ``nn.GELU()``);
 * :mod:`.moe`: :func:`dispatch`, :func:`combine`.
 """
 
@@ -21,6 +21,7 @@ from .pipeline import bubble_fraction as bubble_fraction
 from .pipeline import pipeline_apply as pipeline_apply
 from .pipeline import pipeline_value_and_grad as pipeline_value_and_grad
 from .tensor import column_parallel as column_parallel
+from .tensor import gelu as gelu
 from .tensor import mlp as mlp
 from .tensor import row_parallel as row_parallel
 from .tensor import shard_mlp as shard_mlp
@@ -30,6 +31,7 @@ __all__ = [
     "column_parallel",
     "combine",
     "dispatch",
+    "gelu",
     "mlp",
     "pipeline_apply",
     "pipeline_value_and_grad",

@@ -53,35 +53,51 @@ def row_parallel(
     return y if b is None else y + b
 
 
+def gelu(x: jax.Array) -> jax.Array:
+    """torch's ``nn.GELU()``: the exact GELU, ``x * Phi(x)`` (``jax.nn.gelu`` defaults to the
+    tanh approximation, torch's ``nn.GELU(approximate="tanh")``)."""
+    return jax.nn.gelu(x, approximate=False)
+
+
 def mlp(
     params: PyTree,
     x: jax.Array,
     axis_name: AxisName,
     *,
-    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+    activation: Callable[[jax.Array], jax.Array] = gelu,
     sequence_parallel: bool = False,
 ) -> jax.Array:
     """A Megatron MLP block ``activation(x @ W1 + b1) @ W2 + b2`` over ``axis_name``.
 
     ``params``: ``{"w1": (d, f/n), "b1": (f/n,), "w2": (f/n, d), "b2": (d,)}``, this rank's
-    slices (``w1``/``b1`` by columns, ``w2`` by rows; ``b2`` whole). Equivalent to the dense
-    block on the whole ``W1, b1, W2, b2``. Communication: one all_reduce of the output
-    ``(tokens, d)``; with ``sequence_parallel`` (``x`` this rank's ``tokens/n`` rows) one
-    all_gather of the input and one reduce_scatter of the output, and the result is again
-    this rank's rows.
+    slices (``w1``/``b1`` by columns, ``w2`` by rows; ``b2`` whole); ``b1`` and ``b2`` may be
+    left out (a block without biases: ``nn.Linear(..., bias=False)``, nanoGPT's default).
+    Equivalent to the dense block on the whole ``W1, b1, W2, b2``. The default activation is
+    torch's ``nn.GELU()``, the exact GELU (:func:`gelu`); pass
+    ``functools.partial(jax.nn.gelu, approximate=True)`` for ``nn.GELU(approximate="tanh")``.
+    Communication: one all_reduce of the output ``(tokens, d)``; with ``sequence_parallel``
+    (``x`` this rank's ``tokens/n`` rows) one all_gather of the input and one reduce_scatter
+    of the output, and the result is again this rank's rows.
 
     Example (4 devices): see ``examples/07_tensor_parallel.py``.
     """
+    extra = sorted(set(params) - {"w1", "b1", "w2", "b2"})
+    missing = sorted({"w1", "w2"} - set(params))
+    if missing or extra:
+        raise ValueError(
+            f"parallel.mlp: params must hold 'w1' and 'w2' (and optionally 'b1', 'b2'); "
+            f"missing {missing}, unknown {extra}. Build them with parallel.shard_mlp."
+        )
     if sequence_parallel:
         x = primitives.all_gather(x, axis_name, axis=0, tiled=True)
-    h = activation(column_parallel(x, params["w1"], params["b1"]))
-    return row_parallel(h, params["w2"], axis_name, params["b2"], scatter=sequence_parallel)
+    h = activation(column_parallel(x, params["w1"], params.get("b1")))
+    return row_parallel(h, params["w2"], axis_name, params.get("b2"), scatter=sequence_parallel)
 
 
 def shard_mlp(params: PyTree, n: int) -> PyTree:
-    """Split dense MLP params ``{"w1": (d, f), "b1": (f,), "w2": (f, d), "b2": (d,)}`` into
-    the stacked per-rank slices ``mlp`` takes (leading axis n: shard it over the model axis;
-    ``b2`` is replicated). ``f`` must divide by n."""
+    """Split dense MLP params ``{"w1": (d, f), "b1": (f,), "w2": (f, d), "b2": (d,)}`` (the
+    biases optional) into the stacked per-rank slices ``mlp`` takes (leading axis n: shard it
+    over the model axis; ``b2`` is replicated). ``f`` must divide by n."""
     f = params["w1"].shape[1]
     if f % n:
         raise ValueError(
@@ -89,9 +105,12 @@ def shard_mlp(params: PyTree, n: int) -> PyTree:
             f"pick a hidden width divisible by {n}."
         )
     k = f // n
-    return {
+    out = {
         "w1": jnp.stack([params["w1"][:, r * k : (r + 1) * k] for r in range(n)]),
-        "b1": params["b1"].reshape(n, k),
         "w2": params["w2"].reshape(n, k, -1),
-        "b2": params["b2"],
     }
+    if "b1" in params:
+        out["b1"] = params["b1"].reshape(n, k)
+    if "b2" in params:
+        out["b2"] = params["b2"]
+    return out

@@ -4,6 +4,8 @@ every error."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,4 +185,39 @@ def test_shard_mlp_error():
         parallel.shard_mlp(
             {"w1": np.zeros((2, 6)), "b1": np.zeros(6), "w2": np.zeros((6, 2)), "b2": np.zeros(2)},
             4,
+        )
+
+
+def test_gelu_is_torchs_exact_gelu():
+    # torch's nn.GELU() is x * Phi(x) with the erf; jax.nn.gelu's default is the tanh form.
+    x = np.linspace(-3, 3, 601).astype(np.float32)
+    want = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x.astype(np.float64)])
+    np.testing.assert_allclose(np.asarray(parallel.gelu(x)), want, rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(jax.nn.gelu(x)) - want).max() > 1e-4  # the tanh form is not it
+
+
+def test_mlp_without_biases_and_with_the_exact_gelu_equals_the_dense_block():
+    # nanoGPT's MLP: nn.Linear(..., bias=False) and nn.GELU(); 4-way tensor parallel.
+    n, d, f, t = 4, 8, 16, 6
+    rng = np.random.default_rng(3)
+    w1 = rng.normal(size=(d, f)).astype(np.float32)
+    w2 = rng.normal(size=(f, d)).astype(np.float32) / 4
+    x = rng.normal(size=(t, d)).astype(np.float32)
+    h = x.astype(np.float64) @ w1
+    gelu = np.vectorize(lambda v: 0.5 * v * (1 + math.erf(v / math.sqrt(2))))
+    want = gelu(h) @ w2
+    shards = parallel.shard_mlp({"w1": w1, "w2": w2}, n)
+    assert sorted(shards) == ["w1", "w2"]
+    mesh = mesh_1d(n, "model")
+
+    def body(p, x):
+        return parallel.mlp({k: v[0] for k, v in p.items()}, x, "model")
+
+    specs = {"w1": P("model"), "w2": P("model")}
+    placed = jax.device_put(shards, {k: NamedSharding(mesh, s) for k, s in specs.items()})
+    y = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P()))(placed, x)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"parallel\.mlp: params must hold 'w1' and 'w2'"):
+        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=({"w1": P("model")}, P()), out_specs=P()))(
+            {"w1": placed["w1"]}, x
         )
