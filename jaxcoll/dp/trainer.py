@@ -29,6 +29,7 @@ from .checks import (
     LossOutputError,
     accepts,
     check_state,
+    data_axes_only,
     float_params,
     loss_output,
     model_output,
@@ -250,6 +251,7 @@ class Trainer:
                 such a value belongs instead.
         """
         float_params("Trainer.init", params, self.sync.grad_route)
+        data_axes_only("Trainer.init", params, axis_names(self.axis_name))
         model_state = {} if model_state is None else model_state
         if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
             rng = jax.random.key_data(rng)
@@ -322,6 +324,7 @@ class Trainer:
         """
         api = "Trainer.step"
         check_state(api, state)
+        data_axes_only(api, state.params, axis_names(self.axis_name))
         batch = self.shard_batch(batch)
         phased = self.sync.phased
         host = self._host_step(state) if phased else None

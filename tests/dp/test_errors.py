@@ -267,3 +267,34 @@ def test_an_integer_param_is_named_with_its_path_dtype_and_the_fix(kw, route):
     bad = state.replace(params={**state.params, "layer": {"count": jnp.arange(8)}})
     with pytest.raises(TypeError, match=rf"Trainer.step: {message}"):
         trainer.step(bad, BATCH)
+
+
+def test_params_split_over_a_non_data_axis_are_refused_not_made_whole():
+    # A tensor-parallel placement (P(None, "model")) on the Trainer's mesh: init and step
+    # would gather the leaf whole on every device; they raise naming the leaf and the fix.
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+
+    def loss(p, batch, rng):
+        return jnp.mean((batch["x"] @ p["w"]) ** 2), {}
+
+    trainer = dp.Trainer(loss, optax.sgd(0.1), mesh=mesh, axis_name="data")
+    whole = {"w": np.ones((8, 4), np.float32)}
+    split = {"w": jax.device_put(whole["w"], NamedSharding(mesh, P(None, "model")))}
+    want = (
+        r"params\['w'\] is split over the mesh axis 'model' \(P\(None, 'model'\)\), "
+        r"which is not one of this Trainer's data axes \('data',\).*Pass it replicated over "
+        r"'model'"
+    )
+    with pytest.raises(ValueError, match=r"Trainer\.init: " + want):
+        trainer.init(split, jax.random.key(0))
+    state = trainer.init(whole, jax.random.key(0))  # replicated: fine
+    batch = {"x": np.ones((8, 8), np.float32)}
+    state, _ = trainer.step(state, batch)
+    with pytest.raises(ValueError, match=r"Trainer\.step: " + want):
+        trainer.step(state.replace(params=split), batch)
+    # Over the data axis (another strategy's placement) is still taken as it is.
+    data_split = {"w": jax.device_put(whole["w"], NamedSharding(mesh, P("data")))}
+    trainer.init(data_split, jax.random.key(0))
