@@ -17,7 +17,11 @@ Defining primitives (where jax has an extension API, it is used: ``jax.extend.co
 
 * :class:`Literal` (``jax.extend.core``): a constant operand of a jaxpr equation, told apart
   from a variable when FSDP evaluates a traced loss equation by equation
-  (:mod:`jaxcoll.dp.sync.layerwise`).
+  (:mod:`jaxcoll.dp.sync.layerwise`); with it, the equations' parameters, which are not a
+  public API and differ between the bounded versions: :func:`scan_counts` (jax 0.10's
+  ``num_consts``/``num_carry``, 0.11's ``ft_in`` groups), :data:`CALLS` (0.10's ``pjit`` is
+  0.11's ``jit``) and :func:`jaxpr_parts` (inner jaxprs are closed in 0.10 and open in
+  0.11's ``scan`` and ``custom_vjp_call``).
 * :class:`Primitive` (``jax.extend.core``): jaxcoll's primitives, so that a collective can get
   one lowering per platform and its own transpose and batching rules.
 * :func:`register_lowering`, :func:`lower_fun` (``jax.interpreters.mlir``): a lowering rule
@@ -78,6 +82,7 @@ except ImportError:  # pragma: no cover - a JAX that moved it: callers fall back
     ArrayImpl = None
 
 __all__ = [
+    "CALLS",
     "ArrayImpl",
     "Literal",
     "Primitive",
@@ -86,15 +91,39 @@ __all__ = [
     "distributed_state",
     "fancy_primitive_batchers",
     "instantiate_zeros",
+    "jaxpr_parts",
     "lower_fun",
     "lowering_platforms",
     "primitive_batchers",
     "primitive_jvps",
     "primitive_transposes",
     "register_lowering",
+    "scan_counts",
     "varying_of",
     "with_varying",
 ]
+
+
+#: Call-like primitives whose body FSDP enters, and the parameter that holds the body.
+CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+
+
+def scan_counts(params: Any) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation's parameters: its inputs are that
+    many constants, then that many carries, then the scanned inputs; its body returns the
+    carries, then the stacked outputs."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    # jax 0.11: ``ft_in`` is a flat tree of the inputs; unpacked, its three groups.
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def jaxpr_parts(inner: Any) -> tuple[Any, tuple]:
+    """``(jaxpr, consts)`` of an equation's inner jaxpr, closed (``ClosedJaxpr``) or open."""
+    if hasattr(inner, "jaxpr") and hasattr(inner, "consts"):
+        return inner.jaxpr, tuple(inner.consts)
+    return inner, ()
 
 
 def lowering_platforms(ctx: Any) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from jax.typing import DTypeLike
 from ... import primitives
 from ..._core.typing import AxisName, PyTree
 from ..._core.vma import as_invariant, axis_names, to_varying
+from ..._jax import jaxpr_parts
 from ..buckets import plan_buckets
 from ..hooks.base import wire_dtype as hook_wire_dtype
 from .layerwise import gather_per_layer
@@ -250,7 +251,7 @@ def not_gathered(prim: Any, *_: Any, **params: Any) -> bool:
     if str(prim) == "name":
         return params.get("name") != GATHERED
     if str(prim) == "custom_vjp_call":
-        body = getattr(params.get("call_jaxpr"), "jaxpr", None)
+        body, _ = jaxpr_parts(params.get("call_jaxpr"))
         return not any(
             str(e.primitive) == "name" and e.params.get("name") == GATHERED
             for e in getattr(body, "eqns", ())

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 from jax import lax
 
-from ..._jax import Literal
+from ..._jax import CALLS, Literal, jaxpr_parts, scan_counts
 from ..buckets import plan_buckets
 
 #: Gathers lazy params: ``gather(slices, dims) -> wholes`` (FSDP's differentiable
@@ -41,7 +41,7 @@ from ..buckets import plan_buckets
 Gather = Callable[[list[jax.Array], list[int]], list[jax.Array]]
 
 # Call-like primitives whose body is entered (their params name the inner jaxpr).
-_CALLS = {"pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+_CALLS = CALLS
 _REMAT = "remat2"
 _SCAN = "scan"
 
@@ -91,7 +91,7 @@ class _Scope:
         if name in _CALLS or name == _REMAT:
             return []
         if name == _SCAN:
-            nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+            nc, nk = scan_counts(eqn.params)
             out = [self.lazy(v) for v in eqn.invars[: nc + nk]]
             out += [
                 x for x in map(self.lazy, eqn.invars[nc + nk :]) if x is not None and x.dim == 0
@@ -302,18 +302,11 @@ def _bind(eqn: Any, args: Sequence[Any]) -> Any:
         return eqn.primitive.bind(*subfuns, *args, **params)
 
 
-def _closed_parts(inner: Any) -> tuple[Any, Sequence[Any]]:
-    """(jaxpr, consts) of a ClosedJaxpr or an open Jaxpr."""
-    if hasattr(inner, "jaxpr") and hasattr(inner, "consts"):
-        return inner.jaxpr, inner.consts
-    return inner, ()
-
-
 def _run_inner(
     inner: Any, args: Sequence[Any], outer: _Scope, *, segmented: bool = False
 ) -> list[Any]:
     """An inner jaxpr (a call's, a scan's body) evaluated on ``args``, lazy ones included."""
-    jaxpr, consts = _closed_parts(inner)
+    jaxpr, consts = jaxpr_parts(inner)
     scope = _Scope(outer.config)
     for v, c in zip(jaxpr.constvars, consts, strict=True):
         scope.env[v] = c
@@ -344,7 +337,7 @@ def _scan(eqn: Any, scope: _Scope) -> list[Any]:
     """A scan whose scanned inputs include lazy params: it scans their slices, and each
     iteration gathers its own layer (rematerialised: the backward gathers it again)."""
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_counts(p)
     args = [scope.read(v) for v in eqn.invars]
     consts = [scope.value(v) for v in eqn.invars[:nc]]
     carry = [scope.value(v) for v in eqn.invars[nc : nc + nk]]
