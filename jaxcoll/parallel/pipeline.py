@@ -19,15 +19,14 @@ from .. import primitives
 from .._core.typing import PyTree
 from .._core.vma import cast_varying, varying_axes
 
-
-SCHEDULES = ("gpipe", "1f1b")
+_SCHEDULES = ("gpipe", "1f1b")
 
 
 def _check_schedule(api: str, schedule: Any) -> str:
-    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+    if not isinstance(schedule, str) or schedule not in _SCHEDULES:
         raise ValueError(
             f"{api}: schedule={schedule!r} is not a pipeline schedule; expected one of "
-            f"{', '.join(repr(s) for s in SCHEDULES)}."
+            f"{', '.join(repr(s) for s in _SCHEDULES)}."
         )
     return schedule
 

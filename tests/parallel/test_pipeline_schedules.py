@@ -152,9 +152,7 @@ def _temp_bytes(schedule, m=16, rows=64, width=256):
 
     mesh = mesh_1d(S, "stage")
     f = jax.jit(
-        jax.shard_map(
-            body, mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=(P(), P("stage"))
-        )
+        jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=(P(), P("stage")))
     )
     w = jax.ShapeDtypeStruct((S, 16, 16), jnp.float32)
     x = jax.ShapeDtypeStruct((m * rows, width), jnp.float32)
