@@ -235,7 +235,9 @@ def _one_f_one_b(
     when t - s is even, the backward of micro-batch (t - 2S + 1 + s) / 2 when it is odd; after
     each slot one ``sendrecv`` moves every forward's activation to s + 1 and every backward's
     cotangent to s - 1. Stage inputs are kept in ``min(S, M)`` slots, micro-batch i in slot
-    i mod min(S, M). Returns what :func:`_gpipe` returns."""
+    i mod min(S, M). Each slot a stage runs one branch of a ``lax.cond`` on its own
+    predicate: a forward, or a recomputed forward and a backward, GPipe's work in another
+    order. Returns what :func:`_gpipe` returns."""
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     last = n_stages - 1
@@ -346,7 +348,9 @@ def pipeline_value_and_grad(
       stage s in slot s + 2i and is used in slot s + 1 + 2i. Micro-batch i's input lives on
       stage s from slot s + 2i to its backward in slot 2S - 1 - s + 2i: at most S - s at
       once, kept in a buffer of ``min(S, M)`` micro-batches indexed i mod min(S, M).
-      Activation memory is bounded by the number of stages, not M.
+      Activation memory is bounded by the number of stages, not M. Each slot a stage runs
+      only its own branch (a ``lax.cond``), so the compute is GPipe's: M forwards and M
+      recomputed forwards with their backwards.
 
     Both have the bubble ``(S - 1) / (M + S - 1)`` (:func:`bubble_fraction`). With
     ``data_axis`` the gradient is then averaged over the replicas by one all-reduce (exactly
