@@ -1,5 +1,6 @@
-"""GPipe pipeline parallelism on send/recv: micro-batches flow forward through the stages of a
-``stage`` mesh axis, cotangents flow back, gradients accumulate over micro-batches.
+"""Pipeline parallelism on send/recv, GPipe and 1F1B schedules: micro-batches flow forward
+through the stages of a ``stage`` mesh axis, cotangents flow back, gradients accumulate over
+micro-batches.
 
 Seed 003 names pipelines as what send/recv are for; here every transfer is one
 :func:`jaxcoll.primitives.sendrecv` (one ``lax.ppermute``) between neighbouring stages.
@@ -18,18 +19,50 @@ from .. import primitives
 from .._core.typing import PyTree
 from .._core.vma import cast_varying, varying_axes
 
+_SCHEDULES = ("gpipe", "1f1b")
 
-def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """The idle share of a GPipe schedule: ``(S - 1) / (M + S - 1)`` for S stages and M
-    micro-batches (forward and backward each take M + S - 1 steps, of which every stage is
-    busy for M).
+
+def _check_schedule(api: str, schedule: Any) -> str:
+    if not isinstance(schedule, str) or schedule not in _SCHEDULES:
+        raise ValueError(
+            f"{api}: schedule={schedule!r} is not a pipeline schedule; expected one of "
+            f"{', '.join(repr(s) for s in _SCHEDULES)}."
+        )
+    return schedule
+
+
+def bubble_fraction(num_stages: int, num_microbatches: int, schedule: str = "gpipe") -> float:
+    """The idle share of a stage's slots in :func:`pipeline_value_and_grad`'s schedule.
+
+    Both schedules, as lowered here, take ``2(M + S - 1)`` compute slots per stage (one forward
+    or one backward each) for S stages and M micro-batches, of which every stage is busy for
+    ``2M`` (M forwards, M backwards): the bubble is ``(S - 1) / (M + S - 1)`` for either.
+
+    * ``"gpipe"``: M + S - 1 forward steps, then M + S - 1 backward steps; stage s idles for
+      S - 1 steps in each.
+    * ``"1f1b"``: 2(M + S - 1) slots alternating forward and backward (stage s runs forwards in
+      the slots of its parity); its warm-up and drain idle 2(S - 1) of them, as the classic
+      non-interleaved 1F1B with a flush does.
+
+    1F1B does not shrink the bubble; it bounds activation memory: a stage keeps at most
+    ``min(S, M)`` micro-batches' inputs instead of GPipe's M.
+
+    Args:
+        num_stages: S.
+        num_microbatches: M.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
 
     Example::
 
         >>> bubble_fraction(4, 8)
         0.2727272727272727
+        >>> bubble_fraction(4, 8, schedule="1f1b")
+        0.2727272727272727
     """
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+    _check_schedule("bubble_fraction", schedule)
+    slots = 2 * (num_microbatches + num_stages - 1)
+    busy = 2 * num_microbatches
+    return (slots - busy) / slots
 
 
 def _names(*trees: Any) -> tuple:
@@ -68,14 +101,7 @@ def _check_targets(api: str, examples: int, y: PyTree) -> None:
             )
 
 
-def _forward(
-    api: str, stage_fn: Callable, params: PyTree, xs: jax.Array, stage_axis: Hashable
-) -> tuple[jax.Array, jax.Array]:
-    """The forward schedule: at step t stage s runs micro-batch t - s. Returns each stage's
-    saved inputs ``(M, mb, ...)`` and, on the last stage, the outputs."""
-    n_stages = primitives.world_size(stage_axis)
-    m = xs.shape[0]
-    s = primitives.rank(stage_axis)
+def _check_stage(api: str, stage_fn: Callable, params: PyTree, xs: jax.Array) -> None:
     probe = jax.eval_shape(stage_fn, params, xs[0])
     if (probe.shape, probe.dtype) != (xs.shape[1:], xs.dtype):
         raise ValueError(
@@ -84,6 +110,17 @@ def _forward(
             f"activation's shape and dtype (one SPMD program runs every stage). "
             f"Pad or project the activations to one width."
         )
+
+
+def _forward(
+    api: str, stage_fn: Callable, params: PyTree, xs: jax.Array, stage_axis: Hashable
+) -> tuple[jax.Array, jax.Array]:
+    """The forward schedule: at step t stage s runs micro-batch t - s. Returns each stage's
+    saved inputs ``(M, mb, ...)`` and, on the last stage, the outputs."""
+    n_stages = primitives.world_size(stage_axis)
+    m = xs.shape[0]
+    s = primitives.rank(stage_axis)
+    _check_stage(api, stage_fn, params, xs)
     names = _names(params, xs, s)
     zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
     buffers = cast_varying(jnp.zeros(xs.shape, xs.dtype), names)
@@ -141,71 +178,21 @@ def pipeline_apply(
     return primitives.broadcast(outs.reshape(x.shape), stage_axis, last)
 
 
-def pipeline_value_and_grad(
-    stage_fn: Callable[[PyTree, jax.Array], jax.Array],
-    loss_fn: Callable[[jax.Array, PyTree], jax.Array],
-    params: PyTree,
-    x: jax.Array,
-    y: PyTree,
-    *,
+def _gpipe(
+    api: str,
+    stage_fn: Callable,
+    loss_fn: Callable,
+    own: PyTree,
+    xs: jax.Array,
+    ys: PyTree,
     stage_axis: Hashable,
-    num_microbatches: int,
-    data_axis: Hashable | None = None,
 ) -> tuple[jax.Array, PyTree]:
-    """The loss of a staged model and this stage's gradient, by a GPipe schedule.
-
-    Call inside ``jax.shard_map`` over a mesh with a ``stage_axis`` (stage s holds the params
-    of stage s, e.g. ``in_specs=P("stage")`` on params stacked by stage) and optionally a
-    ``data_axis`` (each replica gets its part of the batch). Equivalent to (one device)::
-
-        def model_loss(all_params, x, y):
-            for s in range(S):
-                x = stage_fn(all_params[s], x)
-            return loss_fn(x, y)         # a MEAN over the examples
-        loss, grads = jax.value_and_grad(model_loss)(all_params, x_global, y_global)
-        return loss, grads[stage]
-
-    The schedule: the replica's batch splits into M micro-batches. Forward, at step t stage s
-    runs micro-batch t - s and sends its activation to stage s + 1 (``sendrecv``: one
-    ``lax.ppermute``). The last stage takes ``loss_fn`` of each micro-batch. Backward, in
-    reverse, stage s takes the cotangent from stage s + 1, recomputes its forward for that
-    micro-batch (re-materialisation, as GPipe does: only the stage inputs are kept), and sends
-    the input cotangent to stage s - 1; each stage accumulates its parameter gradient over the
-    M micro-batches. 2(M + S - 1) steps, of which each stage is idle for 2(S - 1): the bubble
-    (:func:`bubble_fraction`). With ``data_axis`` the gradient is then averaged over the
-    replicas by one all-reduce (exactly once: params are made varying over the axes first, so
-    ``jax.vjp`` adds no hidden reduction; see the gradient trap in docs/dp.md).
-
-    Args:
-        stage_fn: ``(stage_params, h) -> h``; every stage keeps the activation's shape and
-            dtype (one program runs every stage: pad to one width if stages differ).
-        loss_fn: ``(h_last, y_microbatch) -> scalar``, the MEAN loss over the micro-batch.
-        params: this stage's parameters (a pytree).
-        x: this replica's input batch ``(B, ...)``, read by stage 0 (the others may pass the
-            same array; only its shape is used there).
-        y: this replica's targets, leading axis B (a pytree, every leaf one row per example
-            of ``x``), read by the last stage.
-        stage_axis: the mesh axis of the stages.
-        num_microbatches: M; must divide B.
-        data_axis: the mesh axis of data-parallel replicas, or None.
-
-    Returns:
-        ``(loss, grads)``: the global mean loss (the same on every device) and this stage's
-        gradient averaged over the replicas.
-
-    Example (2 data x 4 stages): see ``examples/06_pipeline.py``.
-    """
-    api = "pipeline_value_and_grad"
-    xs = _microbatches(api, x, num_microbatches)
-    _check_targets(api, x.shape[0], y)
-    ys = jax.tree_util.tree_map(lambda v: _microbatches(api, v, num_microbatches), y)
+    """GPipe: all forwards (saving M stage inputs), then all backwards. Returns the last
+    stage's mean loss (garbage elsewhere) and this stage's gradient summed over micro-batches
+    of the mean loss."""
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
-    m = num_microbatches
-    # Varying over every axis first: jax.vjp then gives this device's own contribution, and
-    # the one reduction over data below is the only one.
-    axes = (stage_axis,) + ((data_axis,) if data_axis is not None else ())
-    own = jax.tree_util.tree_map(lambda p: cast_varying(p, axes), params)
+    m = xs.shape[0]
     saved, outs = _forward(api, stage_fn, own, xs, stage_axis)
 
     losses, grads_out = jax.vmap(jax.value_and_grad(loss_fn))(outs, ys)  # last stage's are real
@@ -232,8 +219,179 @@ def pipeline_value_and_grad(
         lambda p: cast_varying(jnp.zeros(p.shape, p.dtype), _names(p)), own
     )
     (_, grads), _ = lax.scan(step, (zero_ct, zeros), jnp.arange(m + n_stages - 1))
+    return jnp.mean(losses), grads
 
-    loss = primitives.all_reduce(jnp.where(s == n_stages - 1, jnp.mean(losses), 0.0), stage_axis)
+
+def _one_f_one_b(
+    api: str,
+    stage_fn: Callable,
+    loss_fn: Callable,
+    own: PyTree,
+    xs: jax.Array,
+    ys: PyTree,
+    stage_axis: Hashable,
+) -> tuple[jax.Array, PyTree]:
+    """1F1B in lock-step slots: in slot t stage s runs the forward of micro-batch (t - s) / 2
+    when t - s is even, the backward of micro-batch (t - 2S + 1 + s) / 2 when it is odd; after
+    each slot one ``sendrecv`` moves every forward's activation to s + 1 and every backward's
+    cotangent to s - 1. Stage inputs are kept in ``min(S, M)`` slots, micro-batch i in slot
+    i mod min(S, M). Each slot a stage runs one branch of a ``lax.cond`` on its own
+    predicate: a forward, or a recomputed forward and a backward, GPipe's work in another
+    order. Returns what :func:`_gpipe` returns."""
+    n_stages = primitives.world_size(stage_axis)
+    s = primitives.rank(stage_axis)
+    last = n_stages - 1
+    m = xs.shape[0]
+    _check_stage(api, stage_fn, own, xs)
+    keep = min(n_stages, m)
+    names = _names(own, xs, ys, s)
+    zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
+    saved0 = cast_varying(jnp.zeros((keep,) + xs.shape[1:], xs.dtype), names)
+    zeros = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros(p.shape, p.dtype), names), own)
+    loss0 = cast_varying(jnp.zeros((), jnp.float32), names)
+    # Slot t: stage s works forward iff t - s is even, so in an even slot the even stages send
+    # forward and the odd ones back (pairs 0-1, 2-3, ...), in an odd slot the pairs 1-2, 3-4, ...
+    even = [(i, i + 1) for i in range(0, last, 2)] + [(i, i - 1) for i in range(1, n_stages, 2)]
+    odd = [(i, i + 1) for i in range(1, last, 2)] + [(i, i - 1) for i in range(2, n_stages, 2)]
+
+    def varying(tree: PyTree) -> PyTree:
+        return jax.tree_util.tree_map(lambda v: cast_varying(v, names), tree)
+
+    def slot(carry, t, pairs):
+        received, own_ct, saved, acc, loss = carry
+        forward = (t - s) % 2 == 0
+        i = (t - s) // 2  # the forward's micro-batch
+        j = (t - 2 * last - 1 + s) // 2  # the backward's micro-batch
+        fi, bj = jnp.clip(i, 0, m - 1), jnp.clip(j, 0, m - 1)
+        kept = saved[bj % keep]
+
+        def run_forward():
+            inp = jnp.where(s == 0, xs[fi], received)
+            out = stage_fn(own, inp)
+            y = jax.tree_util.tree_map(lambda v: v[fi], ys)
+            value, d_out = jax.value_and_grad(loss_fn)(out, y)  # used on the last stage only
+            return varying((out, inp, d_out / m, value.astype(jnp.float32), zeros))
+
+        def run_backward():
+            ct = jnp.where(s == last, own_ct, received)
+            _, vjp = jax.vjp(stage_fn, own, kept)
+            d_params, d_input = vjp(ct)
+            return varying((d_input, zero, zero, loss0, d_params))
+
+        message, inp, d_out, value, d_params = lax.cond(forward, run_forward, run_backward)
+        fwd = forward & (i >= 0) & (i < m)
+        bwd = ~forward & (j >= 0) & (j < m)
+        k = fi % keep
+        saved = saved.at[k].set(jnp.where(fwd, inp, saved[k]))
+        own_ct = jnp.where(fwd & (s == last), d_out, own_ct)
+        loss = loss + jnp.where(fwd & (s == last), value, 0.0)
+        acc = jax.tree_util.tree_map(
+            lambda a, d: a + jnp.where(bwd, d, jnp.zeros_like(d)), acc, d_params
+        )
+        # -> activations to s + 1, <- cotangents to s - 1: one sendrecv (one ppermute)
+        return primitives.sendrecv(message, stage_axis, pairs), own_ct, saved, acc, loss
+
+    def step(carry, k):
+        carry = slot(carry, 2 * k, even)
+        return slot(carry, 2 * k + 1, odd), None
+
+    carry = (zero, zero, saved0, zeros, loss0)
+    (_, _, _, grads, loss), _ = lax.scan(step, carry, jnp.arange(m + n_stages - 1))
+    return loss / m, grads
+
+
+def pipeline_value_and_grad(
+    stage_fn: Callable[[PyTree, jax.Array], jax.Array],
+    loss_fn: Callable[[jax.Array, PyTree], jax.Array],
+    params: PyTree,
+    x: jax.Array,
+    y: PyTree,
+    *,
+    stage_axis: Hashable,
+    num_microbatches: int,
+    data_axis: Hashable | None = None,
+    schedule: str = "gpipe",
+) -> tuple[jax.Array, PyTree]:
+    """The loss of a staged model and this stage's gradient, by a GPipe or a 1F1B schedule.
+
+    Call inside ``jax.shard_map`` over a mesh with a ``stage_axis`` (stage s holds the params
+    of stage s, e.g. ``in_specs=P("stage")`` on params stacked by stage) and optionally a
+    ``data_axis`` (each replica gets its part of the batch). Equivalent to (one device)::
+
+        def model_loss(all_params, x, y):
+            for s in range(S):
+                x = stage_fn(all_params[s], x)
+            return loss_fn(x, y)         # a MEAN over the examples
+        loss, grads = jax.value_and_grad(model_loss)(all_params, x_global, y_global)
+        return loss, grads[stage]
+
+    The replica's batch splits into M micro-batches; every transfer between neighbouring
+    stages is one ``sendrecv`` (one ``lax.ppermute``). A backward recomputes the stage's
+    forward from its saved input (re-materialisation, as GPipe does: only stage inputs are
+    kept), sends the input cotangent to stage s - 1 and adds the parameter gradient to the
+    stage's sum over the M micro-batches. The last stage takes ``loss_fn`` of each micro-batch.
+
+    * ``schedule="gpipe"``: forward, at step t stage s runs micro-batch t - s and sends its
+      activation to stage s + 1 (M + S - 1 steps); then backward, in reverse, M + S - 1 steps.
+      Every stage keeps all M micro-batches' inputs: activation memory grows with M.
+    * ``schedule="1f1b"`` (one forward, one backward; PipeDream-flush, Megatron's
+      non-interleaved schedule): 2(M + S - 1) slots; in slot t stage s runs
+
+      - the forward of micro-batch ``i = (t - s) / 2`` when ``t - s`` is even,
+      - the backward of micro-batch ``j = (t - 2S + 1 + s) / 2`` when ``t - s`` is odd,
+
+      and nothing where that index is outside ``0..M-1``. So stage s makes S - 1 - s
+      warm-up forwards, then alternates, then drains; the last stage runs micro-batch i's
+      backward right after its forward. After each slot one ``sendrecv`` moves every
+      forward's activation to s + 1 and every backward's cotangent to s - 1 (even slots pair
+      stages 0-1, 2-3, ...; odd slots 1-2, 3-4, ...): the activation of micro-batch i leaves
+      stage s in slot s + 2i and is used in slot s + 1 + 2i. Micro-batch i's input lives on
+      stage s from slot s + 2i to its backward in slot 2S - 1 - s + 2i: at most S - s at
+      once, kept in a buffer of ``min(S, M)`` micro-batches indexed i mod min(S, M).
+      Activation memory is bounded by the number of stages, not M. Each slot a stage runs
+      only its own branch (a ``lax.cond``), so the compute is GPipe's: M forwards and M
+      recomputed forwards with their backwards.
+
+    Both have the bubble ``(S - 1) / (M + S - 1)`` (:func:`bubble_fraction`). With
+    ``data_axis`` the gradient is then averaged over the replicas by one all-reduce (exactly
+    once: params are made varying over the axes first, so ``jax.vjp`` adds no hidden
+    reduction; see the gradient trap in docs/dp.md).
+
+    Args:
+        stage_fn: ``(stage_params, h) -> h``; every stage keeps the activation's shape and
+            dtype (one program runs every stage: pad to one width if stages differ).
+        loss_fn: ``(h_last, y_microbatch) -> scalar``, the MEAN loss over the micro-batch.
+        params: this stage's parameters (a pytree).
+        x: this replica's input batch ``(B, ...)``, read by stage 0 (the others may pass the
+            same array; only its shape is used there).
+        y: this replica's targets, leading axis B (a pytree, every leaf one row per example
+            of ``x``), read by the last stage.
+        stage_axis: the mesh axis of the stages.
+        num_microbatches: M; must divide B.
+        data_axis: the mesh axis of data-parallel replicas, or None.
+        schedule: ``"gpipe"`` (the default) or ``"1f1b"``; the same loss and gradients.
+
+    Returns:
+        ``(loss, grads)``: the global mean loss (the same on every device) and this stage's
+        gradient averaged over the replicas.
+
+    Example (2 data x 4 stages): see ``examples/06_pipeline.py``.
+    """
+    api = "pipeline_value_and_grad"
+    _check_schedule(api, schedule)
+    xs = _microbatches(api, x, num_microbatches)
+    _check_targets(api, x.shape[0], y)
+    ys = jax.tree_util.tree_map(lambda v: _microbatches(api, v, num_microbatches), y)
+    n_stages = primitives.world_size(stage_axis)
+    s = primitives.rank(stage_axis)
+    # Varying over every axis first: jax.vjp then gives this device's own contribution, and
+    # the one reduction over data below is the only one.
+    axes = (stage_axis,) + ((data_axis,) if data_axis is not None else ())
+    own = jax.tree_util.tree_map(lambda p: cast_varying(p, axes), params)
+    run = _gpipe if schedule == "gpipe" else _one_f_one_b
+    last_loss, grads = run(api, stage_fn, loss_fn, own, xs, ys, stage_axis)
+
+    loss = primitives.all_reduce(jnp.where(s == n_stages - 1, last_loss, 0.0), stage_axis)
     if data_axis is not None:
         # Gradients cross the data replicas here, once: the mean of the replicas' means.
         grads = primitives.all_reduce(grads, data_axis, "avg")
