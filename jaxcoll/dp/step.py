@@ -42,8 +42,8 @@ def local_grads(
 ):
     """This rank's mean gradient over ``accum_steps`` micro-batches of its share of the batch.
 
-    ``params`` are as the train state holds them; the loss sees ``strategy.materialize``'s
-    whole params (the same, or gathered for FSDP). Returns ``(grads, loss, aux,
+    ``params`` are as the train state holds them; ``strategy.loss_of_held`` gives the loss
+    the whole params (the same, or gathered for FSDP). Returns ``(grads, loss, aux,
     model_state)``, all local (varying over the data axis).
     """
     names = axis_names(axis_name)

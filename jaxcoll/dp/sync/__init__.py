@@ -10,7 +10,7 @@ fields when it is constructed:
   and optimizer state per device.
 
 Each is one class behind one small interface (:class:`Strategy`): ``init(params)`` builds
-the placed optimizer state, ``materialize(params)`` and ``reduce(grads, comm_state, step)``
+the placed optimizer state, ``loss_of_held(loss, like)`` and ``reduce(grads, comm_state, step)``
 run per rank inside the step's ``shard_map``, ``update(grads, opt_state, params)`` runs in
 the global view of the same jit. A new strategy is a new subclass, nothing else.
 """

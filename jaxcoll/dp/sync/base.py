@@ -13,9 +13,9 @@ around the step's ``jax.shard_map``, plus the placement both halves need:
   strategy's: replicated for :class:`~jaxcoll.dp.sync.DDP`, 1/n per device for
   :class:`~jaxcoll.dp.sync.ZeRO1` and :class:`~jaxcoll.dp.sync.FSDP`);
   :meth:`Strategy.init_comm` the communication hook's state (one per bucket and rank);
-* :meth:`Strategy.materialize` runs per rank inside ``shard_map`` and gives the loss the
-  whole params from the params as the train state holds them (:meth:`state_param_specs`:
-  replicated, or 1/n per device for FSDP);
+* :meth:`Strategy.loss_of_held` runs per rank inside ``shard_map`` and turns the loss of the
+  whole params into a loss of the params as the train state holds them
+  (:meth:`state_param_specs`: replicated, or 1/n per device for FSDP, which gathers them);
 * :meth:`Strategy.reduce` runs per rank inside ``shard_map`` (checking on) and returns the
   synchronised gradients, laid out as :meth:`Strategy.grad_specs` says (the shard_map's
   ``out_specs``), and the hook's new state;
@@ -262,20 +262,11 @@ class Strategy:
         sharding = NamedSharding(self.mesh, P(self.axis_name))
         return jax.jit(lambda: stack(states), out_shardings=sharding)()
 
-    def materialize(self, params: PyTree, like: PyTree) -> PyTree:
-        """Per rank, inside ``shard_map``: the whole params the loss sees (identity here).
-        ``like``: the params' global shapes (``jax.ShapeDtypeStruct``)."""
-        return params
-
     def loss_of_held(self, fn: Callable[..., Any], like: PyTree) -> Callable[..., Any]:
         """Per rank, inside ``shard_map``: ``fn(params, *rest)``, the loss of the whole
         params, as a function of the params as the train state holds them, for
-        ``jax.grad``: :meth:`materialize` then ``fn``, through :meth:`wrap_loss`. ``like``:
-        the params' global shapes."""
-        return self.wrap_loss(lambda p, *rest: fn(self.materialize(p, like), *rest))
-
-    def wrap_loss(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """The per-rank loss of the params as held, for ``jax.grad`` (unchanged here)."""
+        ``jax.grad`` (``fn`` itself here: the params are held whole). ``like``: the params'
+        global shapes (``jax.ShapeDtypeStruct``)."""
         return fn
 
     def reduce(

@@ -34,7 +34,7 @@ from .packing import gather_leaves, scatter_leaves
 from .zero1 import ZeRO1
 
 #: The name the gathered params carry in the loss (``jax.ad_checkpoint.checkpoint_name``): the
-#: rematerialisation policy of :meth:`FSDP.wrap_loss` never saves them for the backward.
+#: rematerialisation policy of :func:`not_gathered` never saves them for the backward.
 GATHERED = "jaxcoll_fsdp_params"
 
 
@@ -152,22 +152,12 @@ class FSDP(ZeRO1):
                 (out[i],) = self._gather_many([leaves[i]], [d])
         return out
 
-    def materialize(self, params: PyTree, like: PyTree) -> PyTree:
-        leaves, treedef = jax.tree_util.tree_flatten(params)
-        dims = self.shard_dims(like)
-        split = [i for i, d in enumerate(dims) if d is not None]
-        wholes = self._gather_many([leaves[i] for i in split], [int(dims[i] or 0) for i in split])
-        out = list(leaves)
-        for i, w in zip(split, wholes, strict=True):
-            out[i] = w
-        return jax.tree_util.tree_unflatten(treedef, out)
-
     def loss_of_held(self, fn: Callable[..., Any], like: PyTree) -> Callable[..., Any]:
         """``fn`` of the params as held, each stacked layer gathered inside the scan that
         uses it (:mod:`~jaxcoll.dp.sync.layerwise`), the other split leaves where the loss
         first uses them."""
         dims = self.shard_dims(like)
-        run = gather_per_layer(
+        return gather_per_layer(
             fn,
             self._gather_many,
             dims,
@@ -177,12 +167,6 @@ class FSDP(ZeRO1):
             n=self.n_shard,
             remat=self.reshard_after_forward,
         )
-        return run
-
-    def wrap_loss(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        if not self.reshard_after_forward:
-            return fn
-        return jax.checkpoint(fn, policy=not_gathered)
 
     def reduce(
         self, grads: PyTree, comm_state: PyTree, step: jax.Array, like: PyTree = None

@@ -40,8 +40,6 @@ from ..buckets import plan_buckets
 #: all-gather, batched: the params a scope gathers are gathered together).
 Gather = Callable[[list[jax.Array], list[int]], list[jax.Array]]
 
-# Call-like primitives whose body is entered (their params name the inner jaxpr).
-_CALLS = CALLS
 _REMAT = "remat2"
 _SCAN = "scan"
 
@@ -88,7 +86,7 @@ class _Scope:
         """The lazy params ``eqn`` uses whole (all but those it only passes to a scan over
         their layers or into a call that is entered)."""
         name = str(eqn.primitive)
-        if name in _CALLS or name == _REMAT:
+        if name in CALLS or name == _REMAT:
             return []
         if name == _SCAN:
             nc, nk = scan_counts(eqn.params)
@@ -277,8 +275,8 @@ def _eval(eqns: Sequence[Any], outvars: Sequence[Any], scope: _Scope) -> list[An
         lazy_in = any(isinstance(scope.read(v), Lazy) for v in eqn.invars)
         if lazy_in and name == _SCAN:
             outs = _scan(eqn, scope)
-        elif lazy_in and name in _CALLS:
-            inner = eqn.params[_CALLS[name]]
+        elif lazy_in and name in CALLS:
+            inner = eqn.params[CALLS[name]]
             outs = _run_inner(inner, [scope.read(v) for v in eqn.invars], scope, segmented=True)
         elif lazy_in and name == _REMAT:
             outs = _remat(eqn, [scope.read(v) for v in eqn.invars], scope)
