@@ -23,14 +23,12 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
-from ... import primitives
 from ..._core.typing import AxisName, PyTree
 from ..._core.vma import as_invariant, axis_names, to_varying
 from ..._jax import jaxpr_parts
-from ..buckets import plan_buckets
 from ..hooks.base import wire_dtype as hook_wire_dtype
 from .layerwise import gather_per_layer
-from .packing import gather_leaves, scatter_leaves
+from .packing import gather_leaves, scatter_leaves, sum_leaves
 from .zero1 import ZeRO1
 
 #: The name the gathered params carry in the loss (``jax.ad_checkpoint.checkpoint_name``): the
@@ -269,17 +267,14 @@ def _sum_over(slices: list[jax.Array], plan: _Plan) -> list[jax.Array]:
     per bucket (in the wire dtype), as soon as the backward has it (a layer's inside a
     scan), typed varying again (the gather's input type; the values are equal on every
     replica, which :meth:`FSDP.reduce` types)."""
-    over = plan.replicas[0] if len(plan.replicas) == 1 else plan.replicas
-    wire = [g if plan.wire is None else g.astype(plan.wire) for g in slices]
-    out = list(slices)
-    for bucket in plan_buckets(wire, plan.bucket_bytes):
-        # Gradient slices cross the replica axes here: one all-reduce per bucket.
-        sums = primitives.all_reduce(
-            [wire[i] for i in bucket], over, "sum", algorithm=plan.algorithm
-        )
-        for i, g in zip(bucket, sums, strict=True):
-            out[i] = to_varying(g.astype(slices[i].dtype), plan.names)
-    return out
+    sums = sum_leaves(
+        slices,
+        plan.replicas[0] if len(plan.replicas) == 1 else plan.replicas,
+        algorithm=plan.algorithm,
+        bucket_bytes=plan.bucket_bytes,
+        wire_dtype=plan.wire,
+    )
+    return [to_varying(g, plan.names) for g in sums]
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)

@@ -32,6 +32,7 @@ from ..buckets import plan_buckets
 __all__ = [
     "gather_leaves",
     "scatter_leaves",
+    "sum_leaves",
 ]
 
 
@@ -168,6 +169,36 @@ def scatter_leaves(
         for i, part in zip(bucket, _columns(buf, rows), strict=True):
             shape = _scaled(grads[i].shape, dims[i], 1, n)
             out[i] = _unrow(part, dims[i], shape).astype(grads[i].dtype)
+    return out
+
+
+def sum_leaves(
+    leaves: Sequence[jax.Array],
+    axis_name: AxisName,
+    *,
+    algorithm: str = "auto",
+    bucket_bytes: float | None,
+    wire_dtype: DTypeLike | None = None,
+) -> list[jax.Array]:
+    """Each leaf summed over ``axis_name``, one all-reduce per bucket (hybrid sharding's sum
+    of the gradient slices over the replica axes).
+
+    Equivalent to ``[all_reduce(x.astype(wire_dtype or x.dtype), axis_name, "sum",
+    algorithm=algorithm).astype(x.dtype) for x in leaves]``; the buckets are
+    :func:`~jaxcoll.dp.plan_buckets`'s on the leaves as they travel.
+
+    Returns:
+        The sums, in each leaf's dtype, typed invariant over ``axis_name``.
+    """
+    wire = [x if wire_dtype is None else x.astype(wire_dtype) for x in leaves]
+    out: list[Any] = [None] * len(wire)
+    for bucket in plan_buckets(wire, bucket_bytes):
+        # Gradient slices cross the replica axes here: one all-reduce per bucket.
+        sums = primitives.all_reduce(
+            [wire[i] for i in bucket], axis_name, "sum", algorithm=algorithm
+        )
+        for i, s in zip(bucket, sums, strict=True):
+            out[i] = s.astype(leaves[i].dtype)
     return out
 
 

@@ -22,14 +22,13 @@ import optax
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
-from ... import primitives
 from ..._core.typing import AxisName, PyTree
 from ..._core.vma import axis_names
-from ..buckets import mean_gradients, plan_buckets
+from ..buckets import mean_gradients
 from ..hooks.base import is_elementwise
 from ..hooks.base import wire_dtype as hook_wire_dtype
 from .base import Binding, Strategy, specs_like
-from .packing import gather_leaves, scatter_leaves
+from .packing import gather_leaves, scatter_leaves, sum_leaves
 
 
 def shard_dim(shape: tuple[int, ...], n: int) -> int | None:
@@ -274,17 +273,13 @@ class ZeRO1(Strategy):
         replicas = self.replica_axes
         if not replicas:
             return list(slices)
-        over = replicas[0] if len(replicas) == 1 else replicas
-        out = list(slices)
-        wire = [g if wire_dtype is None else g.astype(wire_dtype) for g in slices]
-        for bucket in plan_buckets(wire, self.bucket_bytes):
-            # Gradient slices cross the replica axes here: one all-reduce per bucket.
-            sums = primitives.all_reduce(
-                [wire[i] for i in bucket], over, "sum", algorithm=self.algorithm
-            )
-            for i, g in zip(bucket, sums, strict=True):
-                out[i] = g.astype(slices[i].dtype)
-        return out
+        return sum_leaves(
+            slices,
+            replicas[0] if len(replicas) == 1 else replicas,
+            algorithm=self.algorithm,
+            bucket_bytes=self.bucket_bytes,
+            wire_dtype=wire_dtype,
+        )
 
     def update(self, grads: PyTree, opt_state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
         shardings = self.named(self.param_specs(params))
