@@ -197,15 +197,15 @@ def data_axes_only(api: str, params: PyTree, data_axes: tuple) -> None:
     would be gathered whole on every device by the step (or by ``init``'s placement), which
     is never what the split meant, so it is refused instead of silently re-replicated.
     """
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    for path, leaf in flat:
-        sharding = getattr(leaf, "sharding", None)
-        spec = getattr(sharding, "spec", None)
+    # Checked every step: the leaves alone, their paths only for the message.
+    for i, leaf in enumerate(jax.tree_util.tree_leaves(params)):
+        spec = getattr(getattr(leaf, "sharding", None), "spec", None)
         if spec is None:
             continue
         used = [a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))]
         other = [a for a in used if a is not None and a not in data_axes]
         if other:
+            path = jax.tree_util.tree_flatten_with_path(params)[0][i][0]
             shown = "P(" + ", ".join(repr(e) for e in spec) + ")"
             raise ValueError(
                 f"{api}: params{jax.tree_util.keystr(path)} is split over the mesh axis "
