@@ -81,3 +81,4 @@ def _at_exit() -> None:
     stuck), then record the exit for the peers' watchdogs."""
     _watchdog.drain(process.timeout or 0.0)
     process.mark_exit()
+    _monitor.stop()

@@ -31,6 +31,16 @@ def start() -> None:
             _thread.start()
 
 
+def stop(wait_s: float = 4 * POLL_S) -> None:
+    """At a normal exit (after :func:`process.mark_exit`): wait, at most ``wait_s``, for the
+    thread to see it and return. A daemon thread still inside a call to the key-value store
+    when Python finalizes is unwound by the C library on its way back ("FATAL: exception not
+    rethrown", SIGABRT), which ended a loaded 2-process job that had trained to the end."""
+    th = _thread
+    if th is not None and th is not threading.current_thread():
+        th.join(wait_s)
+
+
 def _run() -> None:
     me, n = process.me()
     while process.client() is not None:

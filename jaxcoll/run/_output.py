@@ -36,7 +36,7 @@ _NOT_A_CAUSE = re.compile(r"^([EWIF]\d{4} |\s|Traceback|$)")
 # fragments of two can share a line ("[Gloo] Rank 3[Gloo] Rank 2 is connected to  is connected
 # to 77 peer ranks. ..."). The launcher drops these lines.
 _GLOO_PARTS = re.compile(
-    r"\[Gloo\] Rank \d+|is connected to|Expected number of connected peer ranks is :|"
+    r"\[Gloo\] Rank|\[Gloo\]|is connected to|Expected number of connected peer ranks is :|"
     r"peer ranks|\d+"
 )
 

@@ -162,6 +162,9 @@ def test_the_launcher_drops_gloos_connection_reports_only():
         "[Gloo] Rank 3[Gloo] Rank 2 is connected to  is connected to 77 peer ranks. "
         "Expected number of connected peer ranks is : 7\n",
         " peer ranks. Expected number of connected peer ranks is : 7\n",
+        # the rank number of the first fragment written after the second's
+        "[Gloo] Rank [Gloo] Rank 0 is connected to 3 peer ranks. Expected number of "
+        "connected peer ranks is : 3\n",
     ):
         assert gloo_report(line), line
     for line in (
