@@ -3,7 +3,8 @@
 Needs the ``dp`` extra (flax, optax, orbax-checkpoint, tqdm): ``pip install jaxcoll[dp]``.
 The gradient-sync strategy is a value (:mod:`jaxcoll.dp.sync`):
 ``dp.Trainer(loss_fn, optimizer, sync=dp.sync.FSDP())``; communication hooks are in
-:mod:`jaxcoll.dp.hooks`.
+:mod:`jaxcoll.dp.hooks`. The model's own mesh axes (tensor, pipeline) are a
+:class:`~jaxcoll.dp.Layout`: ``dp.Trainer(..., layout=dp.Layout(tensor="tensor"))``.
 """
 
 from . import hooks as hooks
@@ -20,6 +21,7 @@ from .checkpoint import Checkpointer as Checkpointer
 from .data import Batches as Batches
 from .extra import Extra as Extra
 from .extra import ema as ema
+from .layout import Layout as Layout
 from .state import TrainState as TrainState
 from .trainer import Trainer as Trainer
 
@@ -29,6 +31,7 @@ __all__ = [
     "Checkpointer",
     "Extra",
     "JsonlWriter",
+    "Layout",
     "Linen",
     "Model",
     "Nnx",

@@ -189,34 +189,6 @@ def float_params(api: str, params: PyTree, grad_route: str) -> None:
             )
 
 
-def data_axes_only(api: str, params: PyTree, data_axes: tuple) -> None:
-    """Raise ValueError if a leaf of ``params`` is split over a mesh axis that is not one of
-    the Trainer's data axes (a tensor-parallel ``P(None, "model")``, say).
-
-    The Trainer places params as its strategy says, over its data axes only; such a leaf
-    would be gathered whole on every device by the step (or by ``init``'s placement), which
-    is never what the split meant, so it is refused instead of silently re-replicated.
-    """
-    # Checked every step: the leaves alone, their paths only for the message.
-    for i, leaf in enumerate(jax.tree_util.tree_leaves(params)):
-        spec = getattr(getattr(leaf, "sharding", None), "spec", None)
-        if spec is None:
-            continue
-        used = [a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))]
-        other = [a for a in used if a is not None and a not in data_axes]
-        if other:
-            path = jax.tree_util.tree_flatten_with_path(params)[0][i][0]
-            shown = "P(" + ", ".join(repr(e) for e in spec) + ")"
-            raise ValueError(
-                f"{api}: params{jax.tree_util.keystr(path)} is split over the mesh axis "
-                f"{other[0]!r} ({shown}), which is not one of this Trainer's data axes "
-                f"{data_axes}; the Trainer places params over its data axes only, so it "
-                f"would gather this leaf whole on every device. Pass it replicated over "
-                f"{other[0]!r} (e.g. jax.device_put(leaf, NamedSharding(mesh, P())), or a "
-                f"NumPy array): the Trainer does not train tensor-parallel params."
-            )
-
-
 def check_state(api: str, state: Any) -> None:
     """``state`` must be a live :class:`~jaxcoll.dp.TrainState` (see :func:`check_live`)."""
     if not isinstance(state, TrainState):

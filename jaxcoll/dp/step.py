@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from .. import primitives
 from .._core.typing import AxisName, PyTree
-from .._core.vma import axis_names, to_varying
-from .checks import float_params
+from .._core.vma import axis_names, to_varying, varying_axes
+from .checks import LossOutputError, float_params
 from .extra import Extra
 from .state import TrainState
 from .sync.base import Strategy, specs_like
@@ -39,6 +39,7 @@ def local_grads(
     accum_steps: int,
     strategy: Strategy | None = None,
     like: PyTree = None,
+    model_axes: tuple = (),
 ):
     """This rank's mean gradient over ``accum_steps`` micro-batches of its share of the batch.
 
@@ -53,7 +54,7 @@ def local_grads(
         of_params = lambda p, ms, b, r: loss(p, ms, b, r, step)  # noqa: E731
     else:
         of_params = strategy.loss_of_held(lambda p, ms, b, r: loss(p, ms, b, r, step), like)
-    grad_fn = jax.value_and_grad(of_params, has_aux=True)
+    grad_fn = jax.value_and_grad(_checked(of_params, model_axes), has_aux=True)
     k = accum_steps
     if k == 1:
         (value, (aux, model_state)), grads = grad_fn(params, model_state, batch, key)
@@ -80,6 +81,39 @@ def local_grads(
     (g_sum, loss_sum, aux_sum, model_state), _ = lax.scan(one, init, (micro, jnp.arange(k)))
     scale = lambda t: jax.tree_util.tree_map(lambda a: a / k, t)  # noqa: E731
     return scale(g_sum), loss_sum / k, scale(aux_sum), model_state
+
+
+def _checked(fn: Callable[..., tuple], model_axes: tuple) -> Callable[..., tuple]:
+    """``fn`` (a per-rank loss with its aux) with :func:`invariant_over` checked on its
+    output; ``fn`` itself without model axes."""
+    if not model_axes:
+        return fn
+
+    def checked(*args):
+        out = fn(*args)
+        invariant_over(model_axes, out[0], out[1][0])
+        return out
+
+    return checked
+
+
+def invariant_over(model_axes: tuple, loss: jax.Array, metrics: dict[str, jax.Array]) -> None:
+    """Raise (as the op that traced the loss) if the loss or a metric varies over one of the
+    layout's axes: each device of a tensor or pipeline group must hold the same value, else
+    ``jax.grad`` would sum the group's losses (a gradient ``k`` times too large) and the
+    metrics could not be averaged once."""
+    named = {"the loss": loss, **{f"metric {k!r}": v for k, v in metrics.items()}}
+    for name, value in named.items():
+        axes = sorted(set(varying_axes(value) or ()) & set(model_axes))
+        if axes:
+            raise LossOutputError(
+                ValueError,
+                f"{name} varies over the model axis {axes[0]!r} (the layout's tensor or "
+                f"pipeline axis): each device there must compute the same value. End the "
+                f"tensor-parallel part of the model with a reduction over {axes[0]!r} (a "
+                f"row-parallel layer, jaxcoll.nn's layers do) and a pipeline with "
+                f"parallel.pipeline_apply, which gives every stage the last stage's output.",
+            )
 
 
 def mean_metrics(
@@ -179,6 +213,7 @@ def build_step(
     donate: bool,
     extra: Extra | None = None,
     skip_nonfinite: bool = False,
+    model_axes: tuple = (),
 ):
     """The jitted step ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
 
@@ -199,7 +234,17 @@ def build_step(
         rank = lax.axis_index(axis)
         key = jax.random.fold_in(jax.random.fold_in(rng, step), rank)
         grads, value, aux, model_state = local_grads(
-            loss, params, model_state, batch, key, step, axis, accum_steps, strategy, like
+            loss,
+            params,
+            model_state,
+            batch,
+            key,
+            step,
+            axis,
+            accum_steps,
+            strategy,
+            like,
+            model_axes,
         )
         metrics = mean_metrics({"loss": value, **aux}, axis, algorithm)
         model_state = sync_model_state(model_state, axis, algorithm)
@@ -251,7 +296,7 @@ def build_step(
     return jax.jit(step, donate_argnums=(0,) if donate else (), out_shardings=out)
 
 
-def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree):
+def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree, model_axes: tuple = ()):
     """The jitted evaluation ``(params, model_state, step, batch) -> metrics`` (global means)
     for params shaped and placed like ``params``.
 
@@ -265,6 +310,7 @@ def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree):
     def per_rank(params, model_state, step, batch):
         of_held = strategy.loss_of_held(lambda p, ms, b: loss(p, ms, b, None, step), like)
         value, (aux, _) = of_held(to_varying(params, axis_names(axis)), model_state, batch)
+        invariant_over(model_axes, value, aux)
         return mean_metrics({"loss": value, **aux}, axis, strategy.algorithm)
 
     return jax.jit(

@@ -29,7 +29,6 @@ from .checks import (
     LossOutputError,
     accepts,
     check_state,
-    data_axes_only,
     float_params,
     loss_output,
     model_output,
@@ -38,6 +37,7 @@ from .checks import (
 from .data import Batches, leading_size
 from .extra import Extra
 from .host import to_host
+from .layout import Layout, model_specs, unbox
 from .state import TrainState
 from .step import build_eval, build_step
 from .sync import DDP, Strategy
@@ -112,6 +112,11 @@ class Trainer:
             ``optax.apply_if_finite`` works too; it guards only the params and the optimizer
             state.
         donate: donate the state's buffers to the step (the caller's old state is consumed).
+        layout: the model's mesh axes (:class:`~jaxcoll.dp.Layout`): a tensor axis its
+            tensor-parallel layers split over and a pipeline axis of stages. Each param keeps
+            its split over them (its *model spec*, given to :meth:`init`) and the strategy
+            splits it further over the data axes; the batch is replicated over them. Default:
+            no model axes (data parallelism alone).
 
     Example (8 devices)::
 
@@ -135,6 +140,7 @@ class Trainer:
         extra: Extra | None = None,
         skip_nonfinite: bool = False,
         donate: bool = True,
+        layout: Layout | None = None,
     ) -> None:
         api = "Trainer"
         if isinstance(loss_fn, Model):
@@ -176,6 +182,14 @@ class Trainer:
                 f"{api}: axis_name={axis_name!r} is not an axis of the mesh "
                 f"(axes {mesh.axis_names}). Pass one of them."
             )
+        if layout is None:
+            layout = Layout()
+        if not isinstance(layout, Layout):
+            raise TypeError(
+                f"{api}: layout must be a dp.Layout(tensor=..., pipeline=...) naming the "
+                f"model's mesh axes, or None, got {type(layout).__name__} instead."
+            )
+        layout.check(api, mesh, names)
         accum_steps = check_static_int(api, "accum_steps", accum_steps)
         if accum_steps < 1:
             raise ValueError(f"{api}: accum_steps={accum_steps} must be at least 1.")
@@ -183,7 +197,9 @@ class Trainer:
         self.mesh = mesh
         self.axis_name = names[0] if len(names) == 1 else names
         self.n = int(np.prod([mesh.shape[a] for a in names]))
+        self.layout = layout
         self.sync = sync.bind(optimizer, mesh, self.axis_name)
+        self._model_specs: tuple[P, ...] | None = None  # known at init (dp.layout)
         self.accum_steps = accum_steps
         self.extra = extra
         self.skip_nonfinite = bool(skip_nonfinite)
@@ -223,6 +239,7 @@ class Trainer:
         *,
         model_state: PyTree | None = None,
         per_rank: bool = False,
+        specs: PyTree | None = None,
     ) -> TrainState:
         """Replicate params (and model state) from rank 0 and build the optimizer state.
 
@@ -240,6 +257,12 @@ class Trainer:
             model_state: non-trainable variables (BatchNorm statistics); with a
                 :class:`~jaxcoll.dp.Model` adapter, what its ``init`` returned.
             per_rank: see ``params``.
+            specs: each param's model spec, a ``PartitionSpec`` over the layout's axes (a
+                tree shaped like ``params``). Default: from flax's ``nn.Partitioned`` boxes
+                (``nn.with_partitioning``, as :mod:`jaxcoll.nn`'s layers declare their
+                params; the params are unboxed), else from each leaf's ``NamedSharding``,
+                else whole. Names that are no axis of the mesh are dropped (the model runs
+                dense over them); a split over a mesh axis without a role raises.
 
         Returns:
             A :class:`TrainState` at step 0, placed on the mesh; ``state.extra`` is
@@ -250,8 +273,18 @@ class Trainer:
                 param is differentiated and updated; the message names the leaf and where
                 such a value belongs instead.
         """
+        params, boxed = unbox(params)
         float_params("Trainer.init", params, self.sync.grad_route)
-        data_axes_only("Trainer.init", params, axis_names(self.axis_name))
+        found = model_specs(
+            "Trainer.init",
+            params,
+            boxed if specs is None else specs,
+            self.mesh,
+            self.layout,
+            axis_names(self.axis_name),
+        )
+        self._set_model_specs(tuple(found))
+        sync = self.sync
         model_state = {} if model_state is None else model_state
         if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
             rng = jax.random.key_data(rng)
@@ -264,30 +297,68 @@ class Trainer:
         replicated = self._sharding(P())
         if per_rank:
             params, model_state = self._broadcast_from_rank0((params, model_state))
-        placed = self.sync.named(self.sync.state_param_specs(params))
+        placed = sync.named(sync.state_param_specs(params))
         # A copy: the step donates the state's buffers, and the caller's arrays must survive.
         copy = jax.jit(
             lambda t: jax.tree_util.tree_map(jnp.copy, t), out_shardings=(placed, replicated)
         )
         params, model_state = copy((params, model_state))
-        opt_state = self.sync.init(params)
+        opt_state = sync.init(params)
         extra = {}
         if self.extra is not None:
             shapes = jax.eval_shape(self.extra.init, params)
             extra = jax.jit(
                 self.extra.init,
-                out_shardings=self.sync.named(self.sync.extra_specs(shapes, params)),
+                out_shardings=sync.named(sync.extra_specs(shapes, params)),
             )(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+        comm_state = sync.init_comm(params)
+        if self.layout.axes and jax.tree_util.tree_leaves(comm_state):
+            raise ValueError(
+                f"Trainer.init: hook={sync.hook!r} keeps a per-rank state shaped like whole "
+                f"gradients, and with the layout's axes {self.layout.axes} each device's "
+                f"gradients are slices of them. Use a stateless hook (None or "
+                f"dp.hooks.Compress) with a tensor or pipeline axis."
+            )
         return TrainState(
-            params,
-            opt_state,
-            model_state,
-            step,
-            jax.device_put(rng, replicated),
-            extra,
-            self.sync.init_comm(params),
+            params, opt_state, model_state, step, jax.device_put(rng, replicated), extra, comm_state
         )
+
+    def _set_model_specs(self, found: tuple[P, ...]) -> None:
+        """Bind the strategy to the params' model specs (new programs when they change);
+        None when every leaf is whole over the model axes."""
+        specs = None if all(s == P() for s in found) else found
+        if specs != self._model_specs:
+            self._model_specs = specs
+            self.sync = self.sync.with_model_specs(specs)
+            self._step_fns, self._eval_fn = {}, None
+
+    def _check_model_specs(self, api: str, params: PyTree) -> None:
+        """Raise if a leaf of ``params`` is placed over the mesh's model axes otherwise than
+        this Trainer's model spec for it says, or over an axis with no role: the step
+        would silently make it whole (or split it as the init's spec says)."""
+        found = model_specs(api, params, None, self.mesh, self.layout, axis_names(self.axis_name))
+        if self._model_specs is None:
+            if any(s != P() for s in found):  # a state built elsewhere: take its specs
+                self._set_model_specs(tuple(found))
+            return
+        if len(found) != len(self._model_specs):
+            raise ValueError(
+                f"{api}: these params have {len(found)} leaves, and the params this Trainer "
+                f"was initialised with {len(self._model_specs)}; with model axes a Trainer "
+                f"trains the model it was initialised with (call init with these params)."
+            )
+        for i, (got, want) in enumerate(zip(found, self._model_specs, strict=True)):
+            if got != want and got != P():
+                path = jax.tree_util.tree_flatten_with_path(params)[0][i][0]
+                raise ValueError(
+                    f"{api}: params{jax.tree_util.keystr(path)} is placed {got} over the "
+                    f"model axes, but this Trainer was initialised with the model spec "
+                    f"{want} for it; the step would place it as {want}, not as the model "
+                    f"that split it expects. Pass init the params with their model specs "
+                    f"(boxed by nn.with_partitioning, specs=..., or placed), or pass this "
+                    f"leaf placed as {want}."
+                )
 
     def _broadcast_from_rank0(self, tree: PyTree) -> PyTree:
         for leaf in jax.tree_util.tree_leaves(tree):
@@ -324,7 +395,7 @@ class Trainer:
         """
         api = "Trainer.step"
         check_state(api, state)
-        data_axes_only(api, state.params, axis_names(self.axis_name))
+        self._check_model_specs(api, state.params)
         batch = self.shard_batch(batch)
         phased = self.sync.phased
         host = self._host_step(state) if phased else None
@@ -350,6 +421,7 @@ class Trainer:
                 donate=self.donate,
                 extra=self.extra,
                 skip_nonfinite=self.skip_nonfinite,
+                model_axes=self.layout.axes,
             )
         return self._step_fns[key]
 
@@ -423,8 +495,9 @@ class Trainer:
         """
         api = "Trainer.evaluate"
         check_state(api, state)
+        self._check_model_specs(api, state.params)
         if self._eval_fn is None:
-            self._eval_fn = build_eval(self._loss, self.sync, state.params)
+            self._eval_fn = build_eval(self._loss, self.sync, state.params, self.layout.axes)
         eval_fn = self._eval_fn
         return loop.evaluate(
             lambda b: self._run(

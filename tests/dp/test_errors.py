@@ -284,9 +284,9 @@ def test_params_split_over_a_non_data_axis_are_refused_not_made_whole():
     whole = {"w": np.ones((8, 4), np.float32)}
     split = {"w": jax.device_put(whole["w"], NamedSharding(mesh, P(None, "model")))}
     want = (
-        r"params\['w'\] is split over the mesh axis 'model' \(P\(None, 'model'\)\), "
-        r"which is not one of this Trainer's data axes \('data',\).*Pass it replicated over "
-        r"'model'"
+        r"params\['w'\] is placed P\(None, 'model'\), split over the mesh axis 'model', "
+        r"which has no role in this Trainer \(data axes \('data',\).*"
+        r"dp.Layout\(tensor='model'\).*or pass the leaf replicated over it"
     )
     with pytest.raises(ValueError, match=r"Trainer\.init: " + want):
         trainer.init(split, jax.random.key(0))

@@ -62,12 +62,48 @@ def specs_like(tree: PyTree, spec: P) -> PyTree:
     return jax.tree_util.tree_map(lambda _: spec, tree)
 
 
+def leaf_shape(leaf: Any) -> tuple[int, ...]:
+    return tuple(getattr(leaf, "shape", np.shape(leaf)))
+
+
+def mirror_specs(tree: PyTree, params: PyTree, param_specs: PyTree) -> PyTree:
+    """The spec of every leaf of ``tree`` (an optimizer state, an EMA): a leaf that mirrors a
+    param gets the param's spec in ``param_specs``, any other leaf ``P()``.
+
+    A leaf mirrors a param when the param's path in the params tree ends its own path
+    (``mu['l0']['w']`` ends with ``['l0']['w']``; the longest such path wins) and the shapes
+    match; any other leaf (step counts, factored statistics) is replicated. The placement
+    only decides memory: the update is exact with any placement.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    if not flat:
+        return specs_like(tree, P())
+    specs = jax.tree_util.tree_leaves(param_specs, is_leaf=is_spec)
+    rows = zip(flat, specs, strict=True)
+    table = sorted(
+        ((tuple(path), leaf_shape(leaf), spec) for (path, leaf), spec in rows),
+        key=lambda row: -len(row[0]),
+    )
+
+    def spec_of(path, leaf):
+        path, shape = tuple(path), leaf_shape(leaf)
+        for p_path, p_shape, spec in table:
+            k = len(p_path)
+            if k <= len(path) and path[len(path) - k :] == p_path and shape == p_shape:
+                return spec
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec_of, tree)
+
+
 class Binding(NamedTuple):
-    """What :meth:`Strategy.bind` fixes: the optimizer, the mesh and its data axis."""
+    """What :meth:`Strategy.bind` fixes: the optimizer, the mesh and its data axis; and,
+    once the params are known, their model specs (:meth:`Strategy.with_model_specs`)."""
 
     optimizer: optax.GradientTransformation
     mesh: Mesh
     axis_name: AxisName
+    model_specs: tuple[P, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +181,35 @@ class Strategy:
             )
         return self._binding
 
+    def with_model_specs(self, specs: tuple[P, ...] | None) -> Strategy:
+        """A copy bound as this one is, for params whose leaves carry the model specs
+        ``specs`` (:mod:`jaxcoll.dp.layout`: their split over the tensor and pipeline axes,
+        one ``PartitionSpec`` per leaf, in leaf order; None: every leaf whole). The strategy
+        places each leaf over the data axes on top of its model spec."""
+        bound = copy.copy(self)
+        object.__setattr__(bound, "_binding", self._bound()._replace(model_specs=specs))
+        return bound
+
+    def model_leaf_specs(self, tree: PyTree) -> list[P]:
+        """The model spec of every leaf of ``tree`` (shaped like the params), in leaf order:
+        ``P()`` for each when the binding has none."""
+        count = len(jax.tree_util.tree_leaves(tree))
+        specs = self._bound().model_specs
+        if specs is None:
+            return [P()] * count
+        if len(specs) != count:
+            raise ValueError(
+                f"{self.api}: these params have {count} leaves, and the model specs the "
+                f"strategy was bound with have {len(specs)}; a Trainer trains one model "
+                f"(pass the params it was initialised with)."
+            )
+        return list(specs)
+
+    def model_specs(self, tree: PyTree) -> PyTree:
+        """:meth:`model_leaf_specs` as a tree shaped like ``tree``."""
+        treedef = jax.tree_util.tree_structure(tree)
+        return jax.tree_util.tree_unflatten(treedef, self.model_leaf_specs(tree))
+
     @property
     def optimizer(self) -> optax.GradientTransformation:
         """The ``optax.GradientTransformation`` the strategy steps (bound)."""
@@ -203,24 +268,30 @@ class Strategy:
 
     # ---------------------------------------------------------------------------- placement
     def state_param_specs(self, params: PyTree) -> PyTree:
-        """Where the train state holds each param between steps: replicated by default."""
-        return specs_like(params, P())
+        """Where the train state holds each param between steps: as its model spec says
+        (:meth:`model_specs`; replicated without a layout) by default."""
+        return self.model_specs(params)
 
     def extra_specs(self, extra: PyTree, params: PyTree) -> PyTree:
-        """Where the train state holds ``extra`` (:class:`~jaxcoll.dp.Extra`): replicated."""
-        return specs_like(extra, P())
+        """Where the train state holds ``extra`` (:class:`~jaxcoll.dp.Extra`): each leaf that
+        mirrors a param placed like the param in the state (:func:`mirror_specs`), the
+        others replicated."""
+        return mirror_specs(extra, params, self.state_param_specs(params))
 
     def param_specs(self, params: PyTree) -> PyTree:
-        """Where the optimizer sees each param (and its gradient): replicated by default."""
-        return specs_like(params, P())
+        """Where the optimizer sees each param (and its gradient): as its model spec says
+        by default."""
+        return self.model_specs(params)
 
     def grad_specs(self, params: PyTree) -> PyTree:
         """The layout :meth:`reduce` returns the gradients in (the shard_map's out_specs)."""
         return self.param_specs(params)
 
     def opt_specs(self, opt_state: PyTree, params: PyTree) -> PyTree:
-        """The placement of every optimizer-state leaf: replicated by default."""
-        return specs_like(opt_state, P())
+        """The placement of every optimizer-state leaf: each leaf that mirrors a param is
+        placed as the optimizer sees the param (:meth:`param_specs`), the others replicated
+        (:func:`mirror_specs`)."""
+        return mirror_specs(opt_state, params, self.param_specs(params))
 
     def opt_shardings(self, params: PyTree) -> PyTree:
         """The ``NamedSharding`` of every leaf of ``optimizer.init(params)``."""

@@ -27,6 +27,7 @@ from ..._core.typing import AxisName, PyTree
 from ..._core.vma import as_invariant, axis_names, to_varying
 from ..._jax import jaxpr_parts
 from ..hooks.base import wire_dtype as hook_wire_dtype
+from ..layout import used_dims
 from .layerwise import gather_per_layer
 from .packing import gather_leaves, scatter_leaves, sum_leaves
 from .zero1 import ZeRO1
@@ -121,7 +122,11 @@ class FSDP(ZeRO1):
         is split and a scan over layers gathers one layer at a time), else the leading one
         when it divides it, else None (replicated)."""
         n = self.n_shard
-        return [fsdp_dim(tuple(np.shape(leaf)), n) for leaf in jax.tree_util.tree_leaves(params)]
+        models = self.model_leaf_specs(params)
+        return [
+            fsdp_dim(tuple(np.shape(leaf)), n, used_dims(m))
+            for leaf, m in zip(jax.tree_util.tree_leaves(params), models, strict=True)
+        ]
 
     def _plan(self, dims: list[int]) -> _Plan:
         return _Plan(
@@ -217,12 +222,13 @@ def _gather(slices: list[jax.Array], plan: _Plan) -> list[jax.Array]:
     return [checkpoint_name(to_varying(w, plan.names), GATHERED) for w in wholes]
 
 
-def fsdp_dim(shape: tuple[int, ...], n: int) -> int | None:
-    """The dimension FSDP splits a leaf of ``shape`` along (see :meth:`FSDP.shard_dims`)."""
+def fsdp_dim(shape: tuple[int, ...], n: int, taken: frozenset[int] = frozenset()) -> int | None:
+    """The dimension FSDP splits a leaf of ``shape`` along (see :meth:`FSDP.shard_dims`),
+    never one in ``taken`` (split by the leaf's model spec)."""
     for d in range(1, len(shape)):
-        if shape[d] > 0 and shape[d] % n == 0:
+        if d not in taken and shape[d] > 0 and shape[d] % n == 0:
             return d
-    if shape and shape[0] > 0 and shape[0] % n == 0:
+    if shape and 0 not in taken and shape[0] > 0 and shape[0] % n == 0:
         return 0
     return None
 

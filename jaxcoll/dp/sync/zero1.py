@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from ..._core.typing import AxisName, PyTree
@@ -27,21 +26,19 @@ from ..._core.vma import axis_names
 from ..buckets import mean_gradients
 from ..hooks.base import is_elementwise
 from ..hooks.base import wire_dtype as hook_wire_dtype
-from .base import Binding, Strategy, specs_like
+from ..layout import merge, used_dims
+from .base import Binding, Strategy, leaf_shape
 from .packing import gather_leaves, scatter_leaves, sum_leaves
 
 
-def shard_dim(shape: tuple[int, ...], n: int) -> int | None:
+def shard_dim(shape: tuple[int, ...], n: int, taken: frozenset[int] = frozenset()) -> int | None:
     """The dimension ZeRO-1 splits a leaf of ``shape`` along: the first one divisible by n
-    (a contiguous slice per device), or None (the leaf stays replicated)."""
+    that the model spec leaves whole (not in ``taken``: a contiguous slice per device), or
+    None (the leaf stays replicated over the data axes)."""
     for d, size in enumerate(shape):
-        if size > 0 and size % n == 0:
+        if d not in taken and size > 0 and size % n == 0:
             return d
     return None
-
-
-def _shape(leaf: Any) -> tuple[int, ...]:
-    return tuple(getattr(leaf, "shape", np.shape(leaf)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,50 +164,27 @@ class ZeRO1(Strategy):
 
     def shard_dims(self, params: PyTree) -> list[int | None]:
         """:func:`shard_dim` of every leaf of ``params`` over :attr:`n_shard` slices, in leaf
-        order."""
+        order, never along a dimension the leaf's model spec splits (the same dimension for
+        the global leaf and for the local slice the step sees)."""
         n = self.n_shard
-        return [shard_dim(_shape(leaf), n) for leaf in jax.tree_util.tree_leaves(params)]
-
-    def _spec(self, d: int | None) -> P:
-        return P() if d is None else P(*([None] * d), self.shard_axis_name)
+        models = self.model_leaf_specs(params)
+        return [
+            shard_dim(leaf_shape(leaf), n, used_dims(m))
+            for leaf, m in zip(jax.tree_util.tree_leaves(params), models, strict=True)
+        ]
 
     def param_specs(self, params: PyTree) -> PyTree:
+        """Each leaf's model spec with its :meth:`shard_dims` dimension split over
+        :attr:`shard_axis_name` as well."""
         treedef = jax.tree_util.tree_structure(params)
+        models = self.model_leaf_specs(params)
         return jax.tree_util.tree_unflatten(
-            treedef, [self._spec(d) for d in self.shard_dims(params)]
+            treedef,
+            [
+                merge(m, d, self.shard_axis_name)
+                for m, d in zip(models, self.shard_dims(params), strict=True)
+            ],
         )
-
-    def opt_specs(self, opt_state: PyTree, params: PyTree) -> PyTree:
-        """Each optimizer-state leaf that mirrors a param is split like it.
-
-        A leaf mirrors a param when the param's path in the params tree ends its own path
-        (``mu['l0']['w']`` ends with ``['l0']['w']``; the longest such path wins) and the
-        shapes match; any other leaf (step counts, factored statistics) is replicated. The
-        placement only decides memory: the update is exact with any placement.
-        """
-        flat, _ = jax.tree_util.tree_flatten_with_path(params)
-        specs = jax.tree_util.tree_leaves(
-            self.param_specs(params), is_leaf=lambda s: isinstance(s, P)
-        )
-        table = sorted(
-            (
-                (tuple(path), _shape(leaf), spec)
-                for (path, leaf), spec in zip(flat, specs, strict=True)
-            ),
-            key=lambda row: -len(row[0]),
-        )
-
-        def spec_of(path, leaf):
-            path, shape = tuple(path), _shape(leaf)
-            for p_path, p_shape, spec in table:
-                k = len(p_path)
-                if k <= len(path) and path[len(path) - k :] == p_path and shape == p_shape:
-                    return spec
-            return P()
-
-        if not flat:
-            return specs_like(opt_state, P())
-        return jax.tree_util.tree_map_with_path(spec_of, opt_state)
 
     def reduce(
         self, grads: PyTree, comm_state: PyTree, step: jax.Array, like: PyTree = None
@@ -312,5 +286,8 @@ class ZeRO1(Strategy):
             return jax.tree_util.tree_unflatten(treedef, out)
 
         return jax.shard_map(
-            body, mesh=self.mesh, in_specs=(self.param_specs(shards),), out_specs=P()
+            body,
+            mesh=self.mesh,
+            in_specs=(self.param_specs(shards),),
+            out_specs=self.model_specs(shards),
         )(shards)

@@ -1,0 +1,211 @@
+"""dp.Layout: the roles of a mesh's axes beside the data axes: tensor and pipeline.
+
+A :class:`~jaxcoll.dp.Trainer` splits the batch over its data axes (``axis_name``) and lets
+its gradient-sync strategy (``sync=``) place the params over them. A layout names the mesh
+axes the *model* splits: a tensor axis (the model's tensor-parallel layers split their
+params and activations over it: :mod:`jaxcoll.nn`, :mod:`jaxcoll.parallel`) and a pipeline
+axis (stages: :func:`jaxcoll.parallel.pipeline_apply`). Each param carries a *model spec*, a
+``PartitionSpec`` over those axes only (``P(None, "tensor")`` for a column-parallel kernel,
+``P("pipe", ...)`` for layers stacked by stage); the strategy splits each leaf further over
+the data axes along a dimension the model spec leaves whole (FSDP), so a TP-split kernel
+stays split over ``tensor`` and FSDP splits it over ``data`` too.
+
+This module holds the value and the spec arithmetic: where the model specs come from (flax's
+``nn.with_partitioning`` boxes, an explicit tree, or the params' own shardings), how a data
+split merges into a model spec, and the checks that name a bad spec and its fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from flax.linen import meta
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from .._core.typing import PyTree
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P) or x is None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The model's mesh axes: ``tensor`` and ``pipeline`` (either may be None).
+
+    The Trainer's step runs one ``jax.shard_map`` over the whole mesh. Over the data axes
+    (the Trainer's ``axis_name``) the batch is split and the gradients are synchronised by
+    the strategy; over the layout's axes the batch is replicated, each param arrives as this
+    device's slice of its model spec (whole where the spec leaves it whole), and the model's
+    own collectives (a row-parallel layer's all-reduce, a pipeline's sends) do the rest.
+    jax differentiates those collectives, so a param replicated over the tensor axis gets the
+    gradient summed over it (Megatron's "f" operator) and a split one its own slice's; the
+    strategy then synchronises each over the data axes only, once. The loss (and every
+    metric) must be the same on every device of the layout's axes: a model ends its tensor
+    parallel part with a reduction, its pipeline with :func:`~jaxcoll.parallel.pipeline_apply`'s
+    broadcast; a loss that varies over them is refused when the step is traced.
+
+    Args:
+        tensor: the mesh axis tensor-parallel layers split over, or None.
+        pipeline: the mesh axis of pipeline stages, or None.
+
+    Example (8 devices, FSDP over 4 x tensor parallel over 2)::
+
+        >>> mesh = jax.make_mesh((4, 2), ("data", "tensor"))
+        >>> trainer = dp.Trainer(model, optax.adamw(1e-3), mesh=mesh, axis_name="data",
+        ...                      sync=dp.sync.FSDP(), layout=dp.Layout(tensor="tensor"))
+        >>> state = trainer.init(variables["params"], rng)   # boxed by nn.with_partitioning
+    """
+
+    tensor: str | None = None
+    pipeline: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "pipeline"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(
+                    f"dp.Layout: {name} must be the name of a mesh axis (a string) or None, "
+                    f"got {value!r} of type {type(value).__name__} instead."
+                )
+        if self.tensor is not None and self.tensor == self.pipeline:
+            raise ValueError(
+                f"dp.Layout: tensor={self.tensor!r} and pipeline={self.pipeline!r} name the "
+                f"same axis; give each role its own mesh axis."
+            )
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The model's axes: the tensor axis, then the pipeline axis (those that are set)."""
+        return tuple(a for a in (self.tensor, self.pipeline) if a is not None)
+
+    def check(self, api: str, mesh: Mesh, data_axes: tuple) -> None:
+        """Raise ValueError if an axis of the layout is not an axis of ``mesh`` or is also a
+        data axis."""
+        for role, axis in (("tensor", self.tensor), ("pipeline", self.pipeline)):
+            if axis is None:
+                continue
+            if axis not in mesh.axis_names:
+                raise ValueError(
+                    f"{api}: layout {role}={axis!r} is not an axis of the mesh (axes "
+                    f"{mesh.axis_names}). Pass one of them, or a mesh with that axis."
+                )
+            if axis in data_axes:
+                raise ValueError(
+                    f"{api}: layout {role}={axis!r} is also a data axis (axis_name="
+                    f"{data_axes!r}); an axis has one role. Split the batch over the other "
+                    f"axes (axis_name=...) or give the {role} role another axis."
+                )
+
+
+def _entries(spec: P) -> list[tuple]:
+    """Each dimension's axes of ``spec`` as a tuple (empty for a whole dimension)."""
+    return [() if e is None else (e if isinstance(e, tuple) else (e,)) for e in spec]
+
+
+def _spec(entries: list[tuple]) -> P:
+    while entries and not entries[-1]:
+        entries = entries[:-1]
+    return P(*[None if not e else (e[0] if len(e) == 1 else e) for e in entries])
+
+
+def restrict(spec: P, axes: tuple) -> P:
+    """``spec`` with only the mesh axes in ``axes`` kept (the others made whole)."""
+    return _spec([tuple(a for a in e if a in axes) for e in _entries(spec)])
+
+
+def used_dims(spec: P) -> frozenset[int]:
+    """The dimensions ``spec`` splits."""
+    return frozenset(d for d, e in enumerate(_entries(spec)) if e)
+
+
+def merge(model: P, dim: int | None, data: Any) -> P:
+    """The model spec ``model`` with dimension ``dim`` split over the data axis (or tuple of
+    axes) ``data`` as well; ``model`` itself when ``dim`` is None. A dimension the model spec
+    splits already is split model-major (the data slices inside each model slice)."""
+    if dim is None:
+        return model
+    entries = _entries(model)
+    entries += [()] * (dim + 1 - len(entries))
+    entries[dim] = entries[dim] + (data if isinstance(data, tuple) else (data,))
+    return _spec(entries)
+
+
+def unbox(params: PyTree) -> tuple[PyTree, PyTree | None]:
+    """``(params, specs)``: the params without flax's ``nn.Partitioned`` boxes
+    (``nn.with_partitioning``), and their specs (``nn.get_partition_spec``; None when no leaf
+    is boxed)."""
+    is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+    boxed = any(is_box(x) for x in jax.tree_util.tree_leaves(params, is_leaf=is_box))
+    if not boxed:
+        return params, None
+    return meta.unbox(params), meta.get_partition_spec(params)
+
+
+def model_specs(
+    api: str,
+    params: PyTree,
+    specs: PyTree | None,
+    mesh: Mesh,
+    layout: Layout,
+    data_axes: tuple,
+) -> list[P]:
+    """Per leaf of ``params``, its model spec over the layout's axes, checked.
+
+    From ``specs`` (a tree of ``PartitionSpec`` shaped like ``params``) when given, else from
+    each leaf's own ``NamedSharding`` (its data axes dropped: a state the Trainer placed).
+    A name that is no axis of the mesh is dropped (a model written for a tensor axis, run on
+    a mesh without one, runs dense); a mesh axis that is neither a data axis nor one of the
+    layout's raises, naming the leaf and the fix; so does a split that does not divide.
+    """
+    leaves = jax.tree_util.tree_leaves(params)
+    if specs is None:
+        found = [getattr(getattr(x, "sharding", None), "spec", None) for x in leaves]
+        given = [P() if s is None else s for s in found]
+        source = "is placed"
+    else:
+        given = jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)
+        given = [P() if s is None else s for s in given]
+        if len(given) != len(leaves):
+            raise ValueError(
+                f"{api}: specs has {len(given)} PartitionSpecs for {len(leaves)} params; "
+                f"pass one per leaf of params (a tree of the same structure)."
+            )
+        source = "has the spec"
+    out = []
+    for i, (leaf, spec) in enumerate(zip(leaves, given, strict=True)):
+        used = [a for e in _entries(spec) for a in e]
+        stray = [a for a in used if a in mesh.axis_names and a not in data_axes + layout.axes]
+        if stray or len(_entries(spec)) > len(getattr(leaf, "shape", ())):
+            path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][i][0])
+            shown = "P(" + ", ".join(repr(e) for e in spec) + ")"
+            if stray:
+                raise ValueError(
+                    f"{api}: params{path} {source} {shown}, split over the mesh axis "
+                    f"{stray[0]!r}, which has no role in this Trainer (data axes "
+                    f"{data_axes}, layout {layout}); the Trainer would gather it whole on "
+                    f"every device. Name the axis in the layout (dp.Layout(tensor="
+                    f"{stray[0]!r}) for a tensor-parallel split) or pass the leaf "
+                    f"replicated over it."
+                )
+            raise ValueError(
+                f"{api}: params{path} {source} {shown}, with more entries than its "
+                f"{len(leaf.shape)} dimensions; give one entry per dimension at most."
+            )
+        kept = restrict(spec, layout.axes)
+        for d, e in enumerate(_entries(kept)):
+            k = 1
+            for a in e:
+                k *= mesh.shape[a]
+            if leaf.shape[d] % k:
+                path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][i][0])
+                raise ValueError(
+                    f"{api}: params{path} (shape {tuple(leaf.shape)}) is split over {e} "
+                    f"along dimension {d}, of size {leaf.shape[d]}, which {k} devices do not "
+                    f"divide. Pick sizes the model axes divide."
+                )
+        out.append(kept)
+    return out
