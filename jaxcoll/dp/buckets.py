@@ -24,26 +24,34 @@ from jax.typing import DTypeLike
 
 from .. import primitives
 from .._core.typing import AxisName, PyTree, Shaped
+from .._core.vma import varying_axes
 from .hooks.base import AllReduceHook, Bucket, CommHook, Compress
 
 
-def plan_buckets(leaves: Sequence[Shaped], bucket_bytes: float | None) -> list[list[int]]:
+def plan_buckets(
+    leaves: Sequence[Shaped], bucket_bytes: float | None, kinds: Sequence[Any] | None = None
+) -> list[list[int]]:
     """Group leaf indices into buckets of about ``bucket_bytes`` each, one dtype per bucket.
 
     Like DDP, leaves are taken in reverse order (the last layer's gradient is ready first in
     a backward pass) and a bucket is closed once it holds ``bucket_bytes`` or more, or when
     the dtype changes. ``bucket_bytes=None`` puts every leaf in its own bucket (bucketing off).
+    Inside ``jax.shard_map`` a bucket also holds leaves of one varying type only (a tensor
+    parallel slice and a replicated leaf never share a buffer, which would type the
+    replicated one varying): ``kinds[i]`` when given, else each array's varying axes.
     """
+    if kinds is None:
+        kinds = [varying_axes(x) if isinstance(x, jax.Array) else None for x in leaves]
     buckets: list[list[int]] = []
     size = 0.0
-    dtype = None
+    key: Any = None
     for i in reversed(range(len(leaves))):
         leaf = leaves[i]
         nbytes = float(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
         full = bucket_bytes is None or size >= bucket_bytes
-        if not buckets or full or leaf.dtype != dtype:
+        if not buckets or full or (leaf.dtype, kinds[i]) != key:
             buckets.append([])
-            size, dtype = 0.0, leaf.dtype
+            size, key = 0.0, (leaf.dtype, kinds[i])
         buckets[-1].append(i)
         size += nbytes
     return buckets

@@ -200,6 +200,7 @@ class Trainer:
         self.layout = layout
         self.sync = sync.bind(optimizer, mesh, self.axis_name)
         self._model_specs: tuple[P, ...] | None = None  # known at init (dp.layout)
+        self._specs_known = False  # init (or a state's placement) has set them
         self.accum_steps = accum_steps
         self.extra = extra
         self.skip_nonfinite = bool(skip_nonfinite)
@@ -328,6 +329,7 @@ class Trainer:
         """Bind the strategy to the params' model specs (new programs when they change);
         None when every leaf is whole over the model axes."""
         specs = None if all(s == P() for s in found) else found
+        self._specs_known = True
         if specs != self._model_specs:
             self._model_specs = specs
             self.sync = self.sync.with_model_specs(specs)
@@ -338,17 +340,17 @@ class Trainer:
         this Trainer's model spec for it says, or over an axis with no role: the step
         would silently make it whole (or split it as the init's spec says)."""
         found = model_specs(api, params, None, self.mesh, self.layout, axis_names(self.axis_name))
-        if self._model_specs is None:
-            if any(s != P() for s in found):  # a state built elsewhere: take its specs
-                self._set_model_specs(tuple(found))
+        if not self._specs_known:  # a state built elsewhere: take its specs
+            self._set_model_specs(tuple(found))
             return
-        if len(found) != len(self._model_specs):
+        known = self._model_specs or (P(),) * len(found)
+        if len(found) != len(known):
             raise ValueError(
                 f"{api}: these params have {len(found)} leaves, and the params this Trainer "
-                f"was initialised with {len(self._model_specs)}; with model axes a Trainer "
+                f"was initialised with {len(known)}; with model axes a Trainer "
                 f"trains the model it was initialised with (call init with these params)."
             )
-        for i, (got, want) in enumerate(zip(found, self._model_specs, strict=True)):
+        for i, (got, want) in enumerate(zip(found, known, strict=True)):
             if got != want and got != P():
                 path = jax.tree_util.tree_flatten_with_path(params)[0][i][0]
                 raise ValueError(

@@ -102,7 +102,8 @@ def _check_targets(api: str, examples: int, y: PyTree) -> None:
 
 
 def _check_stage(api: str, stage_fn: Callable, params: PyTree, xs: jax.Array) -> None:
-    probe = jax.eval_shape(stage_fn, params, xs[0])
+    # Typed as the schedule calls it: varying over every axis the params or inputs vary over.
+    probe = jax.eval_shape(stage_fn, params, cast_varying(xs[0], _names(params, xs)))
     if (probe.shape, probe.dtype) != (xs.shape[1:], xs.dtype):
         raise ValueError(
             f"{api}: stage_fn maps a micro-batch of shape {xs.shape[1:]} "
@@ -110,6 +111,20 @@ def _check_stage(api: str, stage_fn: Callable, params: PyTree, xs: jax.Array) ->
             f"activation's shape and dtype (one SPMD program runs every stage). "
             f"Pad or project the activations to one width."
         )
+
+
+def _carried(stage_fn: Callable, params: PyTree, xs: jax.Array, s: jax.Array) -> tuple:
+    """The axes the forward's activations vary over: the inputs' and the stage's, and those
+    ``stage_fn``'s output varies over given such an input (a fixed point). A stage whose
+    output is the same across a tensor axis (a Megatron block ends with its all-reduce)
+    keeps it invariant there, so the model's output is too."""
+    names = set(_names(xs, s))
+    while True:
+        probe = jax.eval_shape(stage_fn, params, cast_varying(xs[0], tuple(sorted(names, key=str))))
+        grown = names | set(varying_axes(probe) or ())
+        if grown == names:
+            return tuple(sorted(names, key=str))
+        names = grown
 
 
 def _forward(
@@ -121,7 +136,7 @@ def _forward(
     m = xs.shape[0]
     s = primitives.rank(stage_axis)
     _check_stage(api, stage_fn, params, xs)
-    names = _names(params, xs, s)
+    names = _carried(stage_fn, params, xs, s)
     zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
     buffers = cast_varying(jnp.zeros(xs.shape, xs.dtype), names)
     forward = [(i, i + 1) for i in range(n_stages - 1)]

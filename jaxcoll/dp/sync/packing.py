@@ -27,6 +27,7 @@ from jax.typing import DTypeLike
 
 from ... import primitives
 from ..._core.typing import AxisName
+from ..._core.vma import varying_axes
 from ..buckets import plan_buckets
 
 __all__ = [
@@ -86,7 +87,7 @@ def gather_leaves(
         for x, d in zip(shards, dims, strict=True)
     ]
     out: list[Any] = [None] * len(shards)
-    for bucket in plan_buckets(wholes, bucket_bytes):
+    for bucket in plan_buckets(wholes, bucket_bytes, [varying_axes(x) for x in shards]):
         rows = [_row(shards[i], dims[i], 1) for i in bucket]
         buf = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
         # Params cross devices here: one all-gather per bucket.

@@ -1,0 +1,325 @@
+"""dp.Layout: data x FSDP x tensor x pipeline on one mesh, each equal to one device.
+
+One model, written once: an input projection, a stack of residual Megatron MLP blocks (the
+hidden units split over the tensor axis, one all-reduce per block; the stacked layers split
+over the pipeline axis and run by ``parallel.pipeline_apply``) and an output projection. Run
+over the layout's axes it sees this device's slices; run on one device (the axes unbound)
+it is the dense model. Every layout trains twin copies (Adam and plain SGD, which catches a
+gradient off by a factor) and must equal plain single-device optax on the whole batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcoll import dp, parallel
+from jaxcoll._core.vma import varying_axes
+
+D, F, L, C = 16, 32, 4, 4  # width, hidden units, layers, classes
+BATCH, STEPS, MICRO = 16, 20, 2
+TOL = 1e-5
+TWIN = ("adam", "sgd")
+
+
+def _bound(axis: str) -> bool:
+    try:
+        jax.lax.axis_size(axis)
+    except NameError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------- model
+def init_copy(key):
+    k = jax.random.split(key, 5)
+    return {
+        "inp": jax.random.normal(k[0], (D, D)) * 0.3,
+        "blocks": {
+            "w1": jax.random.normal(k[1], (L, D, F)) * (0.5 / np.sqrt(D)),
+            "b1": jax.random.normal(k[2], (L, F)) * 0.1,
+            "w2": jax.random.normal(k[3], (L, F, D)) * (0.5 / np.sqrt(F)),
+            "b2": jnp.zeros((L, D)),
+            "scale": jnp.ones((L, D)),
+        },
+        "out": jax.random.normal(k[4], (D, C)) * 0.3,
+    }
+
+
+#: Each leaf's split over the model axes (names absent from a mesh are dropped: dense there).
+COPY_SPECS = {
+    "inp": P(),
+    "blocks": {
+        "w1": P("pipe", None, "tensor"),
+        "b1": P("pipe", "tensor"),
+        "w2": P("pipe", "tensor", None),
+        "b2": P("pipe"),
+        "scale": P("pipe"),
+    },
+    "out": P(),
+}
+SPECS = {k: COPY_SPECS for k in TWIN}
+
+
+def block(h, layer):
+    x = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-5) * layer["scale"]
+    mlp = {k: layer[k] for k in ("w1", "b1", "w2", "b2")}
+    if _bound("tensor"):
+        y = parallel.mlp(mlp, x, "tensor")  # one all-reduce over the tensor axis
+    else:
+        y = parallel.gelu(x @ mlp["w1"] + mlp["b1"]) @ mlp["w2"] + mlp["b2"]
+    return h + y, None
+
+
+def stage(blocks, h):
+    return jax.lax.scan(block, h, blocks)[0]  # this stage's layers (all of them, dense)
+
+
+def forward(p, x):
+    h = jnp.tanh(x @ p["inp"])
+    if _bound("pipe"):
+        h = parallel.pipeline_apply(
+            stage, p["blocks"], h, stage_axis="pipe", num_microbatches=MICRO
+        )
+    else:
+        h = stage(p["blocks"], h)
+    return h @ p["out"]
+
+
+def copy_loss(p, batch):
+    logits = forward(p, batch["x"])
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], axis=-1))
+
+
+def loss_fn(params, batch, rng):
+    losses = {k: copy_loss(params[k], batch) for k in TWIN}
+    return losses["adam"] + losses["sgd"], {f"loss_{k}": v for k, v in losses.items()}
+
+
+def optimizer():
+    labels = lambda p: {k: jax.tree_util.tree_map(lambda _, k=k: k, v) for k, v in p.items()}  # noqa: E731
+    return optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(0.1)}, labels)
+
+
+def data():
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(STEPS):
+        x = rng.normal(size=(BATCH, D)).astype(np.float32)
+        out.append({"x": x, "y": x[:, :C].argmax(-1).astype(np.int32)})
+    return out
+
+
+def params0():
+    keys = jax.random.split(jax.random.key(0), 2)
+    return {k: init_copy(key) for k, key in zip(TWIN, keys, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain single-device optax on the whole batches (the model dense)."""
+    opt = optimizer()
+    params = params0()
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state, batch):
+        grads = jax.grad(lambda p: loss_fn(p, batch, None)[0])(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for batch in data():
+        params, state = step(params, state, batch)
+    return jax.device_get(params)
+
+
+def _mesh(shape, names):
+    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
+
+
+#: name: (mesh shape, mesh axes, data axes, sync, layout)
+LAYOUTS = {
+    "dp8": ((8,), ("data",), "data", dp.sync.DDP(), None),
+    "fsdp8": ((8,), ("data",), "data", dp.sync.FSDP(), None),
+    "dp2xfsdp4": ((2, 4), ("dp", "fsdp"), ("dp", "fsdp"), dp.sync.FSDP(shard_axis="fsdp"), None),
+    "fsdp4xtp2": ((4, 2), ("data", "tensor"), "data", dp.sync.FSDP(), dp.Layout(tensor="tensor")),
+    "zero1x4xtp2": (
+        (4, 2),
+        ("data", "tensor"),
+        "data",
+        dp.sync.ZeRO1(),
+        dp.Layout(tensor="tensor"),
+    ),
+    "dp2xtp2xpp2": (
+        (2, 2, 2),
+        ("data", "tensor", "pipe"),
+        "data",
+        dp.sync.DDP(),
+        dp.Layout(tensor="tensor", pipeline="pipe"),
+    ),
+    "fsdp2xtp2xpp2": (
+        (2, 2, 2),
+        ("data", "tensor", "pipe"),
+        "data",
+        dp.sync.FSDP(),
+        dp.Layout(tensor="tensor", pipeline="pipe"),
+    ),
+}
+
+
+def _trainer(name):
+    shape, names, axis, sync, layout = LAYOUTS[name]
+    return dp.Trainer(
+        loss_fn, optimizer(), mesh=_mesh(shape, names), axis_name=axis, sync=sync, layout=layout
+    )
+
+
+def _max_rel(got, want):
+    diffs = jax.tree_util.tree_map(
+        lambda a, b: float(np.max(np.abs(np.asarray(a) - b)) / (np.max(np.abs(b)) + 1e-12)),
+        got,
+        want,
+    )
+    return max(jax.tree_util.tree_leaves(diffs))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_layout_equals_one_device(name, reference):
+    trainer = _trainer(name)
+    state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
+    for batch in data():
+        state, metrics = trainer.step(state, batch)
+    got = trainer.host_params(state)
+    for k in TWIN:
+        assert _max_rel(got[k], reference[k]) <= TOL, (name, k)
+    # The placement each role promises, per device: the tensor-split kernels hold 1/t of
+    # their columns, the pipeline 1/p of the layers, FSDP 1/d more.
+    shape, names, axis, sync, layout = LAYOUTS[name]
+    sizes = dict(zip(names, shape, strict=True))
+    w1 = state.params["sgd"]["blocks"]["w1"]
+    held = w1.addressable_shards[0].data.size / w1.size
+    want = 1.0
+    for a in layout.axes if layout else ():
+        want /= sizes[a]
+    if isinstance(sync, dp.sync.FSDP):
+        want /= sizes[sync.shard_axis or axis]
+    assert held == pytest.approx(want), (name, held, want)
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_a_tensor_split_leaf_keeps_its_split_and_fsdp_adds_the_data_split():
+    trainer = _trainer("fsdp4xtp2")
+    state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
+    blocks = state.params["adam"]["blocks"]
+    assert blocks["w1"].sharding.spec == P(None, "data", "tensor")
+    assert blocks["w2"].sharding.spec == P(None, "tensor", "data")
+    assert blocks["b1"].sharding.spec == P("data", "tensor")  # (L, F): only the layer axis left
+    # Adam's moments mirror the params' placement.
+    mu = state.opt_state.inner_states["adam"].inner_state[0].mu["adam"]["blocks"]["w1"]
+    assert mu.sharding.spec == P(None, "data", "tensor")
+
+
+def test_specs_from_flax_boxes_equal_explicit_specs():
+    import flax.linen as nn
+
+    boxed = jax.tree_util.tree_map(
+        lambda x, s: nn.Partitioned(x, tuple(s) + (None,) * (x.ndim - len(s))) if s else x,
+        params0(),
+        SPECS,
+        is_leaf=lambda s: isinstance(s, P),
+    )
+    trainer = _trainer("fsdp4xtp2")
+    a = trainer.init(boxed, jax.random.key(1))
+    b = _trainer("fsdp4xtp2").init(params0(), jax.random.key(1), specs=SPECS)
+    specs = lambda s: jax.tree_util.tree_map(lambda x: x.sharding.spec, s.params)  # noqa: E731
+    assert specs(a) == specs(b)
+
+
+def test_a_loss_that_varies_over_the_tensor_axis_is_refused():
+    def partial_loss(params, batch, rng):
+        # Row-parallel without its all-reduce: each tensor rank holds a partial sum.
+        h = batch["x"] @ params["w1"]
+        return jnp.mean((h @ params["w2"]) ** 2), {}
+
+    mesh = _mesh((4, 2), ("data", "tensor"))
+    trainer = dp.Trainer(partial_loss, optax.sgd(0.1), mesh=mesh, layout=dp.Layout(tensor="tensor"))
+    params = {"w1": np.ones((D, F), np.float32), "w2": np.ones((F, 2), np.float32)}
+    state = trainer.init(
+        params, jax.random.key(0), specs={"w1": P(None, "tensor"), "w2": P("tensor")}
+    )
+    with pytest.raises(
+        ValueError, match=r"Trainer.step: the loss varies over the model axis 'tensor'"
+    ):
+        trainer.step(state, data()[0])
+
+
+def test_a_state_placed_against_the_init_specs_is_refused_not_remade():
+    trainer = _trainer("fsdp4xtp2")
+    state = trainer.init(params0(), jax.random.key(1))  # no specs: the model runs whole
+    mesh = trainer.mesh
+    w = state.params["adam"]["inp"]
+    split = jax.device_put(w, NamedSharding(mesh, P(None, "tensor")))
+    bad = state.replace(params={**state.params, "adam": {**state.params["adam"], "inp": split}})
+    with pytest.raises(ValueError, match=r"Trainer.step: params\['adam'\]\['inp'\] is placed "):
+        trainer.step(bad, data()[0])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            dict(layout=dp.Layout(tensor="model")),
+            r"layout tensor='model' is not an axis of the mesh",
+        ),
+        (dict(layout=dp.Layout(tensor="data")), r"layout tensor='data' is also a data axis"),
+        (dict(layout="tensor"), r"layout must be a dp.Layout"),
+    ],
+)
+def test_bad_layouts_are_named(kwargs, match):
+    mesh = _mesh((4, 2), ("data", "tensor"))
+    with pytest.raises((TypeError, ValueError), match=match):
+        dp.Trainer(loss_fn, optimizer(), mesh=mesh, **kwargs)
+
+
+def test_layout_value_checks():
+    with pytest.raises(TypeError, match=r"dp.Layout: tensor must be the name of a mesh axis"):
+        dp.Layout(tensor=2)
+    with pytest.raises(ValueError, match=r"name the same axis"):
+        dp.Layout(tensor="x", pipeline="x")
+    assert dp.Layout(tensor="t", pipeline="p").axes == ("t", "p")
+
+
+def test_a_split_the_axis_does_not_divide_is_named():
+    mesh = _mesh((4, 2), ("data", "tensor"))
+    trainer = dp.Trainer(loss_fn, optimizer(), mesh=mesh, layout=dp.Layout(tensor="tensor"))
+    params = {"w": np.ones((3, 5), np.float32)}
+    with pytest.raises(ValueError, match=r"params\['w'\] \(shape \(3, 5\)\) is split over"):
+        trainer.init(params, jax.random.key(0), specs={"w": P(None, "tensor")})
+
+
+def test_the_types_inside_the_step_stay_checked():
+    # A tensor-replicated param is typed invariant over the tensor axis inside the step (so
+    # jax sums its gradient over the axis); the tensor-split one varies.
+    seen = {}
+
+    def probe(params, batch, rng):
+        seen["inp"] = varying_axes(params["adam"]["inp"])
+        seen["w1"] = varying_axes(params["adam"]["blocks"]["w1"])
+        return loss_fn(params, batch, rng)
+
+    trainer = dp.Trainer(
+        probe,
+        optimizer(),
+        mesh=_mesh((4, 2), ("data", "tensor")),
+        layout=dp.Layout(tensor="tensor"),
+    )
+    state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
+    trainer.step(state, data()[0])
+    assert "tensor" not in seen["inp"] and "data" in seen["inp"]
+    assert {"tensor", "data"} <= set(seen["w1"])
