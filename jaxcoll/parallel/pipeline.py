@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import primitives
+from .._core.axis import bound
 from .._core.typing import PyTree
 from .._core.vma import cast_varying, varying_axes
 
@@ -175,19 +176,45 @@ def pipeline_apply(
                 x = stage_fn(params_of_stage(s), x)
             return x
 
+    **Dense mode.** Where ``stage_axis`` is not bound (no enclosing ``jax.shard_map`` names
+    it: a single-device reference run of the same model code), it returns
+    ``stage_fn(params, x)``: pass ALL stages' params, e.g. layers stacked on a leading axis
+    that ``stage_fn`` scans over, which the pipelined run splits over the stages
+    (``P("stage")``) so that each stage scans its own. One model definition then serves both
+    runs. "Not bound" is what jax 0.10 reports as ``NameError`` from
+    ``lax.axis_size(stage_axis)``, under ``jax.jit`` or not; ``num_microbatches`` is checked
+    against the batch in both modes.
+
     Lowering: the GPipe forward schedule of :func:`pipeline_value_and_grad` (a ``lax.scan``
     of M + S - 1 steps, one ``sendrecv`` each), then a broadcast from the last stage.
+    Differentiable: ``jax.grad`` of a loss of the output (the same on every stage) gives
+    each stage its own params' gradient, GPipe by autodiff (the scan's transpose runs the
+    backward, the ``sendrecv`` transposes carry the cotangents down, the broadcast's
+    hands the loss's cotangent to the last stage alone). Autodiff keeps every step's
+    residuals, so memory grows with M; :func:`pipeline_value_and_grad` keeps less.
 
-    Example (4 devices as 4 stages)::
+    .. warning::
+        Under ``jax.shard_map(..., check_vma=False)`` jax tracks no replicated types, so
+        ``jax.grad`` of a loss computed on every stage differentiates the sum of the S
+        stages' copies: the gradients come out S times the model's (as for
+        ``lax.psum``'s transpose there). Keep ``check_vma=True`` (the default).
 
-        >>> f = jax.shard_map(lambda w, x: pipeline_apply(lambda w, h: h * w[0], w, x,
-        ...                   stage_axis="stage", num_microbatches=2), mesh=mesh,
-        ...                   in_specs=(P("stage"), P()), out_specs=P())
+    Example (4 devices as 4 stages, then none)::
+
+        >>> stage = lambda w, h: h * jnp.prod(w)  # this stage's factors (all: dense)
+        >>> f = jax.shard_map(lambda w, x: pipeline_apply(stage, w, x, stage_axis="stage",
+        ...                   num_microbatches=2), mesh=mesh, in_specs=(P("stage"), P()),
+        ...                   out_specs=P())
         >>> f(jnp.array([1.0, 2.0, 3.0, 4.0]), jnp.ones(4))
+        Array([24., 24., 24., 24.], dtype=float32)
+        >>> pipeline_apply(stage, jnp.array([1.0, 2.0, 3.0, 4.0]), jnp.ones(4),
+        ...                stage_axis="stage", num_microbatches=2)  # no shard_map: dense
         Array([24., 24., 24., 24.], dtype=float32)
     """
     api = "pipeline_apply"
     xs = _microbatches(api, x, num_microbatches)
+    if not bound(api, stage_axis, "stage_axis"):
+        return stage_fn(params, x)
     _, outs = _forward(api, stage_fn, params, xs, stage_axis)
     last = primitives.world_size(stage_axis) - 1
     return primitives.broadcast(outs.reshape(x.shape), stage_axis, last)
