@@ -67,6 +67,34 @@ def resolve(api: str, axis_name: Any) -> Axis:
     return Axis(axis_name, int(size), vmapped=not all(a in manual for a in names))
 
 
+def bound(api: str, axis_name: Any, arg: str = "axis_name") -> bool:
+    """Whether ``axis_name`` is bound here (by an enclosing ``jax.shard_map``, or ``pmap`` /
+    ``vmap`` with that ``axis_name``), for functions that run dense where it is not.
+
+    jax 0.10's ``lax.axis_size`` raises ``NameError`` ("unbound axis name: x") for a name
+    nothing binds, inside ``jax.jit`` and out, and also under ``jax.set_mesh`` of a mesh with
+    that axis (a mesh alone binds no name). A tuple of names is bound when all its names are;
+    some bound and some not raises ValueError (naming the argument ``arg``).
+    """
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    flags = []
+    for name in names:
+        try:
+            lax.axis_size(name)
+        except NameError:
+            flags.append(False)
+        else:
+            flags.append(True)
+    if all(flags) or not any(flags):
+        return all(flags)
+    unbound = [n for n, f in zip(names, flags, strict=True) if not f]
+    raise ValueError(
+        f"{api}: {arg}={axis_name!r} is bound only in part ({unbound!r} not bound here). "
+        f"Call it inside jax.shard_map over a mesh with all of {axis_name!r}, or outside "
+        f"any for the dense model."
+    )
+
+
 def is_rank(ax: Axis, ranks: int | Iterable[int]) -> jax.Array:
     """A traced bool: is this device's rank ``ranks`` (an int) or one of ``ranks``?"""
     if isinstance(ranks, (int, np.integer)):

@@ -1,5 +1,6 @@
-"""Model parallelism on jaxcoll's primitives: pipeline (GPipe), tensor (Megatron) and expert
-(MoE token dispatch) parallelism, as functions called inside ``jax.shard_map``.
+"""Model parallelism on jaxcoll's primitives: pipeline (GPipe, 1F1B, interleaved 1F1B),
+tensor (Megatron) and expert (MoE token dispatch) parallelism, as functions called inside
+``jax.shard_map``.
 
 Why here: these are training recipes, not collectives, so they sit above
 :mod:`jaxcoll.primitives` (which they call: ``sendrecv`` for the pipeline's forward and

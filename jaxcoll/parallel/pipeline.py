@@ -1,9 +1,10 @@
-"""Pipeline parallelism on send/recv, GPipe and 1F1B schedules: micro-batches flow forward
-through the stages of a ``stage`` mesh axis, cotangents flow back, gradients accumulate over
-micro-batches.
+"""Pipeline parallelism on send/recv, GPipe, 1F1B and interleaved 1F1B schedules:
+micro-batches flow forward through the stages of a ``stage`` mesh axis, cotangents flow back,
+gradients accumulate over micro-batches.
 
 Seed 003 names pipelines as what send/recv are for; here every transfer is one
-:func:`jaxcoll.primitives.sendrecv` (one ``lax.ppermute``) between neighbouring stages.
+:func:`jaxcoll.primitives.sendrecv` (one ``lax.ppermute``) between neighbouring stages. The
+interleaved schedule's index formulas and lowering live in :mod:`._interleaved`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import primitives
+from .._core.axis import bound
 from .._core.typing import PyTree
 from .._core.vma import cast_varying, varying_axes
+from . import _interleaved
 
-_SCHEDULES = ("gpipe", "1f1b")
+_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def _check_schedule(api: str, schedule: Any) -> str:
@@ -31,26 +34,38 @@ def _check_schedule(api: str, schedule: Any) -> str:
     return schedule
 
 
-def bubble_fraction(num_stages: int, num_microbatches: int, schedule: str = "gpipe") -> float:
+def bubble_fraction(
+    num_stages: int, num_microbatches: int, schedule: str = "gpipe", *, virtual_stages: int = 1
+) -> float:
     """The idle share of a stage's slots in :func:`pipeline_value_and_grad`'s schedule.
 
-    Both schedules, as lowered here, take ``2(M + S - 1)`` compute slots per stage (one forward
-    or one backward each) for S stages and M micro-batches, of which every stage is busy for
-    ``2M`` (M forwards, M backwards): the bubble is ``(S - 1) / (M + S - 1)`` for either.
+    A slot is one forward or one backward of one stage's model chunk (the whole stage when
+    ``virtual_stages`` is 1). GPipe and 1F1B, as lowered here, take ``2(M + S - 1)`` slots per
+    stage for S stages and M micro-batches, of which every stage is busy for ``2M`` (M
+    forwards, M backwards): the bubble is ``(S - 1) / (M + S - 1)`` for either.
 
     * ``"gpipe"``: M + S - 1 forward steps, then M + S - 1 backward steps; stage s idles for
       S - 1 steps in each.
     * ``"1f1b"``: 2(M + S - 1) slots alternating forward and backward (stage s runs forwards in
       the slots of its parity); its warm-up and drain idle 2(S - 1) of them, as the classic
       non-interleaved 1F1B with a flush does.
+    * ``"interleaved"`` with v = ``virtual_stages`` chunks per stage: 2(Mv + S - 1) slots of
+      one chunk each (a 1/v-th of a stage's work), busy 2Mv, so the bubble is
+      ``(S - 1) / (vM + S - 1)``: Megatron's interleaved bubble, (S - 1) / (vM) of the
+      ideal compute. The schedule takes ``Mv + (v + 1)S - 2`` rounds of a forward half and a
+      backward half; in the first vS - 1 rounds no stage has a backward and in the last
+      vS - 1 none has a forward, so those halves are nobody's slots (every stage skips
+      them; only their transfer runs). With v = 1 the bubble is 1F1B's.
 
     1F1B does not shrink the bubble; it bounds activation memory: a stage keeps at most
-    ``min(S, M)`` micro-batches' inputs instead of GPipe's M.
+    ``min(S, M)`` micro-batches' inputs instead of GPipe's M. Interleaving divides the bubble
+    by about v, for v times the transfers and ``min(Mv, vS + S - 1)`` kept chunk inputs.
 
     Args:
         num_stages: S.
-        num_microbatches: M.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        num_microbatches: M (a multiple of S when ``virtual_stages`` > 1).
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+        virtual_stages: v, model chunks per stage; more than 1 only with ``"interleaved"``.
 
     Example::
 
@@ -58,10 +73,15 @@ def bubble_fraction(num_stages: int, num_microbatches: int, schedule: str = "gpi
         0.2727272727272727
         >>> bubble_fraction(4, 8, schedule="1f1b")
         0.2727272727272727
+        >>> bubble_fraction(4, 8, schedule="interleaved", virtual_stages=2)
+        0.15789473684210525
     """
-    _check_schedule("bubble_fraction", schedule)
-    slots = 2 * (num_microbatches + num_stages - 1)
-    busy = 2 * num_microbatches
+    api = "bubble_fraction"
+    _check_schedule(api, schedule)
+    v = _interleaved.check_virtual_stages(api, virtual_stages, schedule)
+    _interleaved.check_groups(api, num_stages, num_microbatches, v)
+    slots = 2 * (num_microbatches * v + num_stages - 1)
+    busy = 2 * num_microbatches * v
     return (slots - busy) / slots
 
 
@@ -175,19 +195,45 @@ def pipeline_apply(
                 x = stage_fn(params_of_stage(s), x)
             return x
 
+    **Dense mode.** Where ``stage_axis`` is not bound (no enclosing ``jax.shard_map`` names
+    it: a single-device reference run of the same model code), it returns
+    ``stage_fn(params, x)``: pass ALL stages' params, e.g. layers stacked on a leading axis
+    that ``stage_fn`` scans over, which the pipelined run splits over the stages
+    (``P("stage")``) so that each stage scans its own. One model definition then serves both
+    runs. "Not bound" is what jax 0.10 reports as ``NameError`` from
+    ``lax.axis_size(stage_axis)``, under ``jax.jit`` or not; ``num_microbatches`` is checked
+    against the batch in both modes.
+
     Lowering: the GPipe forward schedule of :func:`pipeline_value_and_grad` (a ``lax.scan``
     of M + S - 1 steps, one ``sendrecv`` each), then a broadcast from the last stage.
+    Differentiable: ``jax.grad`` of a loss of the output (the same on every stage) gives
+    each stage its own params' gradient, GPipe by autodiff (the scan's transpose runs the
+    backward, the ``sendrecv`` transposes carry the cotangents down, the broadcast's
+    hands the loss's cotangent to the last stage alone). Autodiff keeps every step's
+    residuals, so memory grows with M; :func:`pipeline_value_and_grad` keeps less.
 
-    Example (4 devices as 4 stages)::
+    .. warning::
+        Under ``jax.shard_map(..., check_vma=False)`` jax tracks no replicated types, so
+        ``jax.grad`` of a loss computed on every stage differentiates the sum of the S
+        stages' copies: the gradients come out S times the model's (as for
+        ``lax.psum``'s transpose there). Keep ``check_vma=True`` (the default).
 
-        >>> f = jax.shard_map(lambda w, x: pipeline_apply(lambda w, h: h * w[0], w, x,
-        ...                   stage_axis="stage", num_microbatches=2), mesh=mesh,
-        ...                   in_specs=(P("stage"), P()), out_specs=P())
+    Example (4 devices as 4 stages, then none)::
+
+        >>> stage = lambda w, h: h * jnp.prod(w)  # this stage's factors (all: dense)
+        >>> f = jax.shard_map(lambda w, x: pipeline_apply(stage, w, x, stage_axis="stage",
+        ...                   num_microbatches=2), mesh=mesh, in_specs=(P("stage"), P()),
+        ...                   out_specs=P())
         >>> f(jnp.array([1.0, 2.0, 3.0, 4.0]), jnp.ones(4))
+        Array([24., 24., 24., 24.], dtype=float32)
+        >>> pipeline_apply(stage, jnp.array([1.0, 2.0, 3.0, 4.0]), jnp.ones(4),
+        ...                stage_axis="stage", num_microbatches=2)  # no shard_map: dense
         Array([24., 24., 24., 24.], dtype=float32)
     """
     api = "pipeline_apply"
     xs = _microbatches(api, x, num_microbatches)
+    if not bound(api, stage_axis, "stage_axis"):
+        return stage_fn(params, x)
     _, outs = _forward(api, stage_fn, params, xs, stage_axis)
     last = primitives.world_size(stage_axis) - 1
     return primitives.broadcast(outs.reshape(x.shape), stage_axis, last)
@@ -326,8 +372,10 @@ def pipeline_value_and_grad(
     num_microbatches: int,
     data_axis: Hashable | None = None,
     schedule: str = "gpipe",
+    virtual_stages: int = 1,
 ) -> tuple[jax.Array, PyTree]:
-    """The loss of a staged model and this stage's gradient, by a GPipe or a 1F1B schedule.
+    """The loss of a staged model and this stage's gradient, by a GPipe, 1F1B or interleaved
+    1F1B schedule.
 
     Call inside ``jax.shard_map`` over a mesh with a ``stage_axis`` (stage s holds the params
     of stage s, e.g. ``in_specs=P("stage")`` on params stacked by stage) and optionally a
@@ -339,6 +387,17 @@ def pipeline_value_and_grad(
             return loss_fn(x, y)         # a MEAN over the examples
         loss, grads = jax.value_and_grad(model_loss)(all_params, x_global, y_global)
         return loss, grads[stage]
+
+    and with ``schedule="interleaved"`` and v = ``virtual_stages``, for a model of S*v chunks
+    of which stage s holds chunks s, s + S, ..., s + (v - 1)S (``params`` stacks them on a
+    leading axis of v: ``params[c]`` is model chunk ``c*S + s``)::
+
+        def model_loss(chunks, x, y):    # chunks[k]: model chunk k
+            for k in range(S * v):
+                x = stage_fn(chunks[k], x)
+            return loss_fn(x, y)
+        loss, grads = jax.value_and_grad(model_loss)(chunks, x_global, y_global)
+        return loss, stack([grads[c * S + stage] for c in range(v)])
 
     The replica's batch splits into M micro-batches; every transfer between neighbouring
     stages is one ``sendrecv`` (one ``lax.ppermute``). A backward recomputes the stage's
@@ -366,45 +425,91 @@ def pipeline_value_and_grad(
       Activation memory is bounded by the number of stages, not M. Each slot a stage runs
       only its own branch (a ``lax.cond``), so the compute is GPipe's: M forwards and M
       recomputed forwards with their backwards.
+    * ``schedule="interleaved"`` (Megatron's interleaved 1F1B, virtual pipeline stages; M a
+      multiple of S when v > 1): a micro-batch goes round the ring of stages v times, from
+      stage S - 1 back to stage 0 between chunks. Each stage runs Mv forwards and Mv
+      backwards of one chunk each, in groups of S micro-batches: forward entry n is chunk
+      ``(n mod Sv) div S`` of micro-batch ``(n div Sv)S + n mod S`` (chunk 0 of the group's
+      S micro-batches, then chunk 1 of the same, ...), backward entry n the same with the
+      chunks from v - 1 down. ``Mv + (v + 1)S - 2`` rounds; in round k stage s runs
 
-    Both have the bubble ``(S - 1) / (M + S - 1)`` (:func:`bubble_fraction`). With
-    ``data_axis`` the gradient is then averaged over the replicas by one all-reduce (exactly
-    once: params are made varying over the axes first, so ``jax.vjp`` adds no hidden
-    reduction; see the gradient trap in docs/dp.md).
+      - forward entry ``k - s``, then one ``sendrecv`` moves every activation one stage up
+        the ring (S - 1 to 0: into the next chunk),
+      - backward entry ``k - (v + 1)S + 2 + s``, then one ``sendrecv`` moves every cotangent
+        one stage down the ring (0 to S - 1: into the previous chunk),
+
+      each where that entry is in ``0..Mv-1`` (a ``lax.cond`` per half: the forward or the
+      backward, or nothing). So an activation made in round k is used in round k + 1, the
+      last stage runs the last chunk's backward in the round of its forward, the forwards
+      start back to back (stage s makes vS + S - 1 - 2s of them before its first backward:
+      Megatron's warm-up and its first steady forward) and the steady state alternates, as
+      in Megatron's schedule. A chunk input lives from its forward to its backward: at most
+      ``min(Mv, vS + S - 1)`` at once (on stage 0), kept in that many buffers taken from a
+      free list. Activation memory is bounded by S and v, not M (more than 1F1B's S inputs;
+      each is one chunk's input).
+
+    The bubble (:func:`bubble_fraction`) is ``(S - 1) / (M + S - 1)`` for GPipe and 1F1B and
+    ``(S - 1) / (vM + S - 1)`` for the interleaved schedule, in slots of one chunk (1/v of a
+    stage's work): Megatron's bubble, for v times the transfers. With ``data_axis`` the
+    gradient is then averaged over the replicas by one all-reduce (exactly once: params are
+    made varying over the axes first, so ``jax.vjp`` adds no hidden reduction; see the
+    gradient trap in docs/dp.md).
 
     Args:
-        stage_fn: ``(stage_params, h) -> h``; every stage keeps the activation's shape and
-            dtype (one program runs every stage: pad to one width if stages differ).
+        stage_fn: ``(stage_params, h) -> h`` (one chunk's params with ``"interleaved"``); every
+            stage keeps the activation's shape and dtype (one program runs every stage: pad
+            to one width if stages differ).
         loss_fn: ``(h_last, y_microbatch) -> scalar``, the MEAN loss over the micro-batch.
-        params: this stage's parameters (a pytree).
+        params: this stage's parameters (a pytree); with ``"interleaved"``, this stage's v
+            chunks stacked on a leading axis of v (also for v = 1).
         x: this replica's input batch ``(B, ...)``, read by stage 0 (the others may pass the
             same array; only its shape is used there).
         y: this replica's targets, leading axis B (a pytree, every leaf one row per example
             of ``x``), read by the last stage.
         stage_axis: the mesh axis of the stages.
-        num_microbatches: M; must divide B.
+        num_microbatches: M; must divide B (and be a multiple of S for ``"interleaved"``
+            with v > 1).
         data_axis: the mesh axis of data-parallel replicas, or None.
-        schedule: ``"gpipe"`` (the default) or ``"1f1b"``; the same loss and gradients.
+        schedule: ``"gpipe"`` (the default), ``"1f1b"`` or ``"interleaved"``; the same loss
+            and gradients.
+        virtual_stages: v, model chunks per stage (``"interleaved"`` only; default 1).
 
     Returns:
         ``(loss, grads)``: the global mean loss (the same on every device) and this stage's
-        gradient averaged over the replicas.
+        gradient averaged over the replicas (leading axis v with ``"interleaved"``).
+
+    Raises:
+        ValueError: an unknown schedule, ``virtual_stages`` < 1 or > 1 without
+            ``"interleaved"``, M not dividing B or (interleaved, v > 1) not a multiple of S,
+            params without the leading axis of v, a stage that changes the activation's
+            shape.
+        TypeError: ``virtual_stages`` not an int.
 
     Example (2 data x 4 stages): see ``examples/06_pipeline.py``.
     """
     api = "pipeline_value_and_grad"
     _check_schedule(api, schedule)
+    v = _interleaved.check_virtual_stages(api, virtual_stages, schedule)
     xs = _microbatches(api, x, num_microbatches)
     _check_targets(api, x.shape[0], y)
-    ys = jax.tree_util.tree_map(lambda v: _microbatches(api, v, num_microbatches), y)
+    ys = jax.tree_util.tree_map(lambda t: _microbatches(api, t, num_microbatches), y)
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     # Varying over every axis first: jax.vjp then gives this device's own contribution, and
     # the one reduction over data below is the only one.
     axes = (stage_axis,) + ((data_axis,) if data_axis is not None else ())
     own = jax.tree_util.tree_map(lambda p: cast_varying(p, axes), params)
-    run = _gpipe if schedule == "gpipe" else _one_f_one_b
-    last_loss, grads = run(api, stage_fn, loss_fn, own, xs, ys, stage_axis)
+    if schedule == "interleaved":
+        _interleaved.check_groups(api, n_stages, num_microbatches, v)
+        _interleaved.check_chunks(api, params, v)
+        _check_stage(api, stage_fn, jax.tree_util.tree_map(lambda p: p[0], own), xs)
+        names = _names(own, xs, ys, s)
+        last_loss, grads = _interleaved.interleaved(
+            stage_fn, loss_fn, own, xs, ys, stage_axis, v, names
+        )
+    else:
+        run = _gpipe if schedule == "gpipe" else _one_f_one_b
+        last_loss, grads = run(api, stage_fn, loss_fn, own, xs, ys, stage_axis)
 
     loss = primitives.all_reduce(jnp.where(s == n_stages - 1, last_loss, 0.0), stage_axis)
     if data_axis is not None:

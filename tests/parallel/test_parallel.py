@@ -1,6 +1,6 @@
 """jaxcoll.parallel beyond what the examples prove (05/06/07 run in tests/test_examples.py):
-the pipeline without a data axis and its forward, MoE with a capacity that drops tokens, and
-every error."""
+the pipeline without a data axis and its forward, that forward differentiated and run dense
+(no stage axis bound), MoE with a capacity that drops tokens, and every error."""
 
 from __future__ import annotations
 
@@ -67,6 +67,85 @@ def test_pipeline_without_data_axis_matches_one_device():
     for k in params:
         np.testing.assert_allclose(grads[k], want_grads[k], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out, _reference(params, x), rtol=1e-6, atol=1e-6)
+
+
+LAYERS = 2  # per stage: one model, S * LAYERS layers stacked on a leading axis
+
+
+def _layers():
+    rng = np.random.default_rng(3)
+    return {
+        "a": rng.normal(size=(S * LAYERS, W)).astype(np.float32),
+        "b": rng.normal(size=(S * LAYERS, W)).astype(np.float32),
+    }
+
+
+def layers_fn(p, h):
+    """Every layer of ``p`` in order: a stage's own layers, or the whole model's (dense)."""
+    return jax.lax.scan(lambda h, layer: (stage_fn(layer, h), None), h, p)[0]
+
+
+def model(p, x):
+    return parallel.pipeline_apply(layers_fn, p, x, stage_axis="stage", num_microbatches=4)
+
+
+def model_loss(p, x, y):
+    return loss_fn(model(p, x), y)
+
+
+def test_pipeline_apply_is_the_dense_model_where_the_stage_axis_is_unbound():
+    params = _layers()
+    x = np.random.default_rng(4).normal(size=(8, W)).astype(np.float32)
+    want = x
+    for k in range(S * LAYERS):
+        want = stage_fn(jax.tree.map(lambda v, k=k: v[k], params), want)
+    np.testing.assert_allclose(model(params, x), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(model)(params, x), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"pipeline_apply: the batch has 8 examples, which do "):
+        parallel.pipeline_apply(layers_fn, params, x, stage_axis="stage", num_microbatches=3)
+
+
+def test_pipeline_apply_refuses_a_stage_axis_bound_in_part():
+    mesh = mesh_1d(S, "stage")
+
+    def body(p, x):
+        return parallel.pipeline_apply(
+            layers_fn, p, x, stage_axis=("stage", "other"), num_microbatches=4
+        )
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P()))
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline_apply: stage_axis=\('stage', 'other'\) is bound only in part "
+        r"\(\['other'\] not bound here\)",
+    ):
+        f.trace(_layers(), jax.ShapeDtypeStruct((8, W), jnp.float32))
+
+
+def test_grad_through_pipeline_apply_equals_the_dense_gradient():
+    # The same loss function, inside shard_map over 4 stages (each holding its 2 layers) and
+    # outside it (dense, all 8 layers): jax.grad must agree, for the params (varying over the
+    # stages) and for the input (invariant: its gradient is summed over the stages once).
+    mesh = mesh_1d(S, "stage")
+    params = _layers()
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(8, W)).astype(np.float32)
+    y = rng.normal(size=(8, W)).astype(np.float32)
+    grad = jax.grad(model_loss, argnums=(0, 1))
+    f = jax.jit(
+        jax.shard_map(
+            lambda p, x, y: (model_loss(p, x, y), *grad(p, x, y)),
+            mesh=mesh,
+            in_specs=(P("stage"), P(), P()),
+            out_specs=(P(), P("stage"), P()),
+        )
+    )
+    loss, g_params, g_x = f(jax.device_put(params, NamedSharding(mesh, P("stage"))), x, y)
+    want_params, want_x = grad(params, x, y)
+    np.testing.assert_allclose(loss, model_loss(params, x, y), rtol=0, atol=1e-5)
+    for k in params:
+        np.testing.assert_allclose(g_params[k], want_params[k], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(g_x, want_x, rtol=0, atol=1e-5)
 
 
 def test_bubble_fraction():

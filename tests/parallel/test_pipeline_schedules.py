@@ -1,8 +1,12 @@
-"""The pipeline's two schedules: 1F1B gives GPipe's loss and gradients (and the dense model's),
-on its own and beside a data axis; it keeps fewer activations than GPipe in the compiled
-program; the bubble of each; a bad schedule name."""
+"""The pipeline's three schedules: 1F1B and interleaved 1F1B give GPipe's loss and gradients
+(and the dense model's), on their own and beside a data axis; they keep fewer activations than
+GPipe in the compiled program, a number that does not grow with the micro-batches; the
+interleaved schedule's table (every dependency, the buffers, the idle slots) and the bubble of
+each; bad schedules and virtual stages."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll import parallel
+from jaxcoll.parallel import _interleaved
 from tests.helpers import mesh_1d, mesh_2d
 
 S, W = 4, 8
@@ -127,15 +132,199 @@ def test_1f1b_with_a_data_axis_averages_the_replicas_once():
     _check(g_loss, g_grads, params, x, y)
 
 
-def _temp_bytes(schedule, m=16, rows=64, width=256):
+V = 2  # virtual stages: a model of S * V = 8 chunks
+
+
+def _chunked_problem(batch):
+    """A model of S * V chunks, ``(S * V, ...)`` params in model order."""
+    rng = np.random.default_rng(batch + 1)
+    params = {
+        "w": (rng.normal(size=(S * V, W, W)) / np.sqrt(W)).astype(np.float32),
+        "b": rng.normal(size=(S * V, W)).astype(np.float32) * 0.1,
+    }
+    x = rng.normal(size=(batch, W)).astype(np.float32)
+    y = {
+        "target": rng.normal(size=(batch, W)).astype(np.float32),
+        "weight": rng.uniform(0.5, 1.5, size=batch).astype(np.float32),
+    }
+    return params, x, y
+
+
+def _dense_chunks(params, x, y):
+    def model_loss(p):
+        h = x
+        for k in range(S * V):
+            h = stage_fn(jax.tree.map(lambda t, k=k: t[k], p), h)
+        return loss_fn(h, y)
+
+    return jax.value_and_grad(model_loss)(params)
+
+
+def _two_chunks(p, h):
+    """GPipe's and 1F1B's stage s: chunks 2s and 2s + 1, in order."""
+    for c in range(V):
+        h = stage_fn(jax.tree.map(lambda t, c=c: t[c], p), h)
+    return h
+
+
+def _three(stage_axis, m, data_axis=None):
+    """One shard_map body running GPipe and 1F1B (stage s: model chunks Vs..Vs+V-1) and the
+    interleaved schedule (stage s: chunks s, s + S): one compiled program for the three."""
+
+    def body(contiguous, ring, x, y):
+        out = []
+        for schedule, p, fn, chunks in (
+            ("gpipe", contiguous, _two_chunks, {}),
+            ("1f1b", contiguous, _two_chunks, {}),
+            ("interleaved", ring, stage_fn, {"virtual_stages": V}),
+        ):
+            loss, g = parallel.pipeline_value_and_grad(
+                fn,
+                loss_fn,
+                jax.tree.map(lambda t: t[0], p),
+                x,
+                y,
+                stage_axis=stage_axis,
+                num_microbatches=m,
+                data_axis=data_axis,
+                schedule=schedule,
+                **chunks,
+            )
+            out.append((loss, jax.tree.map(lambda t: t[None], g)))
+        return tuple(out)
+
+    return body
+
+
+@pytest.mark.parametrize("data", [False, True], ids=["4-stages", "2-data-x-4-stages"])
+@pytest.mark.parametrize("m", [4, 8])
+def test_interleaved_equals_gpipe_1f1b_and_the_dense_model(m, data):
+    if data:
+        mesh, stage_axis, data_axis = mesh_2d(2, S), "local", "node"  # all 8 devices
+        params, x, y = _chunked_problem(32)  # 16 examples per replica
+    else:
+        mesh, stage_axis, data_axis = mesh_1d(S, "stage"), "stage", None
+        params, x, y = _chunked_problem(16)
+    rows = P(data_axis) if data else P()
+    f = jax.jit(
+        jax.shard_map(
+            _three(stage_axis, m, data_axis),
+            mesh=mesh,
+            in_specs=(P(stage_axis), P(stage_axis), rows, rows),
+            out_specs=((P(), P(stage_axis)),) * 3,
+        )
+    )
+    # GPipe/1F1B stage s holds chunks (2s, 2s + 1); interleaved stage s holds (s, s + 4).
+    contiguous = jax.tree.map(lambda t: t.reshape((S, V) + t.shape[1:]), params)
+    ring = jax.tree.map(lambda t: t.reshape((V, S) + t.shape[1:]).swapaxes(0, 1), params)
+    staged = NamedSharding(mesh, P(stage_axis))
+    results = f(
+        jax.device_put(contiguous, staged),
+        jax.device_put(ring, staged),
+        jax.device_put(x, NamedSharding(mesh, rows)),
+        jax.device_put(y, NamedSharding(mesh, rows)),
+    )
+    model_order = (
+        lambda g: g.reshape((S * V,) + g.shape[2:]),  # (S, V) -> chunk V s + c
+        lambda g: g.reshape((S * V,) + g.shape[2:]),
+        lambda g: g.swapaxes(0, 1).reshape((S * V,) + g.shape[2:]),  # (S, V) -> chunk c S + s
+    )
+    (gpipe_loss, gpipe_grads), *_ = results
+    want_loss, want_grads = _dense_chunks(params, x, y)
+    for (loss, grads), order in zip(results, model_order, strict=True):
+        grads = jax.tree.map(lambda g, order=order: order(np.asarray(g)), grads)
+        np.testing.assert_allclose(loss, want_loss, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(loss, gpipe_loss, rtol=0, atol=1e-5)
+        for k in params:
+            np.testing.assert_allclose(grads[k], want_grads[k], rtol=0, atol=1e-5)
+            np.testing.assert_allclose(
+                grads[k], model_order[0](np.asarray(gpipe_grads[k])), rtol=0, atol=1e-5
+            )
+
+
+def _table(n_stages, v, m):
+    """The interleaved schedule on the host, from the lowering's own index formulas: per
+    round and stage, the (micro-batch, chunk) of the forward and of the backward, or None."""
+    out = []
+    for k in range(_interleaved.rounds(n_stages, v, m)):
+        row = []
+        for s in range(n_stages):
+            f, b = _interleaved.round_items(k, s, n_stages, v)
+            row.append(
+                (
+                    _interleaved.item(f, n_stages, v, backward=False) if 0 <= f < m * v else None,
+                    _interleaved.item(b, n_stages, v, backward=True) if 0 <= b < m * v else None,
+                )
+            )
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize(
+    "n_stages, v, m",
+    [(4, 2, 4), (4, 2, 8), (4, 3, 12), (3, 2, 6), (1, 3, 2), (2, 1, 3), (8, 4, 16)],
+)
+def test_the_interleaved_table_keeps_every_dependency_and_its_idle_slots_are_the_bubble(
+    n_stages, v, m
+):
+    table = _table(n_stages, v, m)
+    fwd, bwd = {}, {}  # (stage, micro-batch, chunk) -> round
+    for k, row in enumerate(table):
+        for s, (f, b) in enumerate(row):
+            if f is not None:
+                assert (s, *f) not in fwd
+                fwd[(s, *f)] = k
+            if b is not None:
+                assert (s, *b) not in bwd
+                bwd[(s, *b)] = k
+    everything = {(s, i, c) for s in range(n_stages) for i in range(m) for c in range(v)}
+    assert set(fwd) == set(bwd) == everything
+    last = n_stages - 1
+    for s, i, c in everything:
+        # A forward's input was made in the round before, one stage down the ring...
+        if (s, c) != (0, 0):
+            src = (s - 1, i, c) if s else (last, i, c - 1)
+            assert fwd[src] == fwd[s, i, c] - 1, (s, i, c)
+        # ... and a backward's cotangent one stage up; the model's last chunk starts from the
+        # loss in the round of its forward.
+        if (s, c) == (last, v - 1):
+            assert bwd[s, i, c] == fwd[s, i, c]
+        else:
+            src = (s + 1, i, c) if s < last else (0, i, c + 1)
+            assert bwd[src] == bwd[s, i, c] - 1, (s, i, c)
+    # Inputs kept at once (a forward's before that round's backward frees one): the buffers.
+    peak = max(
+        sum(fwd[s, i, c] <= k <= bwd[s, i, c] for i in range(m) for c in range(v))
+        for s in range(n_stages)
+        for k in range(len(table))
+    )
+    assert peak == _interleaved.buffers(n_stages, v, m)
+    # Slots: the forward and backward halves in which some stage computes; every stage is idle
+    # in the same number of them, the bubble.
+    halves = [sum(any(r[s][h] for s in range(n_stages)) for r in table) for h in (0, 1)]
+    for s in range(n_stages):
+        busy = sum((r[s][0] is not None) + (r[s][1] is not None) for r in table)
+        assert busy == 2 * m * v
+        idle = (sum(halves) - busy) / sum(halves)
+        assert idle == parallel.bubble_fraction(n_stages, m, "interleaved", virtual_stages=v), (
+            s,
+            idle,
+        )
+
+
+@functools.cache
+def _temp_bytes(schedule, m=16, v=1, rows=64, width=256):
     """Temp bytes of one compiled pipeline step whose activations dominate: micro-batches of
-    (rows, width) float32 through a 16 x 16 block matmul per stage (1 KiB of params)."""
+    (rows, width) float32 through a 16 x 16 block matmul per stage, or per chunk with
+    ``v`` virtual stages (1 KiB of params each)."""
 
     def block(w, h):
         return jnp.tanh((h.reshape(-1, 16, 16) @ w).reshape(h.shape))
 
     def mse(h, y):
         return jnp.mean((h - y) ** 2)
+
+    chunks = {"virtual_stages": v} if schedule == "interleaved" else {}
 
     def body(w, x, y):
         loss, g = parallel.pipeline_value_and_grad(
@@ -147,6 +336,7 @@ def _temp_bytes(schedule, m=16, rows=64, width=256):
             stage_axis="stage",
             num_microbatches=m,
             schedule=schedule,
+            **chunks,
         )
         return loss, g[None]
 
@@ -154,7 +344,7 @@ def _temp_bytes(schedule, m=16, rows=64, width=256):
     f = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=(P(), P("stage")))
     )
-    w = jax.ShapeDtypeStruct((S, 16, 16), jnp.float32)
+    w = jax.ShapeDtypeStruct((S,) + ((v,) if chunks else ()) + (16, 16), jnp.float32)
     x = jax.ShapeDtypeStruct((m * rows, width), jnp.float32)
     return f.lower(w, x, x).compile().memory_analysis().temp_size_in_bytes
 
@@ -169,6 +359,16 @@ def test_1f1b_keeps_under_half_of_gpipes_temp_memory_and_does_not_grow_with_m():
     assert _temp_bytes("1f1b", m=32) <= 1.05 * one_f_one_b
 
 
+def test_interleaved_temp_memory_is_bounded_as_m_grows():
+    # 4 stages x 2 chunks keep min(2M, 11) chunk inputs: 8 at M = 4, then 11 from M = 8 on.
+    # Measured (jax 0.10, XLA:CPU) at M = 4, 8, 16, 32: 1051944, 1248552, 1248616, 1248744
+    # bytes; GPipe's 918488, 1639000, 3211928, 6357720.
+    inter = {m: _temp_bytes("interleaved", m=m, v=2) for m in (8, 16, 32)}
+    print(f"temp bytes, interleaved 4 stages x 2 chunks, M = 8, 16, 32: {inter}")
+    assert inter[32] <= 1.05 * inter[8], inter
+    assert inter[16] <= 0.5 * _temp_bytes("gpipe", m=16), inter
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_bubble_fraction_of_each_schedule(schedule):
     # 2(M + S - 1) slots per stage, 2M busy: (S - 1) / (M + S - 1) for both schedules.
@@ -178,13 +378,23 @@ def test_bubble_fraction_of_each_schedule(schedule):
     assert parallel.bubble_fraction(1, 5, schedule) == 0.0
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "interleaved", "", None, 1])
+def test_bubble_fraction_of_the_interleaved_schedule():
+    # 2(vM + S - 1) chunk slots, 2vM busy: (S - 1) / (vM + S - 1), Megatron's bubble.
+    bubble = functools.partial(parallel.bubble_fraction, schedule="interleaved")
+    assert bubble(4, 8, virtual_stages=2) == 3 / 19 < parallel.bubble_fraction(4, 8, "1f1b")
+    assert bubble(4, 4, virtual_stages=2) == 3 / 11
+    assert bubble(4, 16, virtual_stages=4) == 3 / 67
+    assert bubble(8, 8, virtual_stages=2) == 7 / 23
+    assert bubble(4, 6) == bubble(4, 6, virtual_stages=1) == parallel.bubble_fraction(4, 6, "1f1b")
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "Interleaved", "", None, 1])
 def test_a_bad_schedule_is_refused(schedule):
     params, x, y = _problem(8)
     with pytest.raises(
         ValueError,
         match=rf"pipeline_value_and_grad: schedule={schedule!r} is not a pipeline schedule; "
-        r"expected one of 'gpipe', '1f1b'\.",
+        r"expected one of 'gpipe', '1f1b', 'interleaved'\.",
     ):
         parallel.pipeline_value_and_grad(
             stage_fn,
@@ -198,3 +408,87 @@ def test_a_bad_schedule_is_refused(schedule):
         )
     with pytest.raises(ValueError, match=rf"bubble_fraction: schedule={schedule!r} is not"):
         parallel.bubble_fraction(4, 8, schedule)
+
+
+@pytest.mark.parametrize(
+    "schedule, v, error, match",
+    [
+        ("interleaved", 0, ValueError, r"virtual_stages=0 must be a positive int"),
+        ("interleaved", -2, ValueError, r"virtual_stages=-2 must be a positive int"),
+        ("interleaved", 2.0, TypeError, r"virtual_stages must be an int .*got 2\.0 instead"),
+        ("interleaved", True, TypeError, r"virtual_stages must be an int .*got True instead"),
+        ("interleaved", "2", TypeError, r"virtual_stages must be an int .*got '2' instead"),
+        (
+            "1f1b",
+            2,
+            ValueError,
+            r"virtual_stages=2 needs schedule='interleaved', got schedule='1f1b', which runs "
+            r"one chunk per stage\. Pass schedule='interleaved', or virtual_stages=1\.",
+        ),
+        ("gpipe", 3, ValueError, r"virtual_stages=3 needs schedule='interleaved'"),
+    ],
+)
+def test_bad_virtual_stages_are_refused(schedule, v, error, match):
+    params, x, y = _problem(8)
+    with pytest.raises(error, match=rf"pipeline_value_and_grad: {match}"):
+        parallel.pipeline_value_and_grad(
+            stage_fn,
+            loss_fn,
+            params,
+            x,
+            y,
+            stage_axis="stage",
+            num_microbatches=2,
+            schedule=schedule,
+            virtual_stages=v,
+        )
+    with pytest.raises(error, match=rf"bubble_fraction: {match}"):
+        parallel.bubble_fraction(4, 8, schedule, virtual_stages=v)
+
+
+def _trace_interleaved(m, params):
+    mesh = mesh_1d(S, "stage")
+
+    def body(p, x):
+        mine = jax.tree.map(lambda t: t[0], p)
+        return parallel.pipeline_value_and_grad(
+            lambda p, h: jnp.tanh(h @ p["w"]),
+            lambda h, t: jnp.mean((h - t) ** 2),
+            mine,
+            x,
+            x,
+            stage_axis="stage",
+            num_microbatches=m,
+            schedule="interleaved",
+            virtual_stages=V,
+        )[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P()))
+    f.trace(params, jax.ShapeDtypeStruct((12, W), jnp.float32))
+
+
+def test_interleaving_needs_micro_batches_in_groups_of_the_stages():
+    chunks = {"w": jax.ShapeDtypeStruct((S, V, W, W), jnp.float32)}
+    match = (
+        r"pipeline_value_and_grad: num_microbatches=6 is not a multiple of the 4 stages; "
+        r"schedule='interleaved' with virtual_stages=2 runs the micro-batches in groups of "
+        r"one per stage\. Pick num_microbatches a multiple of 4\."
+    )
+    with pytest.raises(ValueError, match=match):
+        _trace_interleaved(6, chunks)
+    with pytest.raises(
+        ValueError, match=match.replace("pipeline_value_and_grad", "bubble_fraction")
+    ):
+        parallel.bubble_fraction(4, 6, "interleaved", virtual_stages=2)
+    _trace_interleaved(4, chunks)  # a multiple of 4 is fine
+
+
+def test_interleaving_needs_the_chunks_on_a_leading_axis():
+    one_chunk = {"w": jax.ShapeDtypeStruct((S, W, W), jnp.float32)}  # leading axis W, not V
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline_value_and_grad: params\['w'\] has shape \(8, 8\), but "
+        r"schedule='interleaved' with virtual_stages=2 needs a leading axis of 2 on every "
+        r"leaf: this stage's chunks, chunk c being model chunk c\*S \+ s\.",
+    ):
+        _trace_interleaved(4, one_chunk)

@@ -1,0 +1,195 @@
+"""The interleaved 1F1B schedule (Megatron's virtual pipeline stages) of
+:func:`jaxcoll.parallel.pipeline_value_and_grad`: its argument checks, its index formulas
+(plain arithmetic, so the lowering runs them on traced ints and the tests count the
+schedule's slots with them on the host) and its lowering.
+
+Stage s of S holds v model chunks, chunk c being model chunk ``c*S + s``: a micro-batch goes
+round the ring of stages v times, from the last stage back to stage 0 between chunks. Each
+stage runs its forwards in one fixed order and its backwards in another (:func:`item`), in
+rounds of two slots (:func:`round_items`): a forward slot, after which one ``sendrecv`` moves
+every activation to the next stage, then a backward slot, after which one ``sendrecv``
+moves every cotangent to the previous stage (both around the ring).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .. import primitives
+from .._core.typing import PyTree
+from .._core.vma import cast_varying
+
+
+def check_virtual_stages(api: str, virtual_stages: Any, schedule: str) -> int:
+    """v: a positive int, above 1 only with the interleaved schedule."""
+    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool):
+        raise TypeError(
+            f"{api}: virtual_stages must be an int (model chunks per stage), got "
+            f"{virtual_stages!r} instead."
+        )
+    if virtual_stages < 1:
+        raise ValueError(
+            f"{api}: virtual_stages={virtual_stages} must be a positive int (model chunks per "
+            f"stage; 1 for one chunk per stage)."
+        )
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise ValueError(
+            f"{api}: virtual_stages={virtual_stages} needs schedule='interleaved', got "
+            f"schedule={schedule!r}, which runs one chunk per stage. Pass "
+            f"schedule='interleaved', or virtual_stages=1."
+        )
+    return virtual_stages
+
+
+def check_groups(api: str, num_stages: int, m: int, virtual_stages: int) -> None:
+    """Interleaving runs the micro-batches in groups of one per stage (as Megatron does)."""
+    if virtual_stages > 1 and m % num_stages:
+        raise ValueError(
+            f"{api}: num_microbatches={m} is not a multiple of the {num_stages} stages; "
+            f"schedule='interleaved' with virtual_stages={virtual_stages} runs the "
+            f"micro-batches in groups of one per stage. Pick num_microbatches a multiple of "
+            f"{num_stages}."
+        )
+
+
+def check_chunks(api: str, params: PyTree, v: int) -> None:
+    """Interleaved params: every leaf stacks this stage's v chunks on a leading axis."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] != v:
+            raise ValueError(
+                f"{api}: params{jax.tree_util.keystr(path)} has shape {shape}, but "
+                f"schedule='interleaved' with virtual_stages={v} needs a leading axis of {v} "
+                f"on every leaf: this stage's chunks, chunk c being model chunk c*S + s. "
+                f"Stack them, e.g. params of shape (S, {v}, ...) with in_specs=P(stage_axis)."
+            )
+
+
+def item(n: Any, num_stages: int, v: int, *, backward: bool) -> tuple[Any, Any]:
+    """Entry ``n`` of a stage's forward (or backward) order as ``(micro-batch, chunk)``.
+
+    Micro-batches go in groups of S: group g runs chunk 0 of micro-batches gS..gS+S-1, then
+    chunk 1 of the same ones, ... up to chunk v - 1 (forward), or from chunk v - 1 down to
+    chunk 0 (backward). Works on Python ints and on traced int arrays alike.
+    """
+    group, r = n // (num_stages * v), n % (num_stages * v)
+    chunk = r // num_stages
+    return group * num_stages + r % num_stages, (v - 1 - chunk) if backward else chunk
+
+
+def position(i: Any, chunk: Any, num_stages: int, v: int) -> Any:
+    """The forward order's entry of micro-batch ``i``'s ``chunk``: :func:`item`'s inverse."""
+    return (i // num_stages) * num_stages * v + chunk * num_stages + i % num_stages
+
+
+def round_items(k: Any, s: Any, num_stages: int, v: int) -> tuple[Any, Any]:
+    """In round k stage s runs entry ``k - s`` of its forward order and entry
+    ``k - (v + 1)S + 2 + s`` of its backward order (each where it is in ``0..Mv-1``).
+
+    The forward of (micro-batch i, chunk c) on stage s feeds the same chunk on stage s + 1 in
+    the next round, and chunk c + 1 on stage 0 in the next round when s = S - 1 (the order
+    puts them S entries apart); backwards run the same way down. The last stage runs the
+    backward of the model's last chunk in the round of its forward.
+    """
+    return k - s, k - (v + 1) * num_stages + 2 + s
+
+
+def rounds(num_stages: int, v: int, m: int) -> int:
+    """Rounds until stage 0's last backward: ``Mv + (v + 1)S - 2``."""
+    return m * v + (v + 1) * num_stages - 2
+
+
+def buffers(num_stages: int, v: int, m: int) -> int:
+    """Stage inputs a stage keeps at once: ``min(Mv, vS + S - 1)`` (stage 0's peak)."""
+    return min(m * v, (v + 1) * num_stages - 1)
+
+
+def _chunk(params: PyTree, c: jax.Array | int) -> PyTree:
+    return jax.tree_util.tree_map(lambda p: p[c], params)
+
+
+def interleaved(
+    stage_fn: Callable,
+    loss_fn: Callable,
+    own: PyTree,
+    xs: jax.Array,
+    ys: PyTree,
+    stage_axis: Hashable,
+    v: int,
+    names: tuple,
+) -> tuple[jax.Array, PyTree]:
+    """The lowering: one ``lax.scan`` over :func:`rounds`; each round a ``lax.cond`` runs this
+    stage's forward (or nothing), one ``sendrecv`` shifts activations one stage up the ring,
+    a second ``lax.cond`` runs its backward (or nothing) and one ``sendrecv`` shifts
+    cotangents one stage down. Stage inputs wait in :func:`buffers` slots, each holding the
+    forward entry it keeps (-1: free); a forward takes the first free one, its backward
+    frees it. ``own`` has a leading axis of v (this stage's chunks), varying over ``names``.
+    Returns the last stage's mean loss (0 elsewhere) and this stage's gradient, summed over
+    micro-batches, of the mean loss."""
+    n_stages = primitives.world_size(stage_axis)
+    s = primitives.rank(stage_axis)
+    last = n_stages - 1
+    m = xs.shape[0]
+    mv = m * v
+    keep = buffers(n_stages, v, m)
+    zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
+    loss0 = cast_varying(jnp.zeros((), jnp.float32), names)
+    saved0 = cast_varying(jnp.zeros((keep,) + xs.shape[1:], xs.dtype), names)
+    holder0 = cast_varying(jnp.full((keep,), -1, jnp.int32), names)
+    grads0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), names), own)
+    chunk_zeros = _chunk(grads0, 0)
+    up = [(i, (i + 1) % n_stages) for i in range(n_stages)]  # the last stage wraps to 0
+    down = [((i + 1) % n_stages, i) for i in range(n_stages)]
+
+    def varying(tree: PyTree) -> PyTree:
+        return jax.tree_util.tree_map(lambda t: cast_varying(t, names), tree)
+
+    def one_round(carry, k):
+        act_in, ct_in, saved, holder, acc, loss = carry
+        f, b = round_items(k, s, n_stages, v)
+        fwd, bwd = (f >= 0) & (f < mv), (b >= 0) & (b < mv)
+        fi, fc = item(jnp.clip(f, 0, mv - 1), n_stages, v, backward=False)
+        bi, bc = item(jnp.clip(b, 0, mv - 1), n_stages, v, backward=True)
+
+        def run_forward():
+            inp = jnp.where((s == 0) & (fc == 0), xs[fi], act_in)
+            out = stage_fn(_chunk(own, fc), inp)
+            y = jax.tree_util.tree_map(lambda t: t[fi], ys)
+            value, d_out = jax.value_and_grad(loss_fn)(out, y)  # used on the last chunk only
+            return varying((out, inp, d_out / m, value.astype(jnp.float32)))
+
+        out, inp, d_out, value = lax.cond(fwd, run_forward, lambda: (zero, zero, zero, loss0))
+        free = jnp.argmax(holder < 0)
+        saved = saved.at[free].set(jnp.where(fwd, inp, saved[free]))
+        holder = holder.at[free].set(jnp.where(fwd, f, holder[free]))
+        loss = loss + jnp.where(fwd & (s == last) & (fc == v - 1), value, 0.0)
+        # -> activations one stage up the ring (stage S - 1's go to stage 0's next chunk)
+        act_in = primitives.sendrecv(out, stage_axis, up)
+
+        slot = jnp.argmax(holder == position(bi, bc, n_stages, v))
+        kept = saved[slot]
+
+        def run_backward():
+            # The model's last chunk starts from the loss's cotangent of this round's forward.
+            ct = jnp.where((s == last) & (bc == v - 1), d_out, ct_in)
+            _, vjp = jax.vjp(stage_fn, _chunk(own, bc), kept)
+            d_params, d_input = vjp(ct)
+            return varying((d_input, d_params))
+
+        d_input, d_params = lax.cond(bwd, run_backward, lambda: (zero, chunk_zeros))
+        acc = jax.tree_util.tree_map(
+            lambda a, d: a.at[bc].add(jnp.where(bwd, d, jnp.zeros_like(d))), acc, d_params
+        )
+        holder = holder.at[slot].set(jnp.where(bwd, -1, holder[slot]))
+        # <- cotangents one stage down the ring (stage 0's go to stage S - 1's previous chunk)
+        ct_in = primitives.sendrecv(d_input, stage_axis, down)
+        return (act_in, ct_in, saved, holder, acc, loss), None
+
+    carry = (zero, zero, saved0, holder0, grads0, loss0)
+    (*_, grads, loss), _ = lax.scan(one_round, carry, jnp.arange(rounds(n_stages, v, m)))
+    return loss / m, grads
