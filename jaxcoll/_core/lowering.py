@@ -37,7 +37,7 @@ from .._jax import (
 from .axis import Axis, is_rank, permute
 from .ops import ReduceOp, fold, rule
 from .packing import from_rows, split_leading, to_rows, unsplit_slice
-from .vma import _without, ensure_varying, root_cotangent, types_tracked
+from .vma import _without, ensure_varying, replicated, root_cotangent, types_tracked
 
 
 def staged(*static_argnums: int):
@@ -90,8 +90,8 @@ def register_gpu_or_portable(
 def all_gather(x: jax.Array, ax: Axis, axis: int = 0, tiled: bool = False) -> jax.Array:
     """``lax.all_gather``, typed invariant (every rank holds the same result) when types are
     tracked. One HLO all-gather."""
-    if ax.size == 1:
-        return x if tiled else jnp.expand_dims(x, axis)
+    if ax.size == 1:  # one rank: every rank holds the same, typed so (as lax.psum types it)
+        return replicated(x if tiled else jnp.expand_dims(x, axis), ax)
     x = ensure_varying(x, ax)
     to = "invarying" if types_tracked(names_of(ax)) else "varying"
     return lax.all_gather(x, ax.name, axis=axis, tiled=tiled, to=to)
@@ -153,8 +153,8 @@ def all_reduce(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
     propagates NaN on every platform (XLA:CPU's float pmax/pmin drop it: 8 ranks, NaN on
     rank 3 gave 7.), bit-exact otherwise.
     """
-    if ax.size == 1:
-        return x
+    if ax.size == 1:  # one rank: typed invariant, as lax.psum over one device types it
+        return replicated(x, ax)
     native = rule(op, kind).native
     if native is None:
         return generic_all_reduce(x, ax, op, kind)
@@ -236,7 +236,7 @@ def broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
     """Collective-broadcast (NCCL) on GPU; the ppermute tree where XLA has none (CPU, TPU) and
     in a module lowered for a GPU and such a platform at once."""
     if ax.size == 1:
-        return x
+        return replicated(x, ax)
     return broadcast_p.bind(ensure_varying(x, ax), ax=ax, src=src)
 
 

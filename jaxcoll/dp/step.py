@@ -74,8 +74,13 @@ def local_grads(
         grad_fn, params, model_state, jax.tree_util.tree_map(lambda a: a[0], micro), key
     )
     (_, (aux0, _)), g0 = shapes
+    # The sums start typed as the gradients are: varying over the data axes, and over a
+    # model axis where the gradient is a slice (a tensor-parallel kernel's).
     zeros = jax.tree_util.tree_map(
-        lambda s: to_varying(jnp.zeros(s.shape, s.dtype), names), (g0, aux0)
+        lambda s: to_varying(
+            jnp.zeros(s.shape, s.dtype), names + tuple(sorted(varying_axes(s) or (), key=str))
+        ),
+        (g0, aux0),
     )
     init = (zeros[0], to_varying(jnp.zeros((), jnp.float32), names), zeros[1], model_state)
     (g_sum, loss_sum, aux_sum, model_state), _ = lax.scan(one, init, (micro, jnp.arange(k)))

@@ -195,3 +195,27 @@ def test_errors_name_the_argument_and_the_fix():
         dp.Trainer(cross_entropy, optax.sgd(1.0), mesh=mesh_1d(8, "x"))
     with pytest.raises(ValueError, match="exactly one of steps"):
         trainer.fit(state, data, progress=False)
+
+
+@pytest.mark.parametrize("sync", [dp.sync.DDP(), dp.sync.FSDP()], ids=["ddp", "fsdp"])
+def test_a_one_device_mesh_trains_as_plain_optax(sync):
+    # One rank: the collectives over the data axis are identities typed invariant (as
+    # lax.psum over one device types them), so the step's replicated outputs check.
+    def loss(w, batch, rng):
+        return jnp.mean((batch["x"] @ w - batch["y"]) ** 2), {}
+
+    rng = np.random.default_rng(0)
+    data = [
+        {
+            "x": rng.normal(size=(8, 3)).astype(np.float32),
+            "y": rng.normal(size=8).astype(np.float32),
+        }
+        for _ in range(3)
+    ]
+    trainer = dp.Trainer(loss, optax.sgd(0.1), mesh=mesh_1d(1, "data"), sync=sync, accum_steps=2)
+    state = trainer.init(jnp.ones(3), jax.random.key(0))
+    w = jnp.ones(3)
+    for batch in data:
+        state, _ = trainer.step(state, batch)
+        w = w - 0.1 * jax.grad(lambda w: loss(w, batch, None)[0])(w)
+    np.testing.assert_allclose(np.asarray(state.params), w, rtol=1e-6)
