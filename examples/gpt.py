@@ -58,14 +58,22 @@ BLOCK = 32  # context length (characters)
 LAYERS = 4  # transformer blocks (stacked: a pipeline splits them into stages)
 HEADS = 4  # attention heads (a tensor axis splits them)
 WIDTH = 64  # embedding width
-DROPOUT = 0.0  # nanoGPT's default for fine-tuning; 0 keeps every layout comparable
+BIAS = False  # biases in the Linears and LayerNorms (nanoGPT's bias flag; False is faster)
 BATCH = 32  # global batch, in sequences, per optimizer step
 ACCUM = 2  # gradient accumulation: micro-batches per step (each rank's share split)
 MICRO = 2  # pipeline micro-batches per micro-batch (pp layouts)
 LR, MIN_LR, WARMUP = 3e-3, 3e-4, 20  # peak and final learning rate, warmup steps
+DECAY_STEPS = 300  # the cosine reaches MIN_LR here (nanoGPT's lr_decay_iters)
 WEIGHT_DECAY, CLIP = 0.1, 1.0
-STEPS = 300  # optimizer steps (--steps)
+STEPS = 300  # optimizer steps to run (--steps; a resumed run goes on to this step)
 EVAL_EVERY, EVAL_BATCHES = 50, 4
+
+
+def use_tiny() -> None:
+    """``--tiny``: a smoke run's model (2 blocks of width 32, 16 characters of context, 16
+    sequences a step), compiled and run in seconds; the tests train it."""
+    global BLOCK, LAYERS, WIDTH, BATCH
+    BLOCK, LAYERS, WIDTH, BATCH = 16, 2, 32, 16
 
 
 # ----------------------------------------------------------------------------- corpus
@@ -82,7 +90,7 @@ def corpus(chars: int = 200_000, seed: int = 0) -> str:
     pick = lambda k: words[k][rng.integers(len(words[k]))]  # noqa: E731
     out, size = [], 0
     while size < chars:
-        s = f"{pick('det')} {pick('adj')} {pick('noun')} {pick('verb')} {pick('det')} {pick('noun')}"
+        s = " ".join(pick(k) for k in ("det", "adj", "noun", "verb", "det", "noun"))
         if rng.random() < 0.5:
             s += f" {pick('adv')}"
         s = s[0].upper() + s[1:] + ".\n"
@@ -115,12 +123,10 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, h):
-        h = h + pnn.ParallelSelfAttention(num_heads=HEADS, axis="tensor", causal=True)(
-            nn.LayerNorm()(h)
-        )
-        return h + pnn.ParallelMLP(features=WIDTH, hidden=4 * WIDTH, axis="tensor")(
-            nn.LayerNorm()(h)
-        )
+        attn = pnn.ParallelSelfAttention(HEADS, axis="tensor", use_bias=BIAS, causal=True)
+        h = h + attn(nn.LayerNorm(use_bias=BIAS)(h))
+        mlp = pnn.ParallelMLP(features=WIDTH, hidden=4 * WIDTH, axis="tensor", use_bias=BIAS)
+        return h + mlp(nn.LayerNorm(use_bias=BIAS)(h))
 
 
 def stage(blocks, h):
@@ -139,10 +145,12 @@ def bound(axis: str) -> bool:
 def logits(params, x):
     h = params["wte"][x] + params["wpe"][: x.shape[1]]
     if bound("pipe"):  # the stacked blocks split into stages over the pipeline axis
-        h = parallel.pipeline_apply(stage, params["blocks"], h, stage_axis="pipe", num_microbatches=MICRO)
+        h = parallel.pipeline_apply(
+            stage, params["blocks"], h, stage_axis="pipe", num_microbatches=MICRO
+        )
     else:
         h = stage(params["blocks"], h)
-    h = nn.LayerNorm().apply({"params": params["ln_f"]}, h)
+    h = nn.LayerNorm(use_bias=BIAS).apply({"params": params["ln_f"]}, h)
     return h @ params["wte"].T  # tied embeddings
 
 
@@ -173,11 +181,11 @@ def init_params(seed: int = 0):
         "wte": jax.random.normal(k[-2], (len(VOCAB), WIDTH)) * 0.02,
         "wpe": jax.random.normal(k[-1], (BLOCK, WIDTH)) * 0.02,
         "blocks": blocks,
-        "ln_f": nn.LayerNorm().init(k[0], h)["params"],
+        "ln_f": nn.LayerNorm(use_bias=BIAS).init(k[0], h)["params"],
     }
 
 
-def optimizer(steps: int):
+def optimizer():
     """AdamW (decay on the matrices only: embeddings and kernels, not biases or norms),
     warmup + cosine, clipping at 1.0."""
 
@@ -188,7 +196,7 @@ def optimizer(steps: int):
 
         return jax.tree_util.tree_map_with_path(matrix, params)
 
-    schedule = optax.warmup_cosine_decay_schedule(0.0, LR, WARMUP, max(steps, WARMUP + 1), MIN_LR)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, LR, WARMUP, DECAY_STEPS, MIN_LR)
     return optax.chain(
         optax.clip_by_global_norm(CLIP),
         optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=WEIGHT_DECAY, mask=decay),
@@ -204,12 +212,18 @@ def layout(name: str, devices=None):
     parts = re.fullmatch(r"(dp\d+)?x?(fsdp\d+)?x?(tp\d+)?x?(pp\d+)?", name)
     if not parts or not any(parts.groups()):
         raise SystemExit(f"--layout {name!r}: expected e.g. dp8, fsdp4xtp2, dp2xtp2xpp2")
-    sizes = {p.rstrip("0123456789"): int(p.lstrip("dpfsdtp")) for p in parts.groups() if p}
+    sizes = {
+        m.group(1): int(m.group(2))
+        for p in parts.groups()
+        if p and (m := re.fullmatch(r"([a-z]+)(\d+)", p))
+    }
     names = {"dp": "dp", "fsdp": "fsdp", "tp": "tensor", "pp": "pipe"}
     axes = tuple(names[k] for k in sizes)
     shape = tuple(sizes.values())
     if int(np.prod(shape)) != len(devices):
-        raise SystemExit(f"--layout {name!r} needs {int(np.prod(shape))} devices, not {len(devices)}")
+        raise SystemExit(
+            f"--layout {name!r} needs {int(np.prod(shape))} devices, not {len(devices)}"
+        )
     mesh = jax.make_mesh(shape, axes, devices=devices)
     data = tuple(a for a in ("dp", "fsdp") if a in axes) or None
     if data is None:  # no data axis: one replica, the batch whole on every device
@@ -224,11 +238,11 @@ def layout(name: str, devices=None):
     return mesh, data if len(data) > 1 else data[0], sync, model
 
 
-def trainer_for(name: str, steps: int, devices=None) -> dp.Trainer:
+def trainer_for(name: str, devices=None) -> dp.Trainer:
     mesh, data, sync, model = layout(name, devices)
     return dp.Trainer(
         loss_fn,
-        optimizer(steps),
+        optimizer(),
         mesh=mesh,
         axis_name=data,
         sync=sync,
@@ -244,17 +258,22 @@ def main(argv=None) -> None:
     parser.add_argument("--ckpt", help="save the last step here (a directory)")
     parser.add_argument("--resume", action="store_true", help="restore the newest in --ckpt")
     parser.add_argument("--out", help="write the final params here (.npz, process 0)")
+    parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
     args = parser.parse_args(argv)
+    if args.tiny:
+        use_tiny()
     me = jax.process_index()
-    trainer = trainer_for(args.layout, args.steps)
+    trainer = trainer_for(args.layout)
     state = trainer.init(init_params(), jax.random.key(0))
     if args.resume:
         state = dp.Checkpointer(args.ckpt).restore_latest(state)
     start = int(jax.device_get(state.step))
     if me == 0:
-        count = sum(x.size for x in jax.tree_util.tree_leaves(trainer.host_params(state)))
-        print(f"{args.layout}: mesh {dict(trainer.mesh.shape)}, {count / 1e3:.0f}k params, "
-              f"{len(VOCAB)} characters, from step {start}")
+        count = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+        print(
+            f"{args.layout}: mesh {dict(trainer.mesh.shape)}, {count / 1e3:.0f}k params, "
+            f"{len(VOCAB)} characters, from step {start}"
+        )
     train = batches("train", args.steps, seed=1)
     for step, batch in enumerate(train):
         if step < start:
@@ -263,8 +282,10 @@ def main(argv=None) -> None:
         if (step + 1) % EVAL_EVERY == 0 or step + 1 == args.steps:
             val = trainer.evaluate(state, batches("val", EVAL_BATCHES, seed=2))
             if me == 0:
-                print(f"step {step + 1}: train loss {float(metrics['loss']):.3f}, "
-                      f"val loss {val['loss']:.3f}")
+                print(
+                    f"step {step + 1}: train loss {float(metrics['loss']):.3f}, "
+                    f"val loss {val['loss']:.3f}"
+                )
     if args.ckpt:
         ckpt = dp.Checkpointer(args.ckpt)  # collective: every process saves its part
         ckpt.save(state)

@@ -217,5 +217,5 @@ def test_a_one_device_mesh_trains_as_plain_optax(sync):
     w = jnp.ones(3)
     for batch in data:
         state, _ = trainer.step(state, batch)
-        w = w - 0.1 * jax.grad(lambda w: loss(w, batch, None)[0])(w)
+        w = w - 0.1 * jax.grad(lambda w, b=batch: loss(w, b, None)[0])(w)
     np.testing.assert_allclose(np.asarray(state.params), w, rtol=1e-6)

@@ -1,0 +1,95 @@
+"""examples/gpt.py: its layouts train the GPT to the single-device params, and its checkpoint
+moves between layouts.
+
+The example's ``--tiny`` model (2 blocks, width 32) runs in-process on the 8 simulated
+devices: one compiled step per layout, each compared with ``--layout single`` (one device,
+the model dense) after the same steps, within 1e-5 (AdamW, clipping, warmup and accumulation
+as the example has them). The data-only layouts are tests/dp/test_layout.py's (dp8, fsdp8,
+dp2xfsdp4 on its model); the whole matrix on this model runs in benchmarks/nd.py, and
+tests/multihost/test_trainer.py runs the example under jaxcoll-run on 2 x 4 devices.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+PATH = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
+STEPS = 3
+TOL = 1e-5
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpt_example", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.use_tiny()
+    return module
+
+
+gpt = _load()
+
+
+def _train(name: str, steps: int = STEPS):
+    trainer = gpt.trainer_for(name)
+    state = trainer.init(gpt.init_params(), jax.random.key(0))
+    for batch in gpt.batches("train", steps, seed=1):
+        state, metrics = trainer.step(state, batch)
+    return trainer.host_params(state), float(metrics["loss"])
+
+
+def _flat(tree):
+    return {
+        jax.tree_util.keystr(p): np.asarray(x)
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _max_rel(got, want):
+    return max(
+        float(np.max(np.abs(got[k] - w)) / (np.max(np.abs(w)) + 1e-12)) for k, w in want.items()
+    )
+
+
+@pytest.fixture(scope="module")
+def single():
+    params, loss = _train("single")
+    return _flat(params), loss
+
+
+@pytest.mark.parametrize("name", ["fsdp4xtp2", "dp2xtp2xpp2", "fsdp2xtp2xpp2"])
+def test_a_layout_trains_the_single_device_params(name, single):
+    params, loss = _train(name)
+    assert _max_rel(_flat(params), single[0]) <= TOL
+    assert abs(loss - single[1]) <= 1e-5
+
+
+def test_the_checkpoint_resumes_in_another_layout(tmp_path, single):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "params.npz"
+    gpt.main(["--tiny", "--layout", "fsdp4xtp2", "--steps", "2", "--ckpt", str(ckpt)])
+    gpt.main(
+        [
+            "--tiny",
+            "--layout",
+            "dp2xtp2xpp2",
+            "--steps",
+            str(STEPS),
+            "--resume",
+            "--ckpt",
+            str(ckpt),
+            "--out",
+            str(out),
+        ]
+    )
+    assert _max_rel(dict(np.load(out)), single[0]) <= TOL
+
+
+def test_a_bad_layout_is_named():
+    with pytest.raises(SystemExit, match=r"--layout 'tp2x3'"):
+        gpt.layout("tp2x3")
+    with pytest.raises(SystemExit, match=r"needs 4 devices, not 8"):
+        gpt.layout("dp2xtp2")
