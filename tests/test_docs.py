@@ -204,6 +204,7 @@ def test_the_public_modules_are_found():
         "jaxcoll.dp.sync",
         "jaxcoll.dp.hooks",
         "jaxcoll.parallel",
+        "jaxcoll.nn",
         "jaxcoll.run",
         "jaxcoll.bench",
     ):

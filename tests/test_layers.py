@@ -3,7 +3,8 @@
 Layers, lowest first (docs/architecture.md): the shared modules ``jaxcoll._jax`` (the one
 door to JAX internals) and ``jaxcoll._xla_flags`` (XLA:CPU's settings), which import nothing
 of jaxcoll, < ``jaxcoll._core`` (ground) < ``algorithms`` < ``primitives`` < ``groups`` <
-``distributed``, ``dp`` < ``bench`` < the top-level re-exports. ``_init`` (joining a
+``distributed``, ``dp``, ``parallel`` < ``bench``, ``nn`` < the top-level re-exports (``nn``, the
+flax layers on ``parallel``, imports nothing of ``dp``). ``_init`` (joining a
 multi-process job), ``_watch`` (watchdog, mismatch detection, SIGTERM) and ``run`` (the
 launcher) stand apart and import nothing of jaxcoll outside themselves but the shared modules.
 A module may import modules of a lower layer and of its own package; every import counts, at
@@ -39,12 +40,15 @@ UNITS = {
     "jaxcoll.dp": 4,
     "jaxcoll.parallel": 4,
     "jaxcoll.bench": 5,
+    "jaxcoll.nn": 5,
     "jaxcoll": 6,
 }
 APART = {"jaxcoll._init", "jaxcoll._watch", "jaxcoll.run"}
 # Modules that import nothing of jaxcoll and that every unit, those standing apart too, may
 # import.
 SHARED = {"jaxcoll._jax", "jaxcoll._xla_flags"}
+# Units above another that still may not import it: beside it in design, above it by layer.
+INDEPENDENT = {"jaxcoll.nn": {"jaxcoll.dp"}}
 DOOR = "jaxcoll._jax"  # the one module that reaches JAX internals
 INTERNAL = ("jax._src", "jax.interpreters", "jax.extend")
 
@@ -110,6 +114,8 @@ def violations(root: pathlib.Path) -> list[str]:
                     f"{where}: {mod} (layer {UNITS[unit]}) imports {dep} "
                     f"(layer {UNITS[dep_unit]}), which is not below it"
                 )
+            elif dep_unit in INDEPENDENT.get(unit, ()):
+                bad.append(f"{where}: {mod} imports {dep}, which {unit} is independent of")
             if not (mod == unit and dep.startswith(mod + ".")):  # a package re-exporting its own
                 graph[mod].add(dep)
     state: dict[str, int] = {}
@@ -206,6 +212,8 @@ def test_every_module_has_a_layer():
         ("primitives/_gather.py", "x = jax.extend.core\n", "reaches jax.extend"),
         ("primitives/_gather.py", "def f():\n    from . import _scatter\n", "inside a function"),
         ("distributed/_work.py", "from . import _collectives\n", "import circle: "),
+        ("nn/tensor.py", "from ..dp import adapters\n", "which jaxcoll.nn is independent of"),
+        ("parallel/tensor.py", "from .. import nn\n", "imports jaxcoll.nn (layer 5)"),
     ],
 )
 def test_the_check_fails_on_a_planted_import(tmp_path, file, line, expected):

@@ -1,0 +1,21 @@
+"""Flax linen layers for model parallelism: tensor-parallel (Megatron) transformer layers.
+
+Each layer is declared once and serves both runs: outside ``jax.shard_map`` (or with
+``axis=None``) it is the dense layer on whole params; inside ``shard_map`` over a mesh with
+its tensor axis it takes this device's slices of the params (split as
+``flax.linen.get_partition_spec(variables)`` says) and communicates through
+:mod:`jaxcoll.parallel`.
+
+Needs flax, which comes with the ``dp`` extra (``pip install "jaxcoll[dp]"``); importing
+:mod:`jaxcoll` does not import this package: ``from jaxcoll import nn as tp``.
+
+* :mod:`.tensor`: :class:`ParallelMLP`, :class:`ParallelSelfAttention`.
+"""
+
+from .tensor import ParallelMLP as ParallelMLP
+from .tensor import ParallelSelfAttention as ParallelSelfAttention
+
+__all__ = [
+    "ParallelMLP",
+    "ParallelSelfAttention",
+]
