@@ -1,6 +1,6 @@
 """A character-level GPT trained in any layout: data x FSDP x tensor x pipeline parallel.
 
-    python examples/gpt.py                          # dp8: 8 simulated CPU devices, ~1 min
+    python examples/gpt.py                          # dp8: 8 simulated CPU devices, ~20 s
     python examples/gpt.py --layout fsdp4xtp2       # FSDP over 4 x tensor parallel over 2
     python examples/gpt.py --layout fsdp2xtp2xpp2   # ... x 2 pipeline stages
     python examples/gpt.py --layout single          # the same model on one device
@@ -20,8 +20,8 @@ device (or over data axes only) it runs dense. Every layout trains the same mode
 params as ``--layout single`` (tests/test_gpt.py checks it within 1e-5). With ``--ckpt DIR``
 the run saves its last step there; ``--resume`` restores the newest checkpoint in DIR into
 this run's layout, whatever layout wrote it. Logs come from process 0 only. Expect the
-validation loss to fall from about 3.3 (a uniform guess over the characters) to about 1.1
-in 300 steps.
+validation loss to fall from about 3.4 (a uniform guess over the 31 characters) to about 0.5
+in 300 steps (dp8: 1.24 at step 100, 0.48 at step 300).
 """
 
 from __future__ import annotations
