@@ -181,18 +181,6 @@ def _to_front(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, -2)
 
 
-def _gather_rows(x: jax.Array, axis: str | None) -> jax.Array:
-    """Sequence parallelism's all-gather of every rank's rows of the sequence axis (-2).
-
-    One ``lax.all_gather`` typed varying, unlike :func:`jaxcoll.primitives.all_gather`
-    (typed invariant): the gathered rows only meet this rank's weight slices, so nothing
-    needs them invariant, and the transpose is then one reduce-scatter of the rows'
-    cotangents. Typed invariant, the backward would sum the whole gathered cotangent with an
-    all-reduce (twice the bytes) and slice it.
-    """
-    return lax.all_gather(x, axis, axis=jnp.ndim(x) - 2, tiled=True)
-
-
 # -------------------------------------------------------------------------------- the MLP
 class ParallelMLP(linen.Module):
     """The Megatron MLP block ``activation(x @ W1 + b1) @ W2 + b2``, split over ``axis``.
@@ -314,7 +302,9 @@ class ParallelMLP(linen.Module):
                 params |= {"b1": b1, "b2": b2}
             return parallel.mlp(params, x, self.axis, activation=self.activation)
         # sequence parallel: gather the rows, the two halves of parallel.mlp, scatter the rows
-        h = self.activation(parallel.column_parallel(_gather_rows(x, self.axis), w1, b1))
+        h = self.activation(
+            parallel.column_parallel(parallel.sequence_gather(x, self.axis, axis=-2), w1, b1)
+        )
         y = parallel.row_parallel(_to_front(h), w2, self.axis, b2, scatter=True)
         return _to_front(y)
 
@@ -465,7 +455,7 @@ class ParallelSelfAttention(linen.Module):
         local_heads = heads // (ranks or 1)
 
         if sp:  # this rank's rows of the sequence -> the whole sequence
-            x = _gather_rows(x, self.axis)
+            x = parallel.sequence_gather(x, self.axis, axis=-2)
         elif ranks is not None:
             # Megatron's "f", once for q, k and v: the backward sums their three cotangents
             # of x here and then over the ranks in ONE all-reduce, not one per projection.

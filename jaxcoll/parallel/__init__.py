@@ -12,7 +12,7 @@ them (the pipeline takes ``data_axis=`` and averages gradients over it exactly o
 * :mod:`.pipeline`: :func:`pipeline_value_and_grad`, :func:`pipeline_apply`,
   :func:`bubble_fraction`;
 * :mod:`.tensor`: :func:`column_parallel`, :func:`row_parallel`, :func:`mlp`,
-  :func:`shard_mlp`, :func:`gelu` (torch's exact ``nn.GELU()``);
+  :func:`shard_mlp`, :func:`sequence_gather`, :func:`gelu` (torch's exact ``nn.GELU()``);
 * :mod:`.moe`: :func:`dispatch`, :func:`combine`.
 """
 
@@ -25,6 +25,7 @@ from .tensor import column_parallel as column_parallel
 from .tensor import gelu as gelu
 from .tensor import mlp as mlp
 from .tensor import row_parallel as row_parallel
+from .tensor import sequence_gather as sequence_gather
 from .tensor import shard_mlp as shard_mlp
 
 __all__ = [
@@ -37,5 +38,6 @@ __all__ = [
     "pipeline_apply",
     "pipeline_value_and_grad",
     "row_parallel",
+    "sequence_gather",
     "shard_mlp",
 ]

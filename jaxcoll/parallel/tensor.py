@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from .. import primitives
 from .._core.typing import AxisName, PyTree
@@ -53,6 +54,20 @@ def row_parallel(
     return y if b is None else y + b
 
 
+def sequence_gather(x: jax.Array, axis_name: AxisName, *, axis: int = 0) -> jax.Array:
+    """Sequence parallelism's all-gather: every rank's rows of ``x`` along ``axis``, in rank
+    order, for this rank's weight slices (Megatron's "g" before a column-parallel layer).
+
+    Equivalent to ``primitives.all_gather(x, axis_name, axis=axis, tiled=True)``, but typed
+    *varying*: the gathered rows only meet this rank's weight slices, so nothing needs them
+    invariant, and ``jax.grad`` transposes the gather into one reduce-scatter of the rows'
+    cotangents. (Typed invariant, as ``primitives.all_gather`` types it, the backward would
+    all-reduce the whole cotangent, twice the bytes, then slice it.) Lowering: one
+    ``lax.all_gather`` (HLO all-gather).
+    """
+    return lax.all_gather(x, axis_name, axis=axis % jnp.ndim(x), tiled=True)
+
+
 def gelu(x: jax.Array) -> jax.Array:
     """torch's ``nn.GELU()``: the exact GELU, ``x * Phi(x)`` (``jax.nn.gelu`` defaults to the
     tanh approximation, torch's ``nn.GELU(approximate="tanh")``)."""
@@ -89,7 +104,7 @@ def mlp(
             f"missing {missing}, unknown {extra}. Build them with parallel.shard_mlp."
         )
     if sequence_parallel:
-        x = primitives.all_gather(x, axis_name, axis=0, tiled=True)
+        x = sequence_gather(x, axis_name)
     h = activation(column_parallel(x, params["w1"], params.get("b1")))
     return row_parallel(h, params["w2"], axis_name, params.get("b2"), scatter=sequence_parallel)
 

@@ -300,3 +300,38 @@ def test_mlp_without_biases_and_with_the_exact_gelu_equals_the_dense_block():
         jax.jit(jax.shard_map(body, mesh=mesh, in_specs=({"w1": P("model")}, P()), out_specs=P()))(
             {"w1": placed["w1"]}, x
         )
+
+
+def test_sequence_parallel_backward_reduce_scatters_the_input_cotangent():
+    # parallel.mlp(sequence_parallel=True) under jax.grad: forward one all-gather and one
+    # reduce-scatter; the backward mirrors them (its gather's transpose is a reduce-scatter,
+    # not an all-reduce of the whole gathered cotangent), and the gradient is the dense one.
+    from tests.nn.test_tensor_layers import _counts
+
+    n, d, f, t = 4, 8, 16, 8
+    rng = np.random.default_rng(4)
+    dense = {
+        "w1": rng.normal(size=(d, f)).astype(np.float32) / 3,
+        "w2": rng.normal(size=(f, d)).astype(np.float32) / 4,
+    }
+    x = rng.normal(size=(t, d)).astype(np.float32)
+    mesh = mesh_1d(n, "model")
+    specs = {"w1": P("model"), "w2": P("model")}
+    placed = jax.device_put(
+        parallel.shard_mlp(dense, n), {k: NamedSharding(mesh, s) for k, s in specs.items()}
+    )
+
+    def body(p, x_rows):
+        def loss(x_rows):
+            y = parallel.mlp(
+                {k: v[0] for k, v in p.items()}, x_rows, "model", sequence_parallel=True
+            )
+            return jnp.sum(y**2)
+
+        return jax.grad(loss)(x_rows)
+
+    f_ = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P("model")), out_specs=P("model")))
+    counts = _counts(f_.lower(placed, x).as_text())
+    assert counts == {"all_gather": 2, "reduce_scatter": 2}, counts
+    want = jax.grad(lambda x: jnp.sum((parallel.gelu(x @ dense["w1"]) @ dense["w2"]) ** 2))(x)
+    np.testing.assert_allclose(np.asarray(f_(placed, x)), want, rtol=1e-4, atol=1e-4)
