@@ -73,6 +73,7 @@ def _trainer(name):
         layout=layout,
         # Accumulation: its sums of sliced gradients are typed as the slices are.
         accum_steps=2 if name == "fsdp2xtp2xpp2" else 1,
+        extra=dp.ema(0.5) if name == "zero1x4xtp2" else None,
     )
 
 
@@ -119,6 +120,14 @@ def test_a_tensor_split_leaf_keeps_its_split_and_fsdp_adds_the_data_split():
     # Adam's moments mirror the params' placement.
     mu = state.opt_state.inner_states["adam"].inner_state[0].mu["adam"]["blocks"]["w1"]
     assert mu.sharding.spec == P(None, "data", "tensor")
+    # Under ZeRO-1 the params stay whole over the data axis, the moments and an EMA of the
+    # params split there too, and all keep the tensor split.
+    trainer = _trainer("zero1x4xtp2")
+    state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
+    assert state.params["sgd"]["blocks"]["w1"].sharding.spec == P(None, None, "tensor")
+    mu = state.opt_state.inner_states["adam"].inner_state[0].mu["adam"]["blocks"]["w1"]
+    assert mu.sharding.spec == P("data", None, "tensor")  # ZeRO-1: the first dim 4 divides
+    assert state.extra["sgd"]["blocks"]["w1"].sharding.spec == P(None, None, "tensor")
 
 
 def test_specs_from_flax_boxes_equal_explicit_specs():
