@@ -134,22 +134,13 @@ def stage(blocks, h):
     return jax.lax.scan(lambda h, p: (Block().apply({"params": p}, h), None), h, blocks)[0]
 
 
-def bound(axis: str) -> bool:
-    try:
-        jax.lax.axis_size(axis)
-    except NameError:
-        return False
-    return True
-
-
 def logits(params, x):
     h = params["wte"][x] + params["wpe"][: x.shape[1]]
-    if bound("pipe"):  # the stacked blocks split into stages over the pipeline axis
-        h = parallel.pipeline_apply(
-            stage, params["blocks"], h, stage_axis="pipe", num_microbatches=MICRO
-        )
-    else:
-        h = stage(params["blocks"], h)
+    # The stacked blocks as stages over the pipeline axis (GPipe; every stage gets the last
+    # one's output); where no pipeline axis is bound, all of them in order.
+    h = parallel.pipeline_apply(
+        stage, params["blocks"], h, stage_axis="pipe", num_microbatches=MICRO
+    )
     h = nn.LayerNorm(use_bias=BIAS).apply({"params": params["ln_f"]}, h)
     return h @ params["wte"].T  # tied embeddings
 

@@ -1,4 +1,5 @@
-"""XLA:CPU settings every jaxcoll process gets: only jaxcoll's watchdog ends a stuck collective.
+"""XLA:CPU settings every jaxcoll process gets: only jaxcoll's watchdog ends a stuck collective,
+and collectives run in one order on every device.
 
 XLA:CPU runs each device's share of a collective on its own thread and joins the threads at a
 rendezvous. By default it logs a warning after 20 s and, after 40 s, ends the whole process
@@ -8,6 +9,14 @@ name of the program. On a loaded machine (simulated devices sharing two cores wi
 job) threads do arrive that late, and a healthy program is killed. jaxcoll moves those limits
 out of the way, so that a slow collective finishes and a stuck one is ended by jaxcoll's
 watchdog (``JAXCOLL_TIMEOUT``, default 600 s in a multi-process job) with one line naming it.
+
+XLA:CPU's concurrency-optimized scheduler (on by default in jaxlib 0.10) lets a device start
+independent operations in any order, collectives included; when the next step was dispatched
+before the last one finished, the simulated devices of one program met at different
+collectives and waited for ever (an FSDP x tensor x pipeline step with gradient accumulation
+on 8 devices: 5 hangs in 8 runs of 20 steps; none in 8 with the scheduler off, and none
+when each step was waited for). jaxcoll turns it off
+(``--xla_cpu_enable_concurrency_optimized_scheduler=false``).
 
 Imports nothing (the launcher uses it without importing JAX).
 """
@@ -29,9 +38,13 @@ _NAMES = (
     "xla_cpu_collective_timeout_seconds",
 )
 
+#: Settings besides the timeouts (see the module's docstring).
+_SETTINGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+
 
 def xla_cpu_flags(devices: int | None = None) -> list[str]:
-    """The ``XLA_FLAGS`` entries jaxcoll sets for XLA:CPU: its timeouts, and ``devices``.
+    """The ``XLA_FLAGS`` entries jaxcoll sets for XLA:CPU: its timeouts, one order of the
+    collectives on every device, and ``devices``.
 
     ``jaxcoll-run`` gives them to every process it starts and :func:`jaxcoll.init` adds them
     before JAX starts its devices. A program that simulates devices without either (a test
@@ -41,7 +54,8 @@ def xla_cpu_flags(devices: int | None = None) -> list[str]:
         >>> os.environ["XLA_FLAGS"] = " ".join(jaxcoll.xla_cpu_flags(devices=8))
 
     Without them a collective whose device threads are late by 40 s (a loaded machine) ends
-    the process with a C++ abort instead of finishing.
+    the process with a C++ abort instead of finishing, and a program whose steps overlap can
+    hang with its devices at different collectives.
 
     Args:
         devices: simulated CPU devices (``--xla_force_host_platform_device_count``); None
@@ -56,7 +70,7 @@ def xla_cpu_flags(devices: int | None = None) -> list[str]:
     ):
         raise ValueError(f"xla_cpu_flags: devices={devices!r} must be a positive int.")
     count = [] if devices is None else [f"--xla_force_host_platform_device_count={devices}"]
-    return count + [f"--{name}={XLA_CPU_TIMEOUT_S}" for name in _NAMES]
+    return count + [f"--{name}={XLA_CPU_TIMEOUT_S}" for name in _NAMES] + list(_SETTINGS)
 
 
 def with_xla_cpu_flags(xla_flags: str, devices: int | None = None) -> str:

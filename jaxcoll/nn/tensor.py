@@ -32,13 +32,11 @@ _default_kernel_init = linen.initializers.lecun_normal()
 
 # ------------------------------------------------------------------------------ the helpers
 def _bound_size(axis: str | None) -> int | None:
-    """The size of mesh axis ``axis`` where it is bound (tensor-parallel mode), else None.
-
-    ``None`` means dense mode: ``axis=None``, or a name that no enclosing ``jax.shard_map``
-    (or ``jax.vmap(axis_name=...)``) binds, for which ``jax.lax.axis_size`` raises NameError.
-    """
-    if axis is None:
+    """The size of mesh axis ``axis`` where it is bound (tensor-parallel mode), else None
+    (dense mode: ``axis=None``, or a name no enclosing ``jax.shard_map`` binds)."""
+    if axis is None or not parallel.is_bound(axis):
         return None
+    return int(lax.axis_size(axis))
     try:
         return int(lax.axis_size(axis))
     except NameError:

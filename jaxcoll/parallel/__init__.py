@@ -13,9 +13,11 @@ them (the pipeline takes ``data_axis=`` and averages gradients over it exactly o
   :func:`bubble_fraction`;
 * :mod:`.tensor`: :func:`column_parallel`, :func:`row_parallel`, :func:`mlp`,
   :func:`shard_mlp`, :func:`sequence_gather`, :func:`gelu` (torch's exact ``nn.GELU()``);
-* :mod:`.moe`: :func:`dispatch`, :func:`combine`.
+* :mod:`.moe`: :func:`dispatch`, :func:`combine`;
+* :mod:`.axes`: :func:`is_bound`, the switch of model code that runs split or dense.
 """
 
+from .axes import is_bound as is_bound
 from .moe import combine as combine
 from .moe import dispatch as dispatch
 from .pipeline import bubble_fraction as bubble_fraction
@@ -34,6 +36,7 @@ __all__ = [
     "combine",
     "dispatch",
     "gelu",
+    "is_bound",
     "mlp",
     "pipeline_apply",
     "pipeline_value_and_grad",

@@ -23,14 +23,6 @@ TOL = 1e-5
 TWIN = ("adam", "sgd")
 
 
-def _bound(axis: str) -> bool:
-    try:
-        jax.lax.axis_size(axis)
-    except NameError:
-        return False
-    return True
-
-
 # --------------------------------------------------------------------------------- model
 def init_copy(key):
     k = jax.random.split(key, 5)
@@ -65,7 +57,7 @@ SPECS = {k: COPY_SPECS for k in TWIN}
 def block(h, layer):
     x = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-5) * layer["scale"]
     mlp = {k: layer[k] for k in ("w1", "b1", "w2", "b2")}
-    if _bound("tensor"):
+    if parallel.is_bound("tensor"):
         y = parallel.mlp(mlp, x, "tensor")  # one all-reduce over the tensor axis
     else:
         y = parallel.gelu(x @ mlp["w1"] + mlp["b1"]) @ mlp["w2"] + mlp["b2"]
@@ -78,12 +70,7 @@ def stage(blocks, h):
 
 def forward(p, x):
     h = jnp.tanh(x @ p["inp"])
-    if _bound("pipe"):
-        h = parallel.pipeline_apply(
-            stage, p["blocks"], h, stage_axis="pipe", num_microbatches=MICRO
-        )
-    else:
-        h = stage(p["blocks"], h)
+    h = parallel.pipeline_apply(stage, p["blocks"], h, stage_axis="pipe", num_microbatches=MICRO)
     return h @ p["out"]
 
 
