@@ -250,6 +250,9 @@ def main(argv=None) -> None:
     parser.add_argument("--resume", action="store_true", help="restore the newest in --ckpt")
     parser.add_argument("--out", help="write the final params here (.npz, process 0)")
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
+    parser.add_argument(
+        "--eval-every", type=int, default=EVAL_EVERY, help="steps between evaluations (0: none)"
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         use_tiny()
@@ -270,7 +273,7 @@ def main(argv=None) -> None:
         if step < start:
             continue
         state, metrics = trainer.step(state, batch)
-        if (step + 1) % EVAL_EVERY == 0 or step + 1 == args.steps:
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             val = trainer.evaluate(state, batches("val", EVAL_BATCHES, seed=2))
             if me == 0:
                 print(

@@ -70,20 +70,10 @@ def test_a_layout_trains_the_single_device_params(name, single):
 
 def test_the_checkpoint_resumes_in_another_layout(tmp_path, single):
     ckpt, out = tmp_path / "ckpt", tmp_path / "params.npz"
-    gpt.main(["--tiny", "--layout", "fsdp4xtp2", "--steps", "2", "--ckpt", str(ckpt)])
+    common = ["--tiny", "--eval-every", "0", "--ckpt", str(ckpt)]
+    gpt.main([*common, "--layout", "fsdp4xtp2", "--steps", "2"])
     gpt.main(
-        [
-            "--tiny",
-            "--layout",
-            "dp2xtp2xpp2",
-            "--steps",
-            str(STEPS),
-            "--resume",
-            "--ckpt",
-            str(ckpt),
-            "--out",
-            str(out),
-        ]
+        [*common, "--layout", "dp2xtp2xpp2", "--steps", str(STEPS), "--resume", "--out", str(out)]
     )
     assert _max_rel(dict(np.load(out)), single[0]) <= TOL
 
