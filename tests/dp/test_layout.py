@@ -265,3 +265,23 @@ def test_a_checkpoint_moves_between_model_layouts(tmp_path):
         got = dst.host_params(restored)
         for k in TWIN:
             assert _max_rel(got[k], want[k]) <= TOL, (name, k)
+
+
+def test_the_3d_step_exports_for_gpus_and_the_export_runs_here():
+    # What a GPU would get: the FSDP x tensor x pipeline step exported for cuda and cpu at
+    # once; its cuda module holds the layout's collectives, and the export, called on these
+    # CPU devices, takes the same step as the Trainer.
+    trainer = _trainer("fsdp2xtp2xpp2")
+    state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
+    batch = data()[0]
+    step, args = trainer.step_program(state, batch)
+    exported = jax.export.export(step, platforms=("cuda", "cpu"))(*args)
+    text = exported.mlir_module()
+    for op in ("all_gather", "reduce_scatter", "all_reduce", "collective_permute"):
+        assert f"stablehlo.{op}" in text, op
+    placed = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), (state, batch), args)
+    got, _ = exported.call(*placed)
+    fresh = trainer.init(params0(), jax.random.key(1), specs=SPECS)  # the export consumed it
+    want, _ = trainer.step(fresh, batch)
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
