@@ -17,6 +17,7 @@ from . import primitives as primitives
 from ._core.ops import ReduceOp as ReduceOp
 from ._core.typing import AxisName as AxisName
 from ._core.typing import PyTree as PyTree
+from ._watch import dump_trace as dump_trace
 from ._watch import handle_preemption as handle_preemption
 from ._watch import preemption_point as preemption_point
 from ._watch import preemption_requested as preemption_requested
@@ -38,6 +39,7 @@ __all__ = [
     "algorithms",
     "dist",
     "distributed",
+    "dump_trace",
     "groups",
     "handle_preemption",
     "init",

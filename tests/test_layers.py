@@ -1,10 +1,11 @@
 """The package's imports point down its layers, and never in a circle.
 
 Layers, lowest first (docs/architecture.md): the shared modules ``jaxcoll._jax`` (the one
-door to JAX internals) and ``jaxcoll._xla_flags`` (XLA:CPU's settings), which import nothing
-of jaxcoll, < ``jaxcoll._core`` (ground) < ``algorithms`` < ``primitives`` < ``groups`` <
-``distributed``, ``dp``, ``parallel`` < ``bench``, ``nn`` < the top-level re-exports (``nn``, the
-flax layers on ``parallel``, imports nothing of ``dp``). ``_init`` (joining a
+door to JAX internals), ``jaxcoll._xla_flags`` (XLA:CPU's settings) and ``jaxcoll.trace``
+(the flight records' analysis), which import nothing of jaxcoll, < ``jaxcoll._core``
+(ground) < ``algorithms`` < ``primitives`` < ``groups`` < ``distributed``, ``dp``,
+``parallel`` < ``bench``, ``nn`` < the top-level re-exports (``nn``, the flax layers on
+``parallel``, imports nothing of ``dp``). ``_init`` (joining a
 multi-process job), ``_watch`` (watchdog, mismatch detection, SIGTERM) and ``run`` (the
 launcher) stand apart and import nothing of jaxcoll outside themselves but the shared modules.
 A module may import modules of a lower layer and of its own package; every import counts, at
@@ -32,6 +33,7 @@ UNITS = {
     "jaxcoll._init": 0,
     "jaxcoll._watch": 0,
     "jaxcoll._xla_flags": -1,
+    "jaxcoll.trace": -1,
     "jaxcoll.run": 0,
     "jaxcoll.algorithms": 1,
     "jaxcoll.primitives": 2,
@@ -46,7 +48,7 @@ UNITS = {
 APART = {"jaxcoll._init", "jaxcoll._watch", "jaxcoll.run"}
 # Modules that import nothing of jaxcoll and that every unit, those standing apart too, may
 # import.
-SHARED = {"jaxcoll._jax", "jaxcoll._xla_flags"}
+SHARED = {"jaxcoll._jax", "jaxcoll._xla_flags", "jaxcoll.trace"}
 # Units above another that still may not import it: beside it in design, above it by layer.
 INDEPENDENT = {"jaxcoll.nn": {"jaxcoll.dp"}}
 DOOR = "jaxcoll._jax"  # the one module that reaches JAX internals

@@ -6,8 +6,13 @@ after joining the job; a single process uses the watchdog once ``JAXCOLL_TIMEOUT
 ``init(timeout=...)``) sets a timeout.
 
 * :mod:`.watchdog`: every ``dist`` call, :func:`watch`-ed function and
-  :func:`watch_outputs` registration that is not computed within the timeout ends its process
-  with one line naming it (default 600 s in a multi-process job, :data:`DEFAULT_TIMEOUT`).
+  :func:`watch_outputs` registration that is not computed within its timeout ends its process
+  with one line naming it (in a multi-process job by default 600 s until a program's first
+  completion, :data:`process.DEFAULT_FIRST_TIMEOUT`, and 300 s after it,
+  :data:`DEFAULT_TIMEOUT`).
+* :mod:`.recorder`: the flight recorder, a ring buffer of those calls (op, group, shapes,
+  call site, issue and completion times) dumped as JSON when a process ends early, on
+  SIGUSR1 and on :func:`dump_trace`; :mod:`jaxcoll.trace` compares the processes' dumps.
 * :mod:`.detect`: with ``JAXCOLL_DEBUG=detail``, processes compare each program's fingerprint
   at its first use and raise on every process when they disagree.
 * exit markers: a process that exits normally records it before JAX's shutdown barrier, so a
@@ -22,14 +27,17 @@ after joining the job; a single process uses the watchdog once ``JAXCOLL_TIMEOUT
 from __future__ import annotations
 
 import atexit
+import os
 
 from . import monitor as _monitor
 from . import process
+from . import recorder as _recorder
 from . import watchdog as _watchdog
 from .detect import agree as agree
 from .detect import watch as watch
 from .process import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 from .process import leave as leave
+from .recorder import dump_trace as dump_trace
 from .signals import handle_preemption as handle_preemption
 from .signals import install as _install_sigterm
 from .signals import preemption_point as preemption_point
@@ -41,6 +49,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "agree",
     "configure",
+    "dump_trace",
     "handle_preemption",
     "preemption_point",
     "preemption_requested",
@@ -54,17 +63,26 @@ _exit_hook = False
 
 
 def configure(
-    timeout: float | str | None = "env", debug: str | None = "env", api: str = "init"
+    timeout: float | str | None = "env",
+    debug: str | None = "env",
+    first_timeout: float | str | None = "env",
+    api: str = "init",
 ) -> None:
-    """Set the collective timeout and detail mode (``"env"``: from the environment)."""
-    process.configure(timeout, debug, api=api)
+    """Set the collective timeouts and detail mode (``"env"``: from the environment)."""
+    process.configure(timeout, debug, api=api, first_timeout_s=first_timeout)
+    process.on_leave = _recorder.dump_on_leave
     _watchdog.ensure_thread()
 
 
-def start(timeout: float | str | None = "env", debug: str | None = "env") -> None:
-    """After ``jax.distributed.initialize``: configure, take over SIGTERM, mark the exit."""
+def start(
+    timeout: float | str | None = "env",
+    debug: str | None = "env",
+    first_timeout: float | str | None = "env",
+) -> None:
+    """After ``jax.distributed.initialize``: configure, take over SIGTERM and SIGUSR1, mark
+    the exit."""
     global _exit_hook
-    configure(timeout, debug)
+    configure(timeout, debug, first_timeout=first_timeout)
     if process.client() is None:
         return
     _install_sigterm()
@@ -79,6 +97,8 @@ def start(timeout: float | str | None = "env", debug: str | None = "env") -> Non
 def _at_exit() -> None:
     """A normal exit: let this process's watched work finish (the watchdog fires on what is
     stuck), then record the exit for the peers' watchdogs."""
-    _watchdog.drain(process.timeout or 0.0)
+    _watchdog.drain(process.first_timeout or process.timeout or 0.0)
+    if process.on and process.trace_buffer and os.environ.get("JAXCOLL_TRACE_DIR"):
+        _recorder.dump("exit")  # for jaxcoll-run's comparison of the processes' records
     process.mark_exit()
     _monitor.stop()

@@ -46,7 +46,7 @@ def agree(api: str, fields: dict[str, str], processes: tuple[int, ...]) -> None:
         seq = _seq[scope] = _seq.get(scope, 0) + 1
     key = f"{process.PREFIX}fp/{scope}/{seq}/"
     client.key_value_set(key + str(me), json.dumps(fields))
-    wait = process.collective_timeout() or process.DEFAULT_TIMEOUT
+    wait = process.collective_timeout(first=True) or process.DEFAULT_FIRST_TIMEOUT
     deadline = time.monotonic() + wait
     got = {me: fields}
     for p in processes:

@@ -1,8 +1,9 @@
 """This process in the job: the watchdog's settings, the key-value store, ending with one line.
 
-The settings: the collective timeout (``jaxcoll.init(timeout=)``, ``JAXCOLL_TIMEOUT``) and
-detail mode (``jaxcoll.init(debug="detail")``, ``JAXCOLL_DEBUG=detail``). ``on`` and
-``detail`` are the gates hot paths read before doing anything (a module attribute lookup).
+The settings: the two collective timeouts (``jaxcoll.init(timeout=, first_timeout=)``,
+``JAXCOLL_TIMEOUT``, ``JAXCOLL_FIRST_TIMEOUT``) and detail mode
+(``jaxcoll.init(debug="detail")``, ``JAXCOLL_DEBUG=detail``). ``on`` and ``detail`` are the
+gates hot paths read before doing anything (a module attribute lookup).
 """
 
 from __future__ import annotations
@@ -19,23 +20,44 @@ import jax
 
 from .._jax import distributed_state  # the job's key-value store client
 
-DEFAULT_TIMEOUT = 600.0
-"""Seconds a collective may wait in a multi-process job before the watchdog ends the process.
+DEFAULT_TIMEOUT = 300.0
+"""Seconds a program that has completed before may wait, in a multi-process job, before the
+watchdog ends the process (``timeout``).
 
-torch's NCCL default. It must exceed the longest legitimate wait of one process for another in
-a collective: a peer writing a checkpoint, compiling a slower program, loading data. Ten
-minutes covers those and still ends a hung job instead of letting it hold every device for
-ever. Scripts that know their steps are short set less (``--timeout``, ``JAXCOLL_TIMEOUT``).
+Once a program has run, its compile is done on every process; what a peer may still
+legitimately be doing while this one waits in the collective is a step's host work, a
+synchronous checkpoint write or an evaluation of its own, which take seconds to a few minutes.
+Five minutes covers those and frees a hung job's devices twice as fast as torch's 10-minute
+NCCL default (torchtitan uses 100 s per step after the first). Scripts that know their steps
+are short set less (``--timeout``, ``JAXCOLL_TIMEOUT``).
 """
+DEFAULT_FIRST_TIMEOUT = 600.0
+"""Seconds a program may wait before its first completion on this process
+(``first_timeout``; never less than ``timeout``).
+
+The first run of a program waits for every peer to reach it: the peers' compiles of the same
+program (minutes for a large model, not equal across hosts, plus GPU autotuning), their first
+checkpoint restore and data start-up. torch's NCCL default (10 minutes) covers them.
+"""
+DEFAULT_TRACE_BUFFER = 2000
+"""Calls the flight recorder keeps (``JAXCOLL_TRACE_BUFFER``; 0 = off): torch's default."""
 PREFIX = "jaxcoll/"  # every key jaxcoll puts in the job's key-value store starts with this
 KV_S = 2.0  # the longest a key-value call of a background thread may take before giving up
 
 on: bool = bool(os.environ.get("JAXCOLL_TIMEOUT", "").strip())
-"""A collective timeout is set (or set in the environment and not yet read): register."""
+"""Register each dispatched program with the watchdog and the flight recorder: a collective
+timeout is set (or set in the environment and not yet read), or this process is in a
+multi-process job, where the flight recorder is on even with the watchdog off."""
+watching: bool = on
+"""A collective timeout is set: the watchdog may end the process."""
 detail: bool = os.environ.get("JAXCOLL_DEBUG", "").strip().lower() == "detail"
 """Mismatch detection is on: fingerprint each program at its first use."""
 timeout: float | None = None
-"""The collective timeout in seconds, None when off (see :func:`configure`)."""
+"""The collective timeout in seconds once a program has completed, None when off."""
+first_timeout: float | None = None
+"""The collective timeout in seconds before a program's first completion, None when off."""
+trace_buffer: int = DEFAULT_TRACE_BUFFER
+"""How many calls the flight recorder keeps (0: it records nothing)."""
 configured = False
 lock = threading.Lock()
 _kv_broken = False
@@ -81,14 +103,18 @@ def configure(
     debug: str | None = "env",
     joined: bool | None = None,
     api: str = "init",
+    first_timeout_s: float | str | None = "env",
 ) -> None:
-    """Settle the timeout and detail mode: the arguments, else the environment, else defaults.
+    """Settle the timeouts and detail mode: the arguments, else the environment, else defaults.
 
-    ``"env"`` (or None) reads ``JAXCOLL_TIMEOUT`` / ``JAXCOLL_DEBUG``. Unset, the timeout is
-    :data:`DEFAULT_TIMEOUT` in a multi-process job (``joined``; default: whether this process
-    joined one) and off in a single process; 0 turns it off.
+    ``"env"`` (or None) reads ``JAXCOLL_TIMEOUT`` / ``JAXCOLL_FIRST_TIMEOUT`` /
+    ``JAXCOLL_DEBUG``. Unset, the timeout is :data:`DEFAULT_TIMEOUT` in a multi-process job
+    (``joined``; default: whether this process joined one) and off in a single process; 0
+    turns it off. The first-completion timeout is, unset, :data:`DEFAULT_FIRST_TIMEOUT` or
+    the timeout if that is longer, and off when the timeout is off; it may not be shorter
+    than the timeout.
     """
-    global on, detail, timeout, configured
+    global on, watching, detail, timeout, first_timeout, trace_buffer, configured
     env = os.environ
     if joined is None:
         joined = client() is not None
@@ -99,21 +125,54 @@ def configure(
             if raw
             else (DEFAULT_TIMEOUT if joined else None)
         )
+        t_source = "JAXCOLL_TIMEOUT"
     else:
         t = _parse_timeout(api, timeout_s, "timeout")
+        t_source = "timeout"
+    if first_timeout_s == "env" or first_timeout_s is None:
+        raw = env.get("JAXCOLL_FIRST_TIMEOUT", "").strip()
+        first = _parse_timeout(api, raw, "JAXCOLL_FIRST_TIMEOUT") if raw else None
+        f_source = "JAXCOLL_FIRST_TIMEOUT"
+        given = bool(raw)
+    else:
+        first = _parse_timeout(api, first_timeout_s, "first_timeout")
+        f_source, given = "first_timeout", True
+    if not given:
+        first = None if t is None else max(DEFAULT_FIRST_TIMEOUT, t)
+    elif t is not None and (first is None or first < t):
+        raise ValueError(
+            f"{api}: {f_source}={first or 0:g} is shorter than {t_source}={t:g}: the wait "
+            f"before a program's first completion includes the peers' compiles and start-up, "
+            f"so it may not be shorter. Set {f_source} to at least {t:g}, or leave it unset "
+            f"(max({DEFAULT_FIRST_TIMEOUT:g}, {t_source}))."
+        )
     if debug == "env" or debug is None:
         d = _parse_debug(api, env.get("JAXCOLL_DEBUG", ""), "JAXCOLL_DEBUG")
     else:
         d = _parse_debug(api, debug, "debug")
+    raw = env.get("JAXCOLL_TRACE_BUFFER", "").strip()
+    try:
+        buffer = int(raw) if raw else DEFAULT_TRACE_BUFFER
+    except ValueError:
+        buffer = -1
+    if buffer < 0:
+        raise ValueError(
+            f"{api}: JAXCOLL_TRACE_BUFFER={raw!r} is not a count of calls. Set it to e.g. "
+            f"{DEFAULT_TRACE_BUFFER}, or 0 to turn the flight recorder off."
+        )
     with lock:
-        timeout, detail, on, configured = t, d, t is not None, True
+        timeout, first_timeout, detail, configured = t, first, d, True
+        trace_buffer = buffer
+        watching = t is not None or first is not None
+        on = watching or (joined and buffer > 0)
 
 
-def collective_timeout() -> float | None:
-    """The collective timeout in seconds, or None when the watchdog is off."""
+def collective_timeout(first: bool = False) -> float | None:
+    """The collective timeout in seconds (``first``: before a program's first completion), or
+    None when the watchdog is off."""
     if not configured:
         configure()
-    return timeout
+    return first_timeout if first else timeout
 
 
 def client() -> Any:
@@ -202,6 +261,10 @@ others to leave first (they learn of its failure within a second or two; see :fu
 
 _leaving = threading.Lock()
 
+on_leave: Callable[[str], None] | None = None
+"""Called with the reason as :func:`leave` ends the process, before its line: the flight
+recorder's dump (:mod:`.recorder`)."""
+
 
 def leave(
     code: int,
@@ -243,6 +306,11 @@ def leave(
                 before()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
+        if on_leave is not None:
+            try:
+                on_leave(reason or line or f"exit {code}")
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
         if line is not None:
             say(line)
         if client() is not None:

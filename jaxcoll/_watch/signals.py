@@ -1,4 +1,5 @@
-"""SIGTERM: stop at once, or at the next step boundary of a loop that claimed it.
+"""SIGTERM: stop at once, or at the next step boundary of a loop that claimed it; SIGUSR1:
+write the flight record (:mod:`.recorder`) and go on.
 
 JAX's preemption notifier catches SIGTERM in every process that called
 ``jax.distributed.initialize`` and only logs it, so a launcher's or scheduler's stop waits its
@@ -21,7 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from . import process
+from . import process, recorder
 
 SIGTERM_EXIT = 128 + signal.SIGTERM
 _POLL_S = 0.5
@@ -48,6 +49,7 @@ def install() -> None:
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     signal.signal(signal.SIGTERM, _handler)
+    signal.signal(signal.SIGUSR1, _handler)
     previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     if previous != -1:  # someone (asyncio) owns the wakeup fd: keep theirs, use the handler
         signal.set_wakeup_fd(previous)
@@ -66,13 +68,23 @@ def _read_pipe(fd: int) -> None:
         data = os.read(fd, 64)
         if not data:
             return
+        for _ in range(data.count(signal.SIGUSR1)):
+            _sigusr1()
         for _ in range(data.count(signal.SIGTERM)):
             _sigterm()
 
 
 def _handler(signum: int, frame: Any) -> None:
     if not _pipe:  # with a pipe, its thread has done the work already
-        _sigterm()
+        _sigusr1() if signum == signal.SIGUSR1 else _sigterm()
+
+
+def _sigusr1() -> None:
+    """Write the flight record and go on (``kill -USR1``: where is a running job?)."""
+    if not process.on or not process.trace_buffer:
+        return
+    path = recorder.dump("SIGUSR1")
+    process.say(f"jaxcoll: process {process.me()[0]} wrote its flight record to {path}.")
 
 
 def _sigterm() -> None:

@@ -1,18 +1,25 @@
-"""The collective watchdog: no dispatched program may stay unfinished for longer than the timeout.
+"""The collective watchdog: no dispatched program may stay unfinished for longer than its timeout.
 
-:func:`register` appends ``(time, outputs, what, inputs)`` to a deque: a microsecond, and the
-caller never waits. A daemon thread wakes every :data:`POLL_S` seconds, drops the entries
-whose outputs are ready (``jax.Array.is_ready()``) and looks at the oldest one left. When that
-one has been the oldest for the timeout, or for :data:`LEFT_GRACE_S` seconds after a process it
-needs recorded its exit, the thread prints ONE line naming this process, the program, its
-shapes and how long it waited, and ends the process (exit code 1): before XLA:CPU's own abort
-of a stuck rendezvous (a C++ check failure after 40 s) whenever the timeout is shorter, and
-instead of the silence of a gloo or NCCL collective that waits for ever.
+:func:`register` records the call in the flight recorder (:mod:`.recorder`) and appends it,
+with its first output, to a deque: about two microseconds, and the caller never waits. A
+daemon thread wakes every :data:`POLL_S` seconds, drops the entries whose outputs are ready
+(``jax.Array.is_ready()``, stamping the recorder's completion time) and looks at the oldest
+one left. When that one has been the oldest for its timeout, or for :data:`LEFT_GRACE_S`
+seconds after a process it needs recorded its exit, the thread prints ONE line naming this
+process, the program, its shapes and how long it waited, and ends the process (exit code 1):
+before XLA:CPU's own abort of a stuck rendezvous (a C++ check failure after 40 s) whenever
+the timeout is shorter, and instead of the silence of a gloo or NCCL collective that waits
+for ever.
+
+Two timeouts: a program (name, options, input shapes) that has not completed yet in this
+process gets ``first_timeout`` (its peers may still be compiling it, or restoring a
+checkpoint); once one call of it has completed, its later calls get ``timeout``.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from typing import Any
@@ -20,7 +27,7 @@ from typing import Any
 import jax
 
 from .._jax import ArrayImpl as _ArrayImpl  # None if JAX moved it: flatten every time
-from . import process
+from . import process, recorder
 
 POLL_S = 0.25
 LEFT_GRACE_S = 1.5  # how long an entry may stay pending once a process it needs has exited
@@ -29,16 +36,24 @@ _pending: collections.deque = collections.deque()
 _thread: threading.Thread | None = None
 
 
-def register(outputs: Any, what: Any, inputs: Any = None) -> None:
-    """Watch ``outputs`` (a pytree of ``jax.Array``) of the program ``what`` just dispatched.
+def register(outputs: Any, what: Any, inputs: Any = None, options: str = "") -> None:
+    """Watch ``outputs`` (a pytree of ``jax.Array``) of the program ``what`` just dispatched,
+    and record the call in the flight recorder.
 
-    Never blocks. ``inputs`` (optional) only serves the message: its shapes are printed.
+    Never blocks. ``inputs`` (optional) serves the messages and the record: their shapes are
+    kept. ``options`` (the op's options, e.g. ``"src=0"``) goes into the record.
     """
     if not process.configured:
         process.configure()
         ensure_thread()
-    if process.timeout is not None:
-        _pending.append((time.monotonic(), outputs, what, inputs))
+    if not process.on:
+        return
+    leaf = _first_leaf(outputs)
+    call = recorder.record(leaf, what, outputs if inputs is None else inputs, options)
+    _pending.append((call, leaf, (what, options, call.sig)))
+
+
+_completed: set[Any] = set()  # (what, options, signature) of programs that completed here
 
 
 def watch_outputs(outputs: Any, what: str) -> Any:
@@ -67,7 +82,7 @@ def watch_outputs(outputs: Any, what: str) -> Any:
 def ensure_thread() -> None:
     """Start the watchdog thread if a timeout is set and it is not running."""
     global _thread
-    if process.timeout is None:
+    if not process.on:
         return
     with process.lock:
         if _thread is None or not _thread.is_alive():
@@ -103,39 +118,49 @@ def _done(leaf: Any) -> bool:
 
 
 def _run() -> None:
-    head, leaf, since = None, None, 0.0
+    head: Any = None
+    leaf: Any = None
+    since = 0.0
     left_seen_at: float | None = None
     next_probe = 0.0
     while True:
         time.sleep(POLL_S)
-        t = process.timeout
-        if t is None:
+        if not process.on:
             continue
         while _pending:
             item = _pending[0]
             if item is not head:  # a new oldest entry: its wait starts now (or at dispatch)
-                head, leaf, left_seen_at = item, _first_leaf(item[1]), None
-                since = max(item[0], time.monotonic() - POLL_S)
+                head, leaf, left_seen_at = item, item[1], None
+                since = max(item[0].issued, time.monotonic() - POLL_S)
+                # Its timeout: the short one once a call of the same program (name, options,
+                # input shapes) has completed here. Calls complete in order, so every call
+                # before this one has been seen by now.
+                item[0].first = item[2] not in _completed
+                item[0].limit = process.first_timeout if item[0].first else process.timeout
             if not _done(leaf):
                 break
             _pending.popleft()
+            item[0].done = time.monotonic()
+            _completed.add(item[2])
             head = leaf = None
-        if head is None:
+        if head is None or not process.watching:
             continue
+        t = head[0].limit
         now = time.monotonic()
         waited = now - since
-        if waited >= min(1.0, t) and now >= next_probe and process.client() is not None:
+        if waited >= min(1.0, t or 1.0) and now >= next_probe and process.client() is not None:
             next_probe = now + 1.0
             if left_seen_at is None and set(process.exited()) & set(_processes(leaf)):
                 left_seen_at = now
-        if waited >= t or (left_seen_at is not None and now - left_seen_at >= LEFT_GRACE_S):
-            _fire(head, leaf, waited, t)
+        if (t is not None and waited >= t) or (
+            left_seen_at is not None and now - left_seen_at >= LEFT_GRACE_S
+        ):
+            _fire(head[0], leaf, waited, t)
 
 
-def _fire(item: tuple, leaf: Any, waited: float, t: float) -> None:
-    _, outputs, what, inputs = item
+def _fire(call: recorder.Call, leaf: Any, waited: float, t: float | None) -> None:
     me, n = process.me()
-    desc = f"{what}({_shapes(inputs if inputs is not None else outputs)})"
+    desc = f"{call.what}({recorder.describe(call.sig)})"
     procs = _processes(leaf)
     where = f" over processes {process.ranges(procs)}" if n > 1 and procs else ""
     process.kv(lambda c: c.key_value_set(f"{process.PREFIX}stuck/{me}", desc, allow_overwrite=True))
@@ -156,14 +181,18 @@ def _fire(item: tuple, leaf: Any, waited: float, t: float) -> None:
             "the other processes have not joined it (they are in another "
             "collective, or outside any)"
         )
+    first = call.first and process.first_timeout != process.timeout
+    kind = "first-call timeout" if first else "timeout"
     verb = (
-        f"timed out after {waited:.1f}s (timeout {t:g}s)"
-        if waited >= t
+        f"timed out after {waited:.1f}s ({kind} {t:g}s)"
+        if t is not None and waited >= t
         else f"gave up after {waited:.1f}s"
     )
+    site = f" at {os.path.basename(call.file)}:{call.line}" if call.file != "?" else ""
     process.die(
-        f"jaxcoll: process {me} of {n} {verb} waiting for {desc}{where}: "
-        f"{'; '.join(others) or 'it never finished'}; exiting with code 1.",
+        f"jaxcoll: process {me} of {n} {verb} waiting for {desc}{where} (call "
+        f"#{call.group_seq}{site}): {'; '.join(others) or 'it never finished'}; exiting "
+        f"with code 1.",
         1,
     )
 

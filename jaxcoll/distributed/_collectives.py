@@ -56,13 +56,20 @@ def _program(api: str, name: str, group: Group, options: tuple[tuple[str, Any], 
 
 def _run(api: str, name: str, x: PyTree, group: Group, async_op: bool, **options: Any):
     check_per_rank(api, x, group)
-    program = _program(api, name, group, tuple(sorted(options.items())))
+    settings = tuple(sorted(options.items()))
+    program = _program(api, name, group, settings)
     if process.detail:  # JAXCOLL_DEBUG=detail: compare with the other processes at first use
         _agree_first_use(api, name, program, x, group, options)
     out = program(x)
-    if process.on:  # a collective timeout is set: the watchdog polls out (never waits here)
-        watchdog.register(out, api, x)
+    if process.on:  # watchdog and flight recorder: they poll out (never waiting here)
+        watchdog.register(out, api, x, options_text(settings))
     return Work(out) if async_op else out
+
+
+@functools.lru_cache(maxsize=512)
+def options_text(settings: tuple[tuple[str, Any], ...]) -> str:
+    """``op=SUM src=0``: an op's options as the flight recorder keeps them."""
+    return " ".join(f"{k}={v.name if isinstance(v, ReduceOp) else v}" for k, v in settings)
 
 
 _AGREED: set[Any] = set()

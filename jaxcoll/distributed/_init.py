@@ -23,6 +23,7 @@ def init(
     fail_fast: bool = True,
     timeout: float | None = None,
     debug: str | None = None,
+    first_timeout: float | None = None,
 ) -> Group:
     """Join the multi-process job this process belongs to and return the world group.
 
@@ -84,15 +85,21 @@ def init(
             this process right after its traceback (exit code 1), instead of waiting at JAX's
             exit barrier for peers that may be blocked in a collective with it.
         timeout: seconds a collective (every ``dist`` call, a :func:`jaxcoll.watch`-ed
-            function, outputs given to :func:`jaxcoll.watch_outputs`) may take before the
-            watchdog ends this process with one line naming it (default 600 in a
-            multi-process job, off in a single process, or ``JAXCOLL_TIMEOUT``, set by
-            ``jaxcoll-run --timeout``; 0 = off). It counts from when the program became this
-            process's oldest unfinished one.
+            function, outputs given to :func:`jaxcoll.watch_outputs`) whose program has
+            completed before in this process may take before the watchdog ends this process
+            with one line naming it (default 300 in a multi-process job, off in a single
+            process, or ``JAXCOLL_TIMEOUT``, set by ``jaxcoll-run --timeout``; 0 = off). It
+            counts from when the call became this process's oldest unfinished one.
         debug: ``"detail"`` (or ``JAXCOLL_DEBUG=detail``) checks, at the first use of every
             collective program, that all processes run the same one, and raises on every
             process naming what differs. Costs one key-value round trip per new program.
             ``"off"`` (the default) checks nothing.
+        first_timeout: the same before a program's first completion, when the peers may
+            still be compiling it or restoring a checkpoint (default: 600 or ``timeout`` if
+            longer, or ``JAXCOLL_FIRST_TIMEOUT``, set by ``jaxcoll-run --first-timeout``;
+            off when ``timeout`` is). May not be shorter than ``timeout``. The flight
+            recorder (:func:`jaxcoll.dump_trace`) records in every multi-process job,
+            whatever the timeouts.
 
     Returns:
         The world group, ``dist.world()``: every device of every process (of this process
@@ -118,7 +125,9 @@ def init(
     """
     timeout_setting = "env" if timeout is None else timeout
     debug_setting = "env" if debug is None else debug
-    _watch.configure(timeout_setting, debug_setting)  # bad values fail before joining
+    first_setting = "env" if first_timeout is None else first_timeout
+    # bad values fail before joining
+    _watch.configure(timeout_setting, debug_setting, first_setting)
     _init.leave = _watch.leave  # a failure tells the other processes first
     _init.initialize(
         coordinator_address,
@@ -132,5 +141,5 @@ def init(
         cluster_detection_method=cluster_detection_method,
         fail_fast=fail_fast,
     )
-    _watch.start(timeout_setting, debug_setting)
+    _watch.start(timeout_setting, debug_setting, first_setting)
     return world()

@@ -440,7 +440,7 @@ class Trainer:
         handed to the collective watchdog when a timeout is set (:mod:`jaxcoll._watch`)."""
         try:
             out = program(*args)
-            if process.on:  # one line and an exit if the step never finishes (a peer hangs)
+            if process.on:  # watched (a peer hangs: one line, an exit) and recorded
                 watchdog.register(out[1] if isinstance(out, tuple) else out, api, args[-1])
             return out
         except LossOutputError as e:

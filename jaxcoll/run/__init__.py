@@ -39,14 +39,17 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 
+from .. import trace
 from .._xla_flags import with_xla_cpu_flags
 from ._output import Proc, because, describe_exit, pump
 
@@ -126,6 +129,20 @@ def _parser() -> argparse.ArgumentParser:
         "(JAXCOLL_TIMEOUT; default 600 in a multi-process job, 0 = off)",
     )
     p.add_argument(
+        "--first-timeout",
+        type=float,
+        default=None,
+        help="the same before a program's first completion, while peers may still compile "
+        "it (JAXCOLL_FIRST_TIMEOUT; default max(600, --timeout))",
+    )
+    p.add_argument(
+        "--trace-dir",
+        default=None,
+        metavar="DIR",
+        help="where the processes write their flight records (default: a temporary "
+        "directory, removed after a clean run); analysed when the job fails",
+    )
+    p.add_argument(
         "--debug",
         choices=("off", "detail"),
         default=None,
@@ -180,6 +197,20 @@ def _check(a: argparse.Namespace) -> None:
         _error(f"--grace={a.grace} must be 0 or more seconds.")
     if a.timeout is not None and not a.timeout >= 0:
         _error(f"--timeout={a.timeout} must be 0 (off) or a positive number of seconds.")
+    if a.first_timeout is not None and not a.first_timeout >= 0:
+        _error(
+            f"--first-timeout={a.first_timeout} must be 0 (off) or a positive number of seconds."
+        )
+    if (
+        a.first_timeout is not None
+        and a.timeout
+        and (a.first_timeout == 0 or a.first_timeout < a.timeout)
+    ):
+        _error(
+            f"--first-timeout={a.first_timeout:g} is shorter than --timeout={a.timeout:g}: "
+            f"a program's first run waits for its peers' compiles too. Set it to at least "
+            f"{a.timeout:g}, or leave it out."
+        )
     if a.init_timeout < 1 or a.heartbeat_timeout < 1:
         _error("--init-timeout and --heartbeat-timeout must be at least 1 second.")
     if not a.module and not os.path.exists(a.program):
@@ -194,7 +225,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _child_env(
-    a: argparse.Namespace, coordinator: str, bind: str, local_rank: int, restart: int
+    a: argparse.Namespace,
+    coordinator: str,
+    bind: str,
+    local_rank: int,
+    restart: int,
+    trace_dir: str | None = None,
 ) -> dict[str, str]:
     env = dict(os.environ)
     nprocs_total = a.nnodes * a.nprocs
@@ -211,8 +247,12 @@ def _child_env(
         JAXCOLL_HEARTBEAT_TIMEOUT=str(a.heartbeat_timeout),
         PYTHONUNBUFFERED="1",
     )
+    if trace_dir is not None:
+        env["JAXCOLL_TRACE_DIR"] = trace_dir
     if a.timeout is not None:
         env["JAXCOLL_TIMEOUT"] = f"{a.timeout:g}"
+    if a.first_timeout is not None:
+        env["JAXCOLL_FIRST_TIMEOUT"] = f"{a.first_timeout:g}"
     if a.debug is not None:
         env["JAXCOLL_DEBUG"] = a.debug
     d = a.devices_per_proc
@@ -240,14 +280,16 @@ def _die_with_parent() -> None:
 class _Group:
     """One generation of worker processes."""
 
-    def __init__(self, a: argparse.Namespace, command: list[str], restart: int):
+    def __init__(self, a: argparse.Namespace, command: list[str], restart: int, traces: str):
         host_port = a.coordinator or f"127.0.0.1:{free_port()}"
         bind = a.bind or host_port
         self.lock = threading.Lock()
         self.procs: list[Proc] = []
+        self.trace_dir = os.path.join(traces, f"restart{restart}")
+        os.makedirs(self.trace_dir, exist_ok=True)
         for local in range(a.nprocs):
             index = a.node_rank * a.nprocs + local
-            env = _child_env(a, host_port, bind, local, restart)
+            env = _child_env(a, host_port, bind, local, restart, self.trace_dir)
             popen = subprocess.Popen(
                 command,
                 env=env,
@@ -333,6 +375,19 @@ def _say(msg: str) -> None:
     print(f"jaxcoll-run: {msg}", file=sys.stderr, flush=True)
 
 
+def _analyse(group: _Group, expected: int, failed: bool) -> bool:
+    """Print what the processes' flight records say (:mod:`jaxcoll.trace`): after a failure
+    always, after a clean run only when they disagree. True when it printed."""
+    records = trace.load(group.trace_dir)
+    if not records or not (failed or trace.analyze(records)):
+        return False
+    head = "flight records" if failed else "warning: the processes' flight records disagree"
+    _say(f"{head} (python -m jaxcoll.trace {group.trace_dir}):")
+    for line in trace.report(records, expected):
+        _say(f"  {line}")
+    return True
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the job, and return its exit code."""
     a = _parser().parse_args(argv)
@@ -348,10 +403,12 @@ def run(argv: Sequence[str] | None = None) -> int:
         received.append(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    traces = a.trace_dir or tempfile.mkdtemp(prefix="jaxcoll-trace-")
+    keep = a.trace_dir is not None
     try:
         restart = 0
         while True:
-            group = _Group(a, command, restart)
+            group = _Group(a, command, restart, traces)
             failed: list[Proc] = []
             while True:
                 if received:
@@ -362,6 +419,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                     )
                     group.stop(a.grace, sig)
                     group.join_output()
+                    keep |= _analyse(group, a.nnodes * a.nprocs, failed=True)
                     return 128 + sig
                 failed = group.failures()
                 if failed or group.all_done():
@@ -369,6 +427,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 time.sleep(_POLL_S)
             if not failed:
                 group.join_output()
+                keep |= _analyse(group, a.nnodes * a.nprocs, failed=False)
                 return 0
             group.settle(_SETTLE_S)
             proc = group.first_cause()
@@ -388,6 +447,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 if p is proc:
                     continue
                 _say(f"then process {p.index} {describe_exit(p.popen.returncode)}{because(p)}.")
+            keep |= _analyse(group, a.nnodes * a.nprocs, failed=True)
             if restart < a.max_restarts:
                 restart += 1
                 _say(
@@ -400,6 +460,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if not keep:  # a clean run's records say nothing
+            shutil.rmtree(traces, ignore_errors=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -31,7 +31,7 @@ _FOLLOW_ON = re.compile(
 )
 # Lines that never say why a process stopped: C++ log lines (``E1123 16:40:06.048386 ...``),
 # traceback frames, blank lines.
-_NOT_A_CAUSE = re.compile(r"^([EWIF]\d{4} |\s|Traceback|$)")
+_NOT_A_CAUSE = re.compile(r"^([EWIF]\d{4} |\s|Traceback|$|jaxcoll: process \d+ wrote its flight)")
 # Gloo's connection report: one line per local rank, written by several threads at once, so
 # fragments of two can share a line ("[Gloo] Rank 3[Gloo] Rank 2 is connected to  is connected
 # to 77 peer ranks. ..."). The launcher drops these lines.

@@ -15,10 +15,10 @@ import jaxcoll
 from jaxcoll import _init, _watch
 from jaxcoll.distributed import init
 
-WATCHDOG = ("timeout", "debug")  # init's own parameters, for _watch
+WATCHDOG = ("timeout", "debug", "first_timeout")  # init's own parameters, for _watch
 
 
-def test_init_has_initializes_parameters_plus_timeout_and_debug():
+def test_init_has_initializes_parameters_plus_the_watchdogs():
     ours = inspect.signature(init).parameters
     joining = inspect.signature(_init.initialize).parameters
     assert list(ours) == [*joining, *WATCHDOG]

@@ -26,8 +26,39 @@ from .test_faults import _wait_for
 
 TIMEOUT_S = 10
 WATCHDOG_BOUND_S = 30  # the issue's goal with a 10 s timeout
-JOB = ["--nprocs", "2", "--devices-per-proc", "2", "--grace", "3", "--timeout", str(TIMEOUT_S)]
+JOB = [
+    "--nprocs",
+    "2",
+    "--devices-per-proc",
+    "2",
+    "--grace",
+    "3",
+    "--timeout",
+    str(TIMEOUT_S),
+    "--first-timeout",
+    str(TIMEOUT_S),
+]
 DETAIL = [*JOB, "--debug", "detail"]
+WORKER = os.path.join(WORKERS, "hangs.py")
+
+
+def _line(text: str, after: str | None = None) -> str:
+    """``tests/multihost/workers/hangs.py:N``: where ``text`` first is in the worker (after
+    the line holding ``after``): the call site the flight record must name."""
+    with open(WORKER) as fh:
+        for n, line in enumerate(fh, 1):
+            if after is not None:
+                after = None if after in line else after
+            elif text in line:
+                return f"{os.path.relpath(WORKER, ROOT)}:{n}"
+    raise AssertionError(f"{text!r} is not in {WORKER}")
+
+
+def _first_finding(job) -> str:
+    """The flight-record analysis's first finding, as ``jaxcoll-run`` printed it."""
+    m = re.search(r"^jaxcoll-run:   first: (.*)$", job.stderr, re.M)
+    assert m, job.stderr[-3000:]
+    return m.group(1)
 
 
 def _summary(job) -> str:
@@ -90,9 +121,84 @@ def _check_mismatch(job, apis: tuple[str, str], message: str) -> None:
 @pytest.mark.timeout(60)
 def test_different_collectives_end_at_the_timeout(tmp_path):
     # Process 0 all-reduces, process 1 all-gathers: gloo waits for ever; the watchdog ends it.
-    job = launch(JOB, "hangs.py", [str(tmp_path), "op"], timeout=60)
+    trace_dir = tmp_path / "trace"
+    job = launch(
+        [*JOB, "--trace-dir", str(trace_dir)], "hangs.py", [str(tmp_path), "op"], timeout=60
+    )
     op = ("dist.all_reduce", "dist.all_gather")[_first_named(job)]  # both time out; either
-    _check_watchdog(job, f"{op}(float32[4,3]) over processes 0-1")
+    _check_watchdog(job, f"{op}(float32[4,3]) over processes 0-1 (call #1 at hangs.py:")
+    # The flight records name both sides: the call number, each op and the user's line.
+    site = _line("dist.all_reduce(x) if ME == 0 else dist.all_gather(x)")
+    expected = (
+        f"the processes disagree at call #1 of processes 0-1: process 0 runs "
+        f"dist.all_reduce(float32[4,3]) op=SUM at {site}; process 1 runs "
+        f"dist.all_gather(float32[4,3]) axis=0 tiled=False at {site}."
+    )
+    assert _first_finding(job) == expected, job.stderr[-3000:]
+    # The same analysis offline, from the records the job left in --trace-dir.
+    offline = subprocess.run(
+        [sys.executable, "-m", "jaxcoll.trace", str(trace_dir / "restart0")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert offline.returncode == 1, offline.stderr
+    assert f"  first: {expected}" in offline.stdout.splitlines(), offline.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_program_that_completed_before_gets_the_short_timeout(tmp_path):
+    # --timeout 3, --first-timeout 20: both processes all-reduce once; then process 0
+    # all-reduces again while process 1 sleeps. The second call of a program that has
+    # completed ends at 3 s, not 20.
+    args = [*JOB[:6], "--timeout", "3", "--first-timeout", "20"]
+    job = launch(args, "hangs.py", [str(tmp_path), "second"], timeout=60)
+    assert job.returncode == 1, job.stderr[-3000:]
+    site = _line("y = dist.all_reduce(x)", after='MODE == "second"')
+    assert re.search(
+        r"failed: process 0 exited with code 1: jaxcoll: process 0 of 2 timed out after "
+        r"3\.\ds \(timeout 3s\) waiting for dist.all_reduce\(float32\[4,3\]\) over processes "
+        r"0-1 \(call #2 at hangs.py:\d+\)",
+        _summary(job),
+    ), job.stderr[-3000:]
+    assert _first_finding(job).startswith(
+        f"call #2 of processes 0-1: process(es) 0 issued it (dist.all_reduce(float32[4,3]) "
+        f"op=SUM at {site}); process 1 never issued it (its last call there was #1, at "
+        f"{_line('time.sleep(30)')} in <module> when it wrote: jaxcoll: process 1 of 2 stops: "
+        f"process 0 failed (jaxcoll: process 0 of 2 timed out after 3."
+    ), job.stderr[-3000:]
+    _no_abort(job)
+    assert survivors(job.token) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["src", "dtype", "shape"])
+def test_mismatches_without_detection_are_named_by_the_flight_records(tmp_path, mode):
+    # Detection off: a broadcast from two sources hangs until the watchdog fires, int32
+    # against float32 "succeeds" with garbage, different shapes end with one process gone.
+    # Whatever the ending, the analysis of the processes' records names the call number,
+    # both programs and the line.
+    job = launch(JOB, "hangs.py", [str(tmp_path), mode], timeout=60)
+    assert job.returncode == (0 if mode == "dtype" else 1), job.stderr[-3000:]
+    call = {
+        "src": ("dist.broadcast(x, src=0 if ME == 0 else 3)", "dist.broadcast", "src=0", "src=3"),
+        "dtype": ("rows(3, np.float32 if ME == 0", "dist.all_reduce", "op=SUM", "op=SUM"),
+        "shape": ("rows(3 if ME == 0 else 5)", "dist.all_reduce", "op=SUM", "op=SUM"),
+    }[mode]
+    args = {"dtype": ("float32[4,3]", "int32[4,3]"), "shape": ("float32[4,3]", "float32[4,5]")}
+    a0, a1 = args.get(mode, ("float32[4,3]", "float32[4,3]"))
+    site = _line(call[0])
+    expected = (
+        f"the processes disagree at call #1 of processes 0-1: process 0 runs "
+        f"{call[1]}({a0}) {call[2]} at {site}; process 1 runs {call[1]}({a1}) {call[3]} at "
+        f"{site}."
+    )
+    assert _first_finding(job) == expected, job.stderr[-3000:]
+    if mode == "dtype":  # the job "succeeded": the launcher warns instead of staying silent
+        assert "jaxcoll-run: warning: the processes' flight records disagree" in job.stderr
+    _no_abort(job)
+    assert survivors(job.token) == []
 
 
 @pytest.mark.timeout(60)
@@ -144,6 +250,13 @@ def test_peer_spinning_outside_any_collective_ends_at_the_timeout(tmp_path):
     job = launch(JOB, "hangs.py", [str(tmp_path), "spin"], timeout=60)
     assert _check_watchdog(job, "user step(float32[4,3])") == 0
     assert "the other processes have not joined it" in _summary(job)
+    # The records say where process 1 was instead: its spinning line, not a collective.
+    assert _first_finding(job).startswith(
+        f"call #1 of processes 0-1: process(es) 0 issued it (user step(float32[4,3]) at "
+        f"{_line('y = step(x)')}); process 1 never issued it (it issued none there, at "
+        f"{_line('while True:  # alive')} in <module> when it wrote: jaxcoll: process 1 of 2 "
+        f"stops: process 0 failed"
+    ), job.stderr[-3000:]
     # Process 1 learns of process 0's failure and leaves by itself, naming it; process 0, the
     # coordination service's host, leaves after it, so JAX aborts neither.
     assert (
@@ -163,10 +276,16 @@ def test_peer_that_exits_early_is_named(tmp_path):
     summary = _summary(job)
     expected = (
         r"failed: process 0 exited with code 1: jaxcoll: process 0 of 2 gave up after "
-        r"[\d.]+s waiting for dist.all_reduce\(float32\[4,3\]\) over processes 0-1: "
-        r"process\(es\) 1 exited while this one waits for it"
+        r"[\d.]+s waiting for dist.all_reduce\(float32\[4,3\]\) over processes 0-1 \(call "
+        r"#1 at hangs.py:\d+\): process\(es\) 1 exited while this one waits for it"
     )
     assert re.search(expected, summary), summary
+    site = _line("y = dist.all_reduce(x)", after='MODE == "exit"')
+    assert _first_finding(job) == (
+        f"call #1 of processes 0-1: process(es) 0 issued it (dist.all_reduce(float32[4,3]) "
+        f"op=SUM at {site}); process 1 never issued it (it issued none there; it "
+        f"exited)."
+    ), job.stderr[-3000:]
     # Process 1, already past its exit and waiting at JAX's shutdown barrier, is let through
     # it by process 0 (the coordination service's host) before process 0 leaves: it ends
     # with its own code 0, and JAX aborts no one.
@@ -192,6 +311,11 @@ def test_process_0_that_fails_on_purpose_is_named_first(tmp_path):
         r"then process 1 exited with code 1: jaxcoll: process 1 of 2 gave up "
         r"after [\d.]+s waiting for dist.all_reduce",
         job.stderr,
+    ), job.stderr[-3000:]
+    site = _line("y = dist.all_reduce(x)", after='MODE == "fail0"')
+    assert _first_finding(job) == (
+        f"call #1 of processes 0-1: process(es) 1 issued it (dist.all_reduce(float32[4,3]) "
+        f"op=SUM at {site}); process 0 never issued it (it issued none there; it exited)."
     ), job.stderr[-3000:]
     _no_abort(job)
     assert survivors(job.token) == []
@@ -235,6 +359,14 @@ def test_sigterm_stops_workers_blocked_in_a_collective_at_once(tmp_path):
             f"[{k}] jaxcoll: process {k} received SIGTERM; exiting with code 143." in job.stderr
         ), job.stderr[-3000:]
     assert not re.search(r"^\[\d\] F\d{4} |Check failure", job.stderr, re.M), job.stderr
+    # Both wrote their records on SIGTERM: process 1 was asleep, not in the collective.
+    site = _line("y = dist.all_reduce(x)", after='MODE == "block"')
+    assert _first_finding(job) == (
+        f"call #1 of processes 0-1: process(es) 0 issued it (dist.all_reduce(float32[4,3]) "
+        f"op=SUM at {site}); process 1 "
+        f"never issued it (it issued none there, at {_line('time.sleep(3600)')} in <module> "
+        f"when it wrote: jaxcoll: process 1 received SIGTERM; exiting with code 143.)."
+    ), job.stderr[-3000:]
     assert survivors(token) == []
 
 

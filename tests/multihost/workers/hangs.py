@@ -16,6 +16,8 @@ Modes (process 0 / process 1):
   ``apart``: both ``dist.all_reduce``, then process k sleeps ``3 * k`` s (``apart1``:
   ``3 * (1 - k)`` s) before its normal exit.
   ``block``: waits in ``dist.all_reduce`` / sleeps in Python (the test sends SIGTERM).
+  ``second``: both ``dist.all_reduce`` once; then process 0 all-reduces again while process
+  1 sleeps 30 s (the second call of a program that completed: the short timeout).
   ``preempt``: both loop on all-reduces inside ``jaxcoll.handle_preemption`` and stop at
   ``jaxcoll.preemption_point`` (the test sends SIGTERM to process 1 only).
   ``bind``: process 0 writes the addresses listening on the coordinator port to ``OUT/listen``.
@@ -117,6 +119,11 @@ elif MODE == "block":
     mark("loop")
     if ME == 1:
         time.sleep(3600)
+    y = dist.all_reduce(x)
+elif MODE == "second":
+    dist.to_ranks(dist.all_reduce(x))  # completes on both
+    if ME == 1:
+        time.sleep(30)
     y = dist.all_reduce(x)
 elif MODE == "preempt":
     with jaxcoll.handle_preemption():
