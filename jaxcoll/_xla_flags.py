@@ -8,7 +8,8 @@ ensure a consistent program state``): SIGABRT and a stack trace, no Python excep
 name of the program. On a loaded machine (simulated devices sharing two cores with another
 job) threads do arrive that late, and a healthy program is killed. jaxcoll moves those limits
 out of the way, so that a slow collective finishes and a stuck one is ended by jaxcoll's
-watchdog (``JAXCOLL_TIMEOUT``, default 600 s in a multi-process job) with one line naming it.
+watchdog (``JAXCOLL_FIRST_TIMEOUT`` / ``JAXCOLL_TIMEOUT``, 600 s / 300 s by default in a
+multi-process job) with one line naming it.
 
 XLA:CPU's concurrency-optimized scheduler (on by default in jaxlib 0.10) lets a device start
 independent operations in any order, collectives included; when the next step was dispatched

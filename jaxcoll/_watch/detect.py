@@ -148,7 +148,8 @@ def watch(fn: Callable[..., Any], name: str | None = None) -> Callable[..., Any]
 
     Each call dispatches ``fn`` and registers its outputs with the watchdog (never waiting):
     if they are not computed within the collective timeout (``jaxcoll.init(timeout=...)``,
-    ``jaxcoll-run --timeout``, ``JAXCOLL_TIMEOUT``; 600 s by default in a multi-process job),
+    ``jaxcoll-run --timeout``, ``JAXCOLL_TIMEOUT``; 600 s until its first completion and 300 s
+    after it by default in a multi-process job),
     the process ends with one line naming ``name``, the input shapes and how long it waited.
     With ``JAXCOLL_DEBUG=detail`` the first call per input shapes also compares ``fn``'s
     fingerprint (name, shapes, dtypes and, when ``fn`` has ``.lower``, a hash of the lowered

@@ -13,8 +13,17 @@ Each process gets ``JAXCOLL_COORDINATOR_ADDRESS``, ``JAXCOLL_NUM_PROCESSES``,
 ``--devices-per-proc D`` each process simulates ``D`` CPU devices (``XLA_FLAGS``) and is
 given local accelerators ``D * local_rank .. D * local_rank + D - 1``.
 
-``--timeout S`` (``JAXCOLL_TIMEOUT``) is the collective timeout of jaxcoll's watchdog and
-``--debug detail`` (``JAXCOLL_DEBUG``) turns on mismatch detection (see :func:`jaxcoll.init`).
+``--timeout S`` (``JAXCOLL_TIMEOUT``) and ``--first-timeout S`` (``JAXCOLL_FIRST_TIMEOUT``)
+are the collective timeouts of jaxcoll's watchdog, after and before a program's first
+completion, and ``--debug detail`` (``JAXCOLL_DEBUG``) turns on mismatch detection (see
+:func:`jaxcoll.init`).
+
+Each process writes its flight record (:func:`jaxcoll.dump_trace`) into ``--trace-dir``
+(``JAXCOLL_TRACE_DIR``; default a temporary directory, removed after a clean run) when it
+ends early, and at its normal exit. When the job fails, the launcher prints what the records
+say (:mod:`jaxcoll.trace`): the first call at which the processes disagree, a call some
+never issued and where they were instead, or a call that stalled everywhere; after a clean
+run it warns when they disagree (a wrong answer that hung nothing).
 
 Every output line is prefixed with ``[k]``, the process index; gloo's per-rank connection
 reports are dropped. If a process exits non-zero or is killed, the launcher gives the others
@@ -126,7 +135,8 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="seconds a collective may wait before the watchdog ends its process "
-        "(JAXCOLL_TIMEOUT; default 600 in a multi-process job, 0 = off)",
+        "once its program has completed before (JAXCOLL_TIMEOUT; default 300 in a "
+        "multi-process job, 0 = off)",
     )
     p.add_argument(
         "--first-timeout",

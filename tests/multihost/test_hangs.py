@@ -10,6 +10,7 @@ is left. docs/failing-fast.md lists the measured times.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -374,9 +375,21 @@ def test_sigterm_stops_workers_blocked_in_a_collective_at_once(tmp_path):
 def test_sigterm_to_one_process_stops_every_loop_after_the_same_step(tmp_path):
     # Both loops run inside jaxcoll.handle_preemption (with detection on: equal programs pass).
     t0 = time.monotonic()
-    popen, token = start(DETAIL, "hangs.py", [str(tmp_path), "preempt"])
+    trace_dir = tmp_path / "trace"
+    popen, token = start(
+        [*DETAIL, "--trace-dir", str(trace_dir)], "hangs.py", [str(tmp_path), "preempt"]
+    )
     for k in (0, 1):
         _wait_for(str(tmp_path / f"loop{k}"), 60)
+    # SIGUSR1: process 0 writes its flight record and goes on looping.
+    os.kill(int((tmp_path / "pid0").read_text()), signal.SIGUSR1)
+    record = trace_dir / "restart0" / "process0.json"
+    _wait_for(str(record), 30)
+    data = json.loads(record.read_text())
+    assert data["reason"] == "SIGUSR1" and data["process"] == 0
+    ops = {c["op"] for c in data["calls"]}
+    assert ops == {"dist.all_reduce"} and len(data["calls"]) >= 3, data["calls"][-3:]
+    assert [c["group_seq"] for c in data["calls"]] == list(range(1, len(data["calls"]) + 1))
     sent = time.monotonic()
     os.kill(int((tmp_path / "pid1").read_text()), signal.SIGTERM)
     job = finish(popen, token, t0, timeout=30)
