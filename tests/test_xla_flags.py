@@ -48,7 +48,7 @@ def test_the_flags_and_how_they_merge():
 
 def test_the_test_setup_and_the_launcher_set_them():
     assert set(NAMES) <= set(_values(os.environ["XLA_FLAGS"]))
-    a = run._parser().parse_args(["--nprocs", "2", "--devices-per-proc", "3", "x.py"])
+    a = run._parse(["--nprocs", "2", "--devices-per-proc", "3", "-m", "x"])
     env = run._child_env(a, "127.0.0.1:1", "127.0.0.1:1", 1, 0)
     values = _values(env["XLA_FLAGS"])
     assert values["--xla_force_host_platform_device_count"] == "3"

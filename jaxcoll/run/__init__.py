@@ -78,10 +78,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nprocs",
         "--nproc-per-node",
-        type=int,
-        default=1,
+        default="1",
         dest="nprocs",
-        help="processes to start on this node (default 1)",
+        metavar="N|MIN:MAX",
+        help="processes to start on this node (default 1); MIN:MAX: start MAX, and when a "
+        "process keeps failing past --max-restarts, go on without it while at least MIN "
+        "are left (one node only)",
     )
     p.add_argument(
         "--devices-per-proc",
@@ -176,9 +178,26 @@ def _error(msg: str) -> None:
     raise SystemExit(2)
 
 
+def _nprocs(text: str) -> tuple[int, int]:
+    """``--nprocs``: ``N`` or ``MIN:MAX``, as (MIN, MAX)."""
+    low, sep, high = str(text).partition(":")
+    try:
+        lo, hi = int(low), int(high if sep else low)
+    except ValueError:
+        _error(f"--nprocs={text} is not a count (4) or a range MIN:MAX (2:4).")
+    if lo < 1 or hi < lo:
+        _error(f"--nprocs={text} must be at least 1" + (", with MIN <= MAX." if sep else "."))
+    return lo, hi
+
+
 def _check(a: argparse.Namespace) -> None:
-    if a.nprocs < 1:
-        _error(f"--nprocs={a.nprocs} must be at least 1.")
+    a.min_nprocs, a.nprocs = _nprocs(a.nprocs)
+    if a.min_nprocs < a.nprocs and a.nnodes > 1:
+        _error(
+            f"--nprocs={a.min_nprocs}:{a.nprocs} (elastic) works on one node: with "
+            f"--nnodes={a.nnodes} every node's launcher would shrink on its own. Across nodes, "
+            f"restart the job on the nodes left (examples/slurm_elastic.sbatch)."
+        )
     if a.devices_per_proc is not None and a.devices_per_proc < 1:
         _error(f"--devices-per-proc={a.devices_per_proc} must be at least 1.")
     if a.nnodes < 1:
@@ -241,16 +260,24 @@ def _child_env(
     local_rank: int,
     restart: int,
     trace_dir: str | None = None,
+    slots: Sequence[int] | None = None,
 ) -> dict[str, str]:
+    """The environment of local process ``local_rank`` of a generation that runs ``slots``
+    (the original local ranks still in the job, default all): it takes the devices of slot
+    ``slots[local_rank]``."""
     env = dict(os.environ)
-    nprocs_total = a.nnodes * a.nprocs
+    slots = list(range(a.nprocs)) if slots is None else list(slots)
+    nprocs = len(slots)
+    nprocs_total = a.nnodes * nprocs
+    slot = slots[local_rank]
     env.update(
         JAXCOLL_COORDINATOR_ADDRESS=coordinator,
         JAXCOLL_COORDINATOR_BIND_ADDRESS=bind,
         JAXCOLL_NUM_PROCESSES=str(nprocs_total),
-        JAXCOLL_PROCESS_ID=str(a.node_rank * a.nprocs + local_rank),
+        JAXCOLL_PROCESS_ID=str(a.node_rank * nprocs + local_rank),
         JAXCOLL_LOCAL_RANK=str(local_rank),
-        JAXCOLL_LOCAL_WORLD_SIZE=str(a.nprocs),
+        JAXCOLL_LOCAL_WORLD_SIZE=str(nprocs),
+        JAXCOLL_MAX_NPROCS=str(a.nnodes * a.nprocs),
         JAXCOLL_NODE_RANK=str(a.node_rank),
         JAXCOLL_RESTART_COUNT=str(restart),
         JAXCOLL_INIT_TIMEOUT=str(a.init_timeout),
@@ -271,9 +298,9 @@ def _child_env(
     env["XLA_FLAGS"] = with_xla_cpu_flags(env.get("XLA_FLAGS", ""), d)
     if d is not None:
         env["JAX_NUM_CPU_DEVICES"] = str(d)
-        if nprocs_total > 1:
+        if nprocs_total > 1 or nprocs < a.nprocs:
             env["JAXCOLL_LOCAL_DEVICE_IDS"] = ",".join(
-                str(i) for i in range(d * local_rank, d * (local_rank + 1))
+                str(i) for i in range(d * slot, d * (slot + 1))
             )
     return env
 
@@ -290,16 +317,24 @@ def _die_with_parent() -> None:
 class _Group:
     """One generation of worker processes."""
 
-    def __init__(self, a: argparse.Namespace, command: list[str], restart: int, traces: str):
+    def __init__(
+        self,
+        a: argparse.Namespace,
+        command: list[str],
+        restart: int,
+        traces: str,
+        slots: Sequence[int],
+    ):
         host_port = a.coordinator or f"127.0.0.1:{free_port()}"
         bind = a.bind or host_port
         self.lock = threading.Lock()
         self.procs: list[Proc] = []
+        self.slots = list(slots)
         self.trace_dir = os.path.join(traces, f"restart{restart}")
         os.makedirs(self.trace_dir, exist_ok=True)
-        for local in range(a.nprocs):
-            index = a.node_rank * a.nprocs + local
-            env = _child_env(a, host_port, bind, local, restart, self.trace_dir)
+        for local in range(len(self.slots)):
+            index = a.node_rank * len(self.slots) + local
+            env = _child_env(a, host_port, bind, local, restart, self.trace_dir, self.slots)
             popen = subprocess.Popen(
                 command,
                 env=env,
@@ -398,10 +433,16 @@ def _analyse(group: _Group, expected: int, failed: bool) -> bool:
     return True
 
 
-def run(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``), run the job, and return its exit code."""
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The checked options (``--nprocs`` as ``nprocs`` = MAX and ``min_nprocs`` = MIN)."""
     a = _parser().parse_args(argv)
     _check(a)
+    return a
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the job, and return its exit code."""
+    a = _parse(argv)
     args = list(a.args)
     if args[:1] == ["--"]:
         args = args[1:]
@@ -416,9 +457,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     traces = a.trace_dir or tempfile.mkdtemp(prefix="jaxcoll-trace-")
     keep = a.trace_dir is not None
     try:
-        restart = 0
+        restart = 0  # generations started after the first (JAXCOLL_RESTART_COUNT)
+        retries = 0  # restarts at the current size
+        slots = list(range(a.nprocs))  # the original local ranks still in the job
         while True:
-            group = _Group(a, command, restart, traces)
+            group = _Group(a, command, restart, traces, slots)
+            n = a.nnodes * len(slots)
             failed: list[Proc] = []
             while True:
                 if received:
@@ -429,7 +473,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                     )
                     group.stop(a.grace, sig)
                     group.join_output()
-                    keep |= _analyse(group, a.nnodes * a.nprocs, failed=True)
+                    keep |= _analyse(group, n, failed=True)
                     return 128 + sig
                 failed = group.failures()
                 if failed or group.all_done():
@@ -437,7 +481,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 time.sleep(_POLL_S)
             if not failed:
                 group.join_output()
-                keep |= _analyse(group, a.nnodes * a.nprocs, failed=False)
+                keep |= _analyse(group, n, failed=False)
                 return 0
             group.settle(_SETTLE_S)
             proc = group.first_cause()
@@ -457,12 +501,25 @@ def run(argv: Sequence[str] | None = None) -> int:
                 if p is proc:
                     continue
                 _say(f"then process {p.index} {describe_exit(p.popen.returncode)}{because(p)}.")
-            keep |= _analyse(group, a.nnodes * a.nprocs, failed=True)
-            if restart < a.max_restarts:
+            keep |= _analyse(group, n, failed=True)
+            if retries < a.max_restarts:
                 restart += 1
+                retries += 1
                 _say(
-                    f"restarting all {a.nprocs} process(es) (restart {restart} of "
+                    f"restarting all {len(slots)} process(es) (restart {retries} of "
                     f"{a.max_restarts})."
+                )
+                continue
+            if len(slots) > a.min_nprocs:
+                # Elastic: the process that failed last goes; the survivors restart on their
+                # own devices, from the job's checkpoints (more examples per device).
+                gone = slots.pop(proc.index - a.node_rank * len(group.slots))
+                restart += 1
+                retries = 0
+                _say(
+                    f"process {proc.index} failed {a.max_restarts + 1} time(s) in a row; "
+                    f"going on without it (its devices, local slot {gone}): restarting "
+                    f"{len(slots)} process(es) (--nprocs {a.min_nprocs}:{a.nprocs})."
                 )
                 continue
             _say(f"failed: process {proc.index} {describe_exit(code)}{because(proc)}.")

@@ -98,6 +98,13 @@ def test_sigterm_to_the_launcher_is_forwarded_and_nothing_is_left(tmp_path):
 def test_launcher_rejects_bad_arguments(tmp_path):
     cases = [
         (["--nprocs", "0"], "--nprocs=0 must be at least 1"),
+        (["--nprocs", "3:2"], "--nprocs=3:2 must be at least 1, with MIN <= MAX."),
+        (["--nprocs", "two"], "--nprocs=two is not a count (4) or a range MIN:MAX (2:4)."),
+        (
+            ["--nprocs", "1:2", "--nnodes", "2", "--coordinator", "h:1"],
+            "--nprocs=1:2 (elastic) works on one node",
+        ),
+        (["--timeout", "10", "--first-timeout", "5"], "--first-timeout=5 is shorter than"),
         (["--nnodes", "2"], "--nnodes=2 needs --coordinator HOST:PORT"),
         (
             ["--nnodes", "2", "--node-rank", "2", "--coordinator", "h:1"],

@@ -78,6 +78,33 @@ def test_trainer_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path, single):
 
 
 @pytest.mark.timeout(300)
+def test_a_process_that_fails_for_good_is_left_out_and_the_job_ends_equal(tmp_path, single):
+    # --nprocs 1:2 --max-restarts 1: process 1 (devices 4-7) raises at step 6 in every run.
+    # The job restarts both once, then goes on without it: one process on devices 0-3
+    # restores the newest checkpoint (saved on 8 devices) onto its 4 and trains the same
+    # global batches (8 examples per device instead of 4) to the end.
+    job, (params,) = _train(
+        tmp_path,
+        "elastic",
+        ["--nprocs", "1:2", "--devices-per-proc", "4", "--max-restarts", "1"],
+        kill_at=6,
+        sig="FAIL",
+    )
+    assert (
+        job.stderr.count("[1] RuntimeError: train.py: devices 4-7 fail for good at step 6\n") == 2
+    )
+    assert "restarting all 2 process(es) (restart 1 of 1)" in job.stderr
+    assert (
+        "process 1 failed 2 time(s) in a row; going on without it (its devices, local slot 1): "
+        "restarting 1 process(es) (--nprocs 1:2)" in job.stderr
+    ), job.stderr[-3000:]
+    # It resumed from step 4's checkpoint (taken on 8 devices), not from scratch.
+    assert "process 0: finished at step 12 on 4 devices, 8 steps in this run" in job.stdout
+    for k in KEYS:
+        np.testing.assert_allclose(params[k], single[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.timeout(300)
 def test_fsdp_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path, single):
     # sync=dp.sync.FSDP(): every leaf split over the 8 devices, i.e. over both processes; the
     # result is the plain 1 x 8 run's up to float rounding.

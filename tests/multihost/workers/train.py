@@ -11,6 +11,9 @@ writes the final params to ``OUT/p{k}.npz``. ``KILL_AT`` > 0: on the first run
 (``JAXCOLL_RESTART_COUNT=0``) process 1 sends itself SIGNAL (``KILL``, the default, or
 ``TERM``: a preemption, which ``fit`` answers with a checkpoint at the next step boundary)
 while producing batch KILL_AT; ``--max-restarts 1`` then resumes from the last checkpoint.
+SIGNAL ``FAIL``: the process given local devices 4-7 raises while producing batch KILL_AT,
+in every run (a bad accelerator): under ``jaxcoll-run --nprocs 1:2`` the job goes on without
+it, on devices 0-3, from the last checkpoint, with the same global batches.
 """
 
 import os
@@ -32,7 +35,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxcoll import dp  # noqa: E402
 
 OUT, CKPT, KILL_AT = sys.argv[1], sys.argv[2], int(sys.argv[3])
-SIGNAL = getattr(signal, "SIG" + (sys.argv[4] if len(sys.argv) > 4 else "KILL"))
+MODE = sys.argv[4] if len(sys.argv) > 4 else "KILL"
+SIGNAL = getattr(signal, "SIG" + MODE, None)
+# FAIL: the process on local devices 4-7 (a bad accelerator) raises at KILL_AT in every run.
+BAD = MODE == "FAIL" and os.environ.get("JAXCOLL_LOCAL_DEVICE_IDS") == "4,5,6,7"
 STRATEGY = sys.argv[5] if len(sys.argv) > 5 else "ddp"
 STEPS, EVERY, BATCH = 12, 4, 32
 ME = jax.process_index()
@@ -74,8 +80,10 @@ class LocalBatches:
 
     def __iter__(self):
         for s in range(STEPS):
-            if KILL_AT and FIRST_RUN and ME == 1 and s == KILL_AT:
+            if KILL_AT and FIRST_RUN and ME == 1 and s == KILL_AT and SIGNAL is not None:
                 os.kill(os.getpid(), SIGNAL)
+            if KILL_AT and BAD and s == KILL_AT:
+                raise RuntimeError(f"train.py: devices 4-7 fail for good at step {s}")
             idx = (s * BATCH + local_rows) % len(X)
             yield {
                 k: jax.make_array_from_process_local_data(sharding, v[idx])
@@ -90,7 +98,7 @@ init = {
 }
 state = trainer.init(jax.tree_util.tree_map(jnp.asarray, init), jax.random.key(0))
 # Saving is collective: every process builds its Checkpointer on the same directory.
-state, _ = trainer.fit(
+state, history = trainer.fit(
     state,
     LocalBatches(),
     steps=STEPS,
@@ -104,4 +112,8 @@ else:
     params = {k: np.asarray(v.addressable_shards[0].data) for k, v in state.params.items()}
 os.makedirs(OUT, exist_ok=True)
 np.savez(os.path.join(OUT, f"p{ME}.npz"), step=np.asarray(jax.device_get(state.step)), **params)
-print(f"process {ME}: finished at step {int(jax.device_get(state.step))}", flush=True)
+print(
+    f"process {ME}: finished at step {int(jax.device_get(state.step))} on {trainer.n} "
+    f"devices, {len(history)} steps in this run",
+    flush=True,
+)
