@@ -277,7 +277,10 @@ def _child_env(
         JAXCOLL_PROCESS_ID=str(a.node_rank * nprocs + local_rank),
         JAXCOLL_LOCAL_RANK=str(local_rank),
         JAXCOLL_LOCAL_WORLD_SIZE=str(nprocs),
-        JAXCOLL_MAX_NPROCS=str(a.nnodes * a.nprocs),
+        # The job's first size; a job script that restarts on fewer nodes exports it.
+        JAXCOLL_MAX_NPROCS=str(
+            max(a.nnodes * a.nprocs, int(os.environ.get("JAXCOLL_MAX_NPROCS", "0") or 0))
+        ),
         JAXCOLL_NODE_RANK=str(a.node_rank),
         JAXCOLL_RESTART_COUNT=str(restart),
         JAXCOLL_INIT_TIMEOUT=str(a.init_timeout),

@@ -22,6 +22,10 @@ First the references, run on this host with ``jaxcoll-run`` and no SLURM; then t
     the launchers restart, training resumes from its checkpoint, and the final params are
     bit-identical to the uninterrupted run.
 
+(f) ``examples/slurm_elastic.sbatch`` with train.py, node 1 taken away at step 6 (its slurmd,
+    slurmstepd and tasks SIGKILLed): the job restarts on node 0 alone, resumes from the
+    checkpoint on 1 x 4 devices and ends equal to the 2 x 4 run within 1e-5.
+
 After every job no process of it is left. Prints one line per job with its time.
 """
 
@@ -404,6 +408,88 @@ def job_e(ref_train: list[dict]) -> None:
     )
 
 
+def _take_node_away(node: str) -> list[int]:
+    """What a dead node does to a job: its slurmd, its job steps' slurmstepd and its tasks
+    end at once (SIGKILL, by pid: every "node" of this cluster is a process tree on this
+    host). Returns the pids killed."""
+    victims = []
+    for path in Path("/proc").glob("[0-9]*"):
+        pid = int(path.name)
+        try:
+            cmd = (path / "cmdline").read_bytes().split(b"\0")
+            env = (path / "environ").read_bytes().split(b"\0")
+            stat = (path / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        daemon = cmd[:1] and cmd[0].endswith(b"slurmd") and node.encode() in cmd
+        task = f"SLURMD_NODENAME={node}".encode() in env and cmd[:1] != [b""]
+        if daemon or task:
+            victims.append(pid)
+            if task:
+                parent = int(stat[1])  # the task's slurmstepd (or a task of the same step)
+                victims.append(parent)
+    killed = []
+    for pid in dict.fromkeys(victims):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name in ("slurmctld", "munged") or pid in (os.getpid(), os.getppid()):
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except OSError:
+            pass
+    return killed
+
+
+def job_f(ref_train: list[dict]) -> None:
+    """(f) examples/slurm_elastic.sbatch: node 1 is lost at step 6; the job goes on alone."""
+    out, ckpt = SCRATCH / "f_elastic", SCRATCH / "f_ckpt"
+    job_id, token, t0 = submit(
+        "f_elastic",
+        ROOT / "examples" / "slurm_elastic.sbatch",
+        [str(WORKERS / "train.py"), str(out), str(ckpt), "6", "PAUSE"],
+        CPU_NODES,
+        **{**CPU_ENV, "JAXCOLL_PROBE_S": "20"},
+    )
+    deadline = time.monotonic() + 180
+    while not (out / "paused1").exists():  # process 1 (node 1) sleeps at step 6
+        if time.monotonic() > deadline or job_info(job_id).get("JobState") in _ENDED:
+            subprocess.run(["scancel", job_id], check=False)
+            raise AssertionError("(f) process 1 never reached step 6")
+        time.sleep(0.2)
+    killed = _take_node_away(NODE1)
+    check(bool(killed), f"(f) found nothing of node {NODE1} to take away")
+    job = wait("f_elastic", job_id, token, t0)
+    check(
+        job.state == "COMPLETED" and job.exit_code == 0,
+        f"(f) job {job.id} ended {job.state}, exit code {job.exit_code}",
+        job.output,
+    )
+    node0 = NODE1.rsplit("-", 1)[0]
+    check(
+        "slurm_elastic: step 0 failed" in job.output
+        and f"slurm_elastic: step 1 on 1 node(s): {node0} " in job.output,
+        f"(f) the job did not restart on {node0} alone",
+        job.output,
+    )
+    got = params(out)
+    check(len(got) == 1, f"(f) {len(got)} params files, expected 1", job.output)
+    check(int(got[0]["step"]) == 12, "(f) did not finish at step 12", job.output)
+    resumed = re.search(r"process 0: finished at step 12 on 4 devices, (\d+) steps", job.output)
+    check(resumed is not None and int(resumed.group(1)) < 12, "(f) did not resume", job.output)
+    for k in ("w", "b", "v"):
+        np.testing.assert_allclose(got[0][k], ref_train[0][k], rtol=1e-5, atol=1e-6, err_msg=k)
+    say(
+        f"(f) examples/slurm_elastic.sbatch, node {NODE1} taken away at step 6 (slurmd, its "
+        f"step and tasks killed): restarted on {node0} alone, {resumed.group(1)} steps from "
+        f"the checkpoint on 1 x 4 devices, params equal to the 2 x 4 run within 1e-5: "
+        f"PASS {job.seconds:.1f} s"
+    )
+
+
 def main() -> None:
     t0 = time.monotonic()
     ref = SCRATCH / "ref"
@@ -436,6 +522,7 @@ def main() -> None:
     job_c()
     job_d(ref_train)
     job_e(ref_train)
+    job_f(ref_train)  # last: it takes node 1 away
     say(f"all jobs passed in {time.monotonic() - t0:.1f} s")
 
 

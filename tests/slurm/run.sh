@@ -164,6 +164,8 @@ SelectTypeParameters=CR_CPU
 # the CPU counts below, not what slurmd finds (both "nodes" share this host's cores)
 SlurmdParameters=config_overrides
 ReturnToService=2
+# job (f) takes node 1 away: notice it in seconds, not SLURM's default 5 minutes
+SlurmdTimeout=10
 NodeName=$NODE0 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$PORT0 CPUs=2 State=UNKNOWN
 NodeName=$NODE1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$PORT1 CPUs=2 State=UNKNOWN
 PartitionName=test Nodes=$NODE0,$NODE1 Default=YES MaxTime=INFINITE State=UP

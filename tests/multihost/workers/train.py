@@ -13,12 +13,15 @@ writes the final params to ``OUT/p{k}.npz``. ``KILL_AT`` > 0: on the first run
 while producing batch KILL_AT; ``--max-restarts 1`` then resumes from the last checkpoint.
 SIGNAL ``FAIL``: the process given local devices 4-7 raises while producing batch KILL_AT,
 in every run (a bad accelerator): under ``jaxcoll-run --nprocs 1:2`` the job goes on without
-it, on devices 0-3, from the last checkpoint, with the same global batches.
+it, on devices 0-3, from the last checkpoint, with the same global batches. ``PAUSE``:
+process 1 sleeps while producing batch KILL_AT in its first run (``OUT/paused1`` marks it),
+for a test that takes its node away meanwhile.
 """
 
 import os
 import signal
 import sys
+import time
 
 import jaxcoll
 
@@ -42,6 +45,10 @@ BAD = MODE == "FAIL" and os.environ.get("JAXCOLL_LOCAL_DEVICE_IDS") == "4,5,6,7"
 STRATEGY = sys.argv[5] if len(sys.argv) > 5 else "ddp"
 STEPS, EVERY, BATCH = 12, 4, 32
 ME = jax.process_index()
+os.makedirs(OUT, exist_ok=True)
+# PAUSE: process 1 sleeps while producing batch KILL_AT, once (OUT/paused1 marks it): the
+# SLURM test takes its node away meanwhile.
+PAUSED = os.path.join(OUT, "paused1") if MODE == "PAUSE" and ME == 1 else None
 FIRST_RUN = os.environ.get("JAXCOLL_RESTART_COUNT", "0") == "0"
 
 rng = np.random.default_rng(0)
@@ -84,6 +91,10 @@ class LocalBatches:
                 os.kill(os.getpid(), SIGNAL)
             if KILL_AT and BAD and s == KILL_AT:
                 raise RuntimeError(f"train.py: devices 4-7 fail for good at step {s}")
+            if KILL_AT and PAUSED and s == KILL_AT and not os.path.exists(PAUSED):
+                with open(PAUSED, "w") as fh:  # for the test, which now takes the node away
+                    fh.write(str(os.getpid()))
+                time.sleep(600)
             idx = (s * BATCH + local_rows) % len(X)
             yield {
                 k: jax.make_array_from_process_local_data(sharding, v[idx])
