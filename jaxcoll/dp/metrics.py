@@ -8,14 +8,17 @@ program (its FLOPs and memory, from the compiled program's ``cost_analysis()`` a
 with the loss in the same transfer.
 
 ==================  ===========================================================================
-``step_time_s``     wall time per step, as the loop runs: the larger of the times between
-                    this step's completion and the previous one's and between their
-                    dispatches (the first step: from the start of ``fit``, compilation
-                    included; an evaluation, a save or a trace in between is not counted)
+``step_time_s``     wall time between the completions of consecutive steps, as the loop
+                    reads them (one per turn; a step read right after the one before, at an
+                    evaluation, a save or the end: the time between their dispatches; the
+                    first step: from the start of ``fit``, compilation included; an
+                    evaluation, a save or a trace in between is not counted)
 ``examples_per_s``  the global batch size / ``step_time_s``
 ``tokens_per_s``    ``examples_per_s * tokens_per_example`` (with ``fit(tokens_per_example=)``)
 ``flops_per_step``  the step program's FLOPs on all devices: XLA's ``cost_analysis()``
-                    count, which is per device (per SPMD partition), times the device count
+                    count, which is per device (per SPMD partition), times the device count,
+                    or the step's matmul FLOPs where XLA's count lacks them (GPU; see
+                    :func:`step_flops`)
 ``mfu``             ``flops_per_step / step_time_s / (peak_flops * n_devices)`` (with
                     ``fit(peak_flops=)``)
 ``lr``              ``opt_state``'s ``hyperparams["learning_rate"]`` after the step (the
@@ -32,6 +35,7 @@ import math
 import numbers
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -43,15 +47,10 @@ from .._core.typing import PyTree
 
 
 # ----------------------------------------------------------------------- compiled programs
-def compiled_flops(compiled: Any, n_devices: int) -> float | None:
-    """The FLOPs of one run of ``compiled`` on all ``n_devices`` devices it runs on.
-
-    XLA's ``cost_analysis()["flops"]`` counts one device's program (one SPMD partition: on 8
-    devices, a data-parallel step reports an eighth of the matmul FLOPs), so the count is
-    multiplied by ``n_devices``. None where the backend gives no count.
-    """
+def _flops(program: Any) -> float | None:
+    """``program.cost_analysis()["flops"]`` (a Lowered or a Compiled), or None."""
     try:
-        cost = compiled.cost_analysis()
+        cost = program.cost_analysis()
     except Exception:  # noqa: BLE001 - a backend without cost analysis
         return None
     if isinstance(cost, (list, tuple)):  # older jax: one dict per program
@@ -59,7 +58,81 @@ def compiled_flops(compiled: Any, n_devices: int) -> float | None:
     flops = cost.get("flops") if isinstance(cost, dict) else None
     if flops is None or not flops > 0:
         return None
-    return float(flops) * n_devices
+    return float(flops)
+
+
+def matmul_flops(jaxpr: Any) -> float:
+    """The FLOPs of every matrix product and convolution in a (closed) jaxpr, on all devices.
+
+    ``dot_general``: 2 x the output's size x the contracted size; ``conv_general_dilated``:
+    2 x the output's size x the kernel's size per output feature. Sub-jaxprs are followed:
+    a ``scan`` body counts ``length`` times, a ``shard_map`` body (per-device shapes) once
+    per device of its manual axes, a ``cond`` its largest branch, a ``while`` body once
+    (its trip count is not known). Elementwise work is not counted.
+    """
+    from jax.extend import core
+
+    def count(j: Any) -> float:
+        total = 0.0
+        for eqn in j.eqns:
+            name = eqn.primitive.name
+            if name == "dot_general":
+                (contract, _), _ = eqn.params["dimension_numbers"]
+                lhs = eqn.invars[0].aval.shape
+                k = math.prod(lhs[d] for d in contract)
+                total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+                continue
+            if name == "conv_general_dilated":
+                rhs = eqn.invars[1].aval.shape
+                out_feature = eqn.params["dimension_numbers"].rhs_spec[0]
+                per_output = math.prod(rhs) / rhs[out_feature]
+                total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * per_output
+                continue
+            subs = [
+                x.jaxpr if isinstance(x, core.ClosedJaxpr) else x
+                for v in eqn.params.values()
+                for x in (v if isinstance(v, (tuple, list)) else [v])
+                if isinstance(x, (core.ClosedJaxpr, core.Jaxpr))
+            ]
+            if not subs:
+                continue
+            counts = [count(sub) for sub in subs]
+            if name == "cond":
+                total += max(counts)
+            elif name == "scan":
+                total += eqn.params["length"] * sum(counts)
+            elif name == "shard_map":
+                mesh = eqn.params["mesh"]
+                manual = eqn.params.get("newly_manual_axes", eqn.params.get("axis_names"))
+                axes = mesh.axis_names if not manual else manual
+                total += math.prod(mesh.shape[a] for a in axes) * sum(counts)
+            else:
+                total += sum(counts)
+        return total
+
+    return count(getattr(jaxpr, "jaxpr", jaxpr))
+
+
+def step_flops(compiled: Any, jaxpr: Any, n_devices: int) -> float | None:
+    """The FLOPs of one run of a step program on all ``n_devices`` devices it runs on.
+
+    XLA's ``compiled.cost_analysis()["flops"]`` counts one device's program (one SPMD
+    partition: on 8 devices, a data-parallel step reports an eighth of the matmul FLOPs), so
+    it is multiplied by ``n_devices``. XLA:GPU's count leaves out the matmuls it hands to
+    cuBLAS as custom calls (jax-ml/jax#22249; with jax 0.11.2 on an H200, 0.2% of a deep
+    MLP's), so the larger of it and the program's :func:`matmul_flops` is taken: XLA's
+    count (matmuls and elementwise work) where it holds the matmuls, the matmuls alone
+    where it does not. None where neither is known.
+    """
+    xla = _flops(compiled)
+    counts = [] if xla is None else [xla * n_devices]
+    if jaxpr is not None:
+        try:
+            counts.append(matmul_flops(jaxpr))
+        except Exception:  # noqa: BLE001 - a primitive whose params are not as expected
+            pass
+    counts = [c for c in counts if c > 0]
+    return max(counts) if counts else None
 
 
 def compiled_memory_bytes(compiled: Any) -> int | None:
@@ -214,6 +287,33 @@ class Costs(NamedTuple):
     memory_bytes: int | None
 
 
+# Costs by step program (a jitted function, kept by its Trainer) and argument shapes: a later
+# fit of the same Trainer finds them here.
+_COSTS: weakref.WeakKeyDictionary[Any, dict[Any, Costs]] = weakref.WeakKeyDictionary()
+
+
+def program_costs(step: Any, args: tuple[Any, ...], n_devices: int) -> Costs:
+    """The costs of the jitted ``step`` on the abstract ``args`` (``Trainer.step_program``'s):
+    traced, lowered and compiled once (jax's cached trace and executable when the step
+    already ran), then remembered."""
+    shapes = tuple(
+        (x.shape, str(x.dtype), str(getattr(x, "sharding", None)))
+        for x in jax.tree_util.tree_leaves(args)
+    )
+    key = (jax.tree_util.tree_structure(args), shapes, n_devices)
+    try:
+        known = _COSTS.setdefault(step, {})
+    except TypeError:  # not weakly referenceable: no memory across fits
+        known = {}
+    if key not in known:
+        traced = step.trace(*args)  # jax's caches: traced and compiled when the step ran
+        compiled = traced.lower().compile()
+        known[key] = Costs(
+            step_flops(compiled, traced.jaxpr, n_devices), compiled_memory_bytes(compiled)
+        )
+    return known[key]
+
+
 class StepMetrics:
     """The step metrics ``fit`` adds to each step's (see the module docstring).
 
@@ -246,6 +346,7 @@ class StepMetrics:
         self.programs: dict[Any, Costs] = {}
         self.device_memory = device_peak_bytes(self.local) is not None
         self.clock = self.sent = time.perf_counter()  # the last completion, the last dispatch
+        self.turn = self.done_turn = 0  # the loop's turns (one dispatch each), the last report's
 
     def key(self, host_step: int) -> Any:
         """The step program's identity: the strategy's phase for a phased one."""
@@ -264,8 +365,7 @@ class StepMetrics:
             program_of: Callable[..., Any] | None = getattr(self.trainer, "step_program", None)
             if program_of is not None:
                 step, args = program_of(state, batch, step=host_step)
-                compiled = step.lower(*args).compile()
-                found = Costs(compiled_flops(compiled, self.n), compiled_memory_bytes(compiled))
+                found = program_costs(step, args, self.n)
             self.programs[key] = found
         return found
 
@@ -278,6 +378,7 @@ class StepMetrics:
         """Call right after a step is dispatched: (its dispatch time, the previous one's)."""
         now, before = time.perf_counter(), self.sent
         self.sent = now
+        self.turn += 1
         return now, before
 
     def device_values(self, state: Any) -> dict[str, jax.Array]:
@@ -291,15 +392,18 @@ class StepMetrics:
         """The host metrics of a step whose outputs were just read; ``sent``: what
         :meth:`dispatched` returned for it.
 
-        The step's time is the larger of the times since the previous completion and since
-        the previous dispatch: the two agree while the loop runs steadily (one step
-        completes and one is dispatched per turn), and the second still holds when two steps
-        are read back to back (the step before an evaluation), where the device had finished
-        both before the host asked.
+        The step's time is the time since the previous step's outputs were read: one step
+        is read per turn of the loop, so this is the loop's period, the device's step time
+        when the device is the bottleneck. A step read in the same turn as the one before
+        (the step before an evaluation, a save or the end) gets the time between the two
+        steps' dispatches instead: the device may have finished both before the host asked.
         """
         now = time.perf_counter()
-        dt = max(now - self.clock, sent[0] - sent[1], 1e-9)
-        self.clock = now
+        if self.done_turn == self.turn:  # the second report of this turn
+            dt = max(sent[0] - sent[1], 1e-9)
+        else:
+            dt = max(now - self.clock, 1e-9)
+        self.clock, self.done_turn = now, self.turn
         out = {"step_time_s": dt, "examples_per_s": examples / dt}
         if self.tokens is not None:
             out["tokens_per_s"] = examples * self.tokens / dt
