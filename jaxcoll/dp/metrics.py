@@ -179,9 +179,10 @@ def measure_peak_flops(
         repeats: timed runs (the median is taken).
 
     Returns:
-        FLOP/s of one device. On simulated CPU devices (``--xla_force_host_platform_device_
-        count``) the devices share the host's cores, so one device alone runs faster than
-        each does when all run: MFU against this peak is then a lower bound.
+        FLOP/s of one device. On simulated CPU devices (XLA's
+        ``--xla_force_host_platform_device_count``) the devices share the host's cores, so
+        one device alone runs faster than each does when all run: MFU against this peak is
+        then a lower bound.
 
     Example::
 

@@ -31,9 +31,9 @@ def plot_history(
     a PNG at ``path``; returns the path.
 
     Panels, each drawn when the history has its values: the training ``loss`` with every
-    evaluation loss (``eval_loss``, ``eval_<name>_loss``) as points; the other evaluation
-    metrics (``eval_accuracy``, ...); the throughput (``tokens_per_s`` if logged, else
-    ``examples_per_s``); ``mfu``.
+    evaluation loss (``eval_loss``, ``eval_<name>_loss``) as points, on a log scale; the
+    other evaluation metrics (``eval_accuracy``, ...); the throughput (``tokens_per_s`` if
+    logged, else ``examples_per_s``); ``mfu``.
 
     Args:
         history: ``fit``'s history (a list of dicts with ``step``), or any such list.
@@ -50,6 +50,7 @@ def plot_history(
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         raise ImportError(
             "dp.plot_history needs matplotlib: pip install matplotlib (or 'jaxcoll[bench]')."
@@ -94,6 +95,10 @@ def plot_history(
                 label=name,
             )
         ax.set_ylabel(label)
+        if label == "loss" and all(v > 0 for n in names for v in _series(history, n)[1]):
+            ax.set_yscale("log")  # a loss spans decades
+        if label == "MFU":
+            ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
         ax.grid(alpha=0.3)
         if len(names) > 1:
             ax.legend(fontsize=8)
