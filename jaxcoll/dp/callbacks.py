@@ -221,7 +221,9 @@ class SaveBest(_Watch):
     value always does; NaN never does). Pair it with ``checkpoint=dp.Checkpointer(directory,
     every=None)``, which saves only on request: the newest checkpoint is then the best
     state, and a run started again restores it. (With ``every=k`` the periodic and final
-    saves are there too, and the newest checkpoint is the last state.)
+    saves are there too, and the newest checkpoint is the last state.) Its best value lives
+    in the callback, not the checkpoint: a run started again counts its first value as an
+    improvement.
 
     Args:
         metric: a key of ``fit``'s history: ``eval_<name>_<metric>`` for a named evaluation
