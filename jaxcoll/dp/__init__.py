@@ -15,32 +15,48 @@ from .adapters import Nnx as Nnx
 from .batchnorm import SyncBatchNorm as SyncBatchNorm
 from .buckets import mean_gradients as mean_gradients
 from .buckets import plan_buckets as plan_buckets
+from .callbacks import Action as Action
 from .callbacks import Callback as Callback
+from .callbacks import EarlyStopping as EarlyStopping
 from .callbacks import JsonlWriter as JsonlWriter
+from .callbacks import SaveBest as SaveBest
 from .checkpoint import Checkpointer as Checkpointer
 from .data import Batches as Batches
 from .extra import Extra as Extra
 from .extra import ema as ema
 from .layout import Layout as Layout
+from .metrics import measure_peak_flops as measure_peak_flops
+from .plot import PlotWriter as PlotWriter
+from .plot import plot_history as plot_history
 from .state import TrainState as TrainState
+from .tensorboard import TensorBoardWriter as TensorBoardWriter
+from .tensorboard import read_scalars as read_scalars
 from .trainer import Trainer as Trainer
 
 __all__ = [
+    "Action",
     "Batches",
     "Callback",
     "Checkpointer",
+    "EarlyStopping",
     "Extra",
     "JsonlWriter",
     "Layout",
     "Linen",
     "Model",
     "Nnx",
+    "PlotWriter",
+    "SaveBest",
     "SyncBatchNorm",
+    "TensorBoardWriter",
     "Trainer",
     "TrainState",
     "ema",
     "hooks",
     "mean_gradients",
+    "measure_peak_flops",
     "plan_buckets",
+    "plot_history",
+    "read_scalars",
     "sync",
 ]

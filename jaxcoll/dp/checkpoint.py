@@ -67,6 +67,10 @@ class Checkpointer:
 
     ``trainer.fit(state, data, steps=..., checkpoint=Checkpointer(directory, every=100))``
     restores the newest checkpoint there first, saves every ``every`` steps and at the end.
+    With ``every=None`` it saves only when a callback asks (``dp.Action.SAVE``, e.g.
+    :class:`~jaxcoll.dp.SaveBest`: the best state so far) and on a preemption, never
+    periodically nor at the end; the newest checkpoint, which ``fit`` restores, is then the
+    last one asked for.
     Saving is collective in a multi-process job: every process builds its Checkpointer on
     the same directory (a filesystem they all see) and calls :meth:`save`, as ``fit`` does.
 
@@ -74,7 +78,8 @@ class Checkpointer:
         directory: where checkpoints live (checked at once: created if missing, and it must
             be a writable directory).
         every: steps between saves in :meth:`Trainer.fit` (it saves when
-            ``step % every == 0``).
+            ``step % every == 0``, and at the end); None: only when a callback returns
+            ``dp.Action.SAVE`` (and on SIGTERM), not at the end.
         max_to_keep: how many checkpoints to keep (the newest).
         rendezvous_timeout: in a multi-process job, the seconds :meth:`save` and
             :meth:`restore_latest` wait for every other process to make the same call
@@ -106,7 +111,7 @@ class Checkpointer:
         self,
         directory: str | os.PathLike,
         *,
-        every: int = 100,
+        every: int | None = 100,
         max_to_keep: int = 2,
         rendezvous_timeout: float = 60.0,
     ) -> None:
@@ -114,6 +119,8 @@ class Checkpointer:
             ("every", every, "steps between saves"),
             ("max_to_keep", max_to_keep, "checkpoints kept"),
         ):
+            if name == "every" and value is None:  # saves only when a callback asks
+                continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(
                     f"Checkpointer: {name} must be an int ({what}), got {value!r} "
@@ -133,7 +140,7 @@ class Checkpointer:
             )
         self.rendezvous_timeout: float = float(t)
         self.directory: str = check_directory("Checkpointer", "directory", directory)
-        self.every: int = int(every)
+        self.every: int | None = None if every is None else int(every)
         self.options: Any = ocp.CheckpointManagerOptions(max_to_keep=int(max_to_keep), create=True)
         self._manager: ocp.CheckpointManager | None = None
         self.damaged: set[int] = set()

@@ -1,18 +1,19 @@
-"""The host loop: :func:`fit` (steps, prefetch, evaluation, checkpoints, callbacks) and
-:func:`evaluate` (exact means over any number of examples).
+"""The host loop: :func:`fit` (steps, prefetch, evaluation, checkpoints, callbacks and
+their actions, profiling) and :func:`evaluate` (exact means over any number of examples).
 
 Host-side Python around the jitted programs of :mod:`jaxcoll.dp.step`. :func:`fit` *is*
 ``Trainer.fit`` (one signature and one list of options, here); ``Trainer.evaluate`` calls
-:func:`evaluate` with its own evaluation program.
+:func:`evaluate` with its own evaluation program. The step metrics (time, throughput, FLOPs,
+MFU, learning rate, memory) are computed in :mod:`jaxcoll.dp.metrics`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -22,10 +23,11 @@ import numpy as np
 from .._core.checks import check_static_int
 from .._core.typing import PyTree
 from .._watch import handle_preemption, preemption_point
-from .callbacks import CallbackLike, as_callbacks
-from .checkpoint import Checkpointer
+from .callbacks import Action, Callback, CallbackLike, as_callbacks, requested
+from .checkpoint import Checkpointer, check_directory
 from .checks import check_state
 from .data import Batches, leading_size
+from .metrics import Costs, StepMetrics, check_peak_flops, measure_peak_flops
 from .state import TrainState
 
 
@@ -63,6 +65,87 @@ def check_data(api: str, argname: str, data: Any) -> None:
             f"{api}: {argname} is a dict (one batch?); pass an iterable of global "
             f"batches, e.g. [{argname}], or a dp.Batches."
         )
+
+
+EvalData = Batches | Iterable[PyTree] | Mapping[str, Batches | Iterable[PyTree]]
+
+
+def eval_sets(api: str, eval_data: Any) -> list[tuple[str, Any]] | None:
+    """``fit``'s ``eval_data`` as ``[(prefix, batches), ...]``: one set with prefix ``""``,
+    or named sets (a dict ``{"val": batches, ...}``) with prefixes ``"val_"``, ...."""
+    if eval_data is None:
+        return None
+    if not isinstance(eval_data, Mapping):
+        check_data(api, "eval_data", eval_data)
+        return [("", eval_data)]
+    if any(hasattr(v, "shape") and hasattr(v, "dtype") for v in eval_data.values()):
+        raise TypeError(
+            f"{api}: eval_data is a dict (one batch?); pass an iterable of global batches, "
+            f"e.g. [eval_data], or a dp.Batches; named evaluation sets are a dict of such "
+            f"iterables, e.g. {{'val': val_batches, 'train': train_batches}}."
+        )
+    if not eval_data:
+        raise ValueError(
+            f"{api}: eval_data is an empty dict; pass named evaluation sets, e.g. "
+            f"{{'val': val_batches}}, or None for no evaluation."
+        )
+    sets = []
+    for name, batches in eval_data.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(
+                f"{api}: eval_data's keys name the evaluation sets (results are keyed "
+                f"<name>_<metric>, e.g. 'val_loss') and must be non-empty str, got {name!r} "
+                f"of type {type(name).__name__}; pass e.g. {{'val': val_batches}}."
+            )
+        if isinstance(batches, Mapping):
+            raise TypeError(
+                f"{api}: eval_data[{name!r}] is a dict (one batch?); each named set is an "
+                f"iterable of global batches, e.g. {{{name!r}: [batch]}}, or a dp.Batches."
+            )
+        if not isinstance(batches, (Batches, Iterable)):
+            raise TypeError(
+                f"{api}: eval_data[{name!r}] is a {type(batches).__name__}, not batches; "
+                f"each named set is an iterable of global batches or a dp.Batches."
+            )
+        sets.append((f"{name}_", batches))
+    return sets
+
+
+def check_profile(
+    api: str, steps: Any, directory: str | os.PathLike | None
+) -> tuple[int, int, str] | None:
+    """``fit``'s ``profile_steps=(start, stop)`` and ``profile_dir``."""
+    if steps is None and directory is None:
+        return None
+    if steps is None:
+        assert directory is not None
+        raise ValueError(
+            f"{api}: profile_dir={os.fspath(directory)!r} needs profile_steps=(start, stop), "
+            f"the steps to trace (e.g. (10, 15): steps 10 to 14)."
+        )
+    ok = (
+        isinstance(steps, (tuple, list))
+        and len(steps) == 2
+        and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in steps)
+    )
+    if not ok:
+        raise TypeError(
+            f"{api}: profile_steps must be a pair of ints (start, stop): the steps start to "
+            f"stop - 1 are traced, numbered as callbacks see them (1 is the first); got "
+            f"{steps!r}."
+        )
+    begin, end = int(steps[0]), int(steps[1])
+    if not 1 <= begin < end:
+        raise ValueError(
+            f"{api}: profile_steps={steps!r} must have 1 <= start < stop (the steps start to "
+            f"stop - 1 are traced; 1 is the first step, which compiles: (2, 5) skips it)."
+        )
+    if directory is None:
+        raise ValueError(
+            f"{api}: profile_steps={steps!r} needs profile_dir=, the directory the trace "
+            f"goes to (open it with TensorBoard's profile plugin, or Perfetto)."
+        )
+    return begin, end, check_directory(api, "profile_dir", directory)
 
 
 def batch_source(data: Any, start: int) -> Callable[[int], PyTree]:
@@ -135,7 +218,9 @@ class Pending(NamedTuple):
 
     step: int  # state.step after it
     examples: int
-    metrics: dict[str, jax.Array]  # device arrays
+    metrics: dict[str, jax.Array]  # device arrays: the step's metrics and the learning rate
+    costs: Costs  # its program's FLOPs and memory
+    sent: tuple[float, float]  # when it was dispatched, and the step before it
 
 
 def fit(
@@ -145,26 +230,35 @@ def fit(
     *,
     steps: int | None = None,
     epochs: int | None = None,
-    eval_data: Batches | Iterable[PyTree] | None = None,
+    eval_data: EvalData | None = None,
     eval_every: int | None = None,
     callbacks: CallbackLike | Iterable[CallbackLike] | None = None,
     checkpoint: Checkpointer | None = None,
     progress: bool | None = None,
     log_every: int = 10,
     prefetch: bool = True,
+    tokens_per_example: int | None = None,
+    peak_flops: float | str | None = None,
+    profile_steps: tuple[int, int] | None = None,
+    profile_dir: str | os.PathLike | None = None,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """``Trainer.fit(state, data, ...)``: train until ``state.step`` reaches ``steps`` (or
-    ``epochs`` epochs of ``data``).
+    ``epochs`` epochs of ``data``), or a callback asks to stop.
 
     ``data`` is a :class:`~jaxcoll.dp.Batches` (batch s is ``data[s]``, so a resumed run
     sees exactly the batches it would have) or any iterable of global batches (a resumed
     run skips the first ``state.step`` of them). With ``checkpoint``, the newest checkpoint
     in its directory that reads back is restored first (a damaged one is skipped with a
     warning), and the state is saved every ``checkpoint.every`` steps and at the end
-    (orbax-checkpoint): a run stopped at any point and started again with the same
-    arguments ends bit-identical to one that was never stopped. With a checkpoint, SIGTERM
-    (a preemption) stops every process after the same step, which is saved, and exits with
-    code 143.
+    (orbax-checkpoint; ``every=None``: only when a callback asks): a run stopped at any point
+    and started again with the same arguments ends bit-identical to one that was never
+    stopped. With a checkpoint, SIGTERM (a preemption) stops every process after the same
+    step, which is saved, and exits with code 143.
+
+    Step numbers, everywhere (callbacks, history, ``profile_steps``): ``step`` is
+    ``state.step`` after the update, 1 for the first step. Step s's metrics were computed on
+    batch s - 1 with the params before its update; an evaluation at step s uses the params
+    after s updates.
 
     Args:
         trainer: the :class:`~jaxcoll.dp.Trainer` (``self``: this function is its ``fit``).
@@ -175,37 +269,53 @@ def fit(
         epochs: the same in epochs of ``data`` (``epochs * len(data)`` steps); pass exactly
             one of ``steps`` and ``epochs``.
         eval_data: evaluated (:meth:`Trainer.evaluate`) every ``eval_every`` steps and at
-            the end.
+            the end: batches (results ``loss``, ``accuracy``, ...), or named sets
+            ``{"val": val_batches, "train": train_sample}``, each evaluated every time
+            (results ``val_loss``, ``train_loss``, ...).
         eval_every: steps between evaluations (``len(data)``: once per epoch); None: at the
             end only.
         callbacks: :class:`~jaxcoll.dp.Callback` objects, metric writers with
-            ``write_scalars(step, scalars)`` (``dp.JsonlWriter``, clu's) or functions
-            ``fn(step, metrics)``: each gets every step's metrics and every evaluation's
-            results as they happen (see :mod:`jaxcoll.dp.callbacks`).
+            ``write_scalars(step, scalars)`` (``dp.JsonlWriter``, ``dp.TensorBoardWriter``,
+            clu's) or functions ``fn(step, metrics)``: each gets every step's metrics and
+            every evaluation's results as they happen (see :mod:`jaxcoll.dp.callbacks`), and
+            may return a :class:`~jaxcoll.dp.Action` (save a checkpoint, stop).
         checkpoint: a :class:`~jaxcoll.dp.Checkpointer` (``dp.Checkpointer(directory,
-            every=100)``); None: no checkpoints.
+            every=100)``); None: no checkpoints (a callback that asks to save is then an
+            error: at the start for one with ``asks_to_save``, such as ``dp.SaveBest``,
+            else at its request).
         progress: a tqdm bar; None (default): only when stderr is a terminal.
         log_every: steps between updates of the bar's loss.
         prefetch: build and place batch s+1 while step s runs (at most two steps in
             flight); False: one step at a time, each waited for before the next batch.
+        tokens_per_example: tokens in one example (a sequence's length): adds
+            ``tokens_per_s``.
+        peak_flops: one device's peak FLOP/s, for ``mfu``; ``"measure"``:
+            :func:`~jaxcoll.dp.measure_peak_flops` once at the start (printed, and kept as
+            ``peak_flops`` in the first step's metrics); None: no ``mfu``.
+        profile_steps: ``(start, stop)``: trace steps ``start`` to ``stop - 1`` with
+            ``jax.profiler`` (waiting for them before the trace stops) into ``profile_dir``,
+            for TensorBoard's profile plugin or Perfetto.
+        profile_dir: the trace's directory (with ``profile_steps``).
 
     Returns:
         The final state and a history: one dict per step taken in this call with the step,
-        the metrics and ``examples_per_s``; at each evaluation, that step's dict also has
-        ``eval_<metric>`` for each metric of :meth:`Trainer.evaluate`.
+        the loss and the loss's metrics, and the step metrics (``step_time_s``,
+        ``examples_per_s``, ``tokens_per_s``, ``flops_per_step``, ``mfu``, ``lr``,
+        ``memory_bytes``: see :mod:`jaxcoll.dp.metrics`); at each evaluation, that step's
+        dict also has ``eval_<key>`` for each key of the evaluation's results
+        (``eval_loss``, or ``eval_val_loss`` for a named set).
 
     With ``prefetch``, step s is dispatched, then batch s+1 is built and placed (its host
     work and transfer overlap step s), then the loop waits for step s-1: at most two steps
     are in flight (XLA:CPU's in-process rendezvous can stall with many queued collective
-    programs on few cores).
+    programs on few cores). The step metrics add no wait: they are read with the loss.
     """
     from tqdm.auto import tqdm
 
     api = "Trainer.fit"
     check_state(api, state)
     check_data(api, "data", data)
-    if eval_data is not None:
-        check_data(api, "eval_data", eval_data)
+    sets = eval_sets(api, eval_data)
     total = total_steps(data, steps, epochs)
     if eval_every is not None:
         eval_every = check_static_int(api, "eval_every", eval_every)
@@ -225,10 +335,38 @@ def fit(
             f"{api}: checkpoint must be a dp.Checkpointer(directory, every=...) "
             f"or None, got {type(checkpoint).__name__} instead{hint}."
         )
+    savers = [type(cb).__name__ for cb in cbs if cb.asks_to_save]
+    if checkpoint is None and savers:
+        raise ValueError(
+            f"{api}: the callback {savers[0]} asks to save checkpoints, and fit has no "
+            f"checkpoint=; pass checkpoint=dp.Checkpointer(directory, every=None) (saves "
+            f"only when a callback asks) or every=k (also every k steps and at the end)."
+        )
+    if tokens_per_example is not None:
+        tokens_per_example = check_static_int(api, "tokens_per_example", tokens_per_example)
+        if tokens_per_example < 1:
+            raise ValueError(
+                f"{api}: tokens_per_example={tokens_per_example} must be a positive int "
+                f"(the tokens of one example, e.g. the sequence length), or None."
+            )
+    peak = check_peak_flops(api, peak_flops)
+    profile = check_profile(api, profile_steps, profile_dir)
     if progress is None:  # a bar only where someone watches it; not in logs or CI
         progress = sys.stderr.isatty()
+    measured = None
+    if peak == "measure":
+        peak = measured = measure_peak_flops()
+        if jax.process_index() == 0:
+            print(
+                f"{api}: measured peak {measured:.4g} FLOP/s per device "
+                f"(dp.measure_peak_flops() on {jax.local_devices()[0]}); mfu is against it.",
+                file=sys.stderr,
+                flush=True,
+            )
+    assert peak is None or isinstance(peak, float)
     history: list[dict[str, Any]] = []
     bar = None
+    tracing = False
     try:
         if checkpoint is not None:
             state = checkpoint.restore_latest(state)
@@ -237,69 +375,129 @@ def fit(
         bar = tqdm(
             total=total, initial=start, disable=not progress, unit="step", dynamic_ncols=True
         )
-        clock = [time.perf_counter()]
+        meter = StepMetrics(trainer, state, tokens_per_example=tokens_per_example, peak_flops=peak)
+        asked = [Action(0)]  # what the callbacks asked since the loop last acted
+
+        def ask(cb: Callback, hook: str, step: int, values: dict[str, float]) -> None:
+            out = getattr(cb, hook)(step, dict(values))  # each callback its own copy
+            asked[0] |= requested(api, cb, hook, out)
 
         def complete(p: Pending) -> None:
-            # The step's outputs are available here (waiting for them if needed).
+            # The step's outputs are available here (waiting for them if needed): the
+            # metrics and the learning rate in one transfer.
             metrics = {k: float(v) for k, v in jax.device_get(p.metrics).items()}
-            now = time.perf_counter()
-            rate = p.examples / max(now - clock[0], 1e-9)
-            clock[0] = now
-            history.append({"step": p.step, **metrics, "examples_per_s": rate})
+            metrics.update(meter.complete(p.examples, p.costs, p.sent))
+            if measured is not None and not history:
+                metrics["peak_flops"] = measured
+            history.append({"step": p.step, **metrics})
             for cb in cbs:
-                cb.on_step(p.step, {**metrics, "examples_per_s": rate})
+                ask(cb, "on_step", p.step, metrics)
             bar.update(1)
             if progress and (p.step % log_every == 0 or p.step == total):
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
 
         evaluated = [-1]
 
-        def run_eval(at: int, batches: Batches | Iterable[PyTree]) -> None:
-            results = trainer.evaluate(state, batches)
+        def run_eval(at: int) -> None:
+            assert sets is not None
+            results: dict[str, float] = {}
+            for prefix, batches in sets:
+                for k, v in trainer.evaluate(state, batches).items():
+                    results[prefix + k] = v
             evaluated[0] = at
+            meter.restart()  # the evaluation's time is not the next step's
             if history and history[-1]["step"] == at:
                 history[-1].update({f"eval_{k}": v for k, v in results.items()})
             else:
                 history.append({"step": at, **{f"eval_{k}": v for k, v in results.items()}})
             for cb in cbs:
-                cb.on_eval(at, results)
+                ask(cb, "on_eval", at, results)
+
+        inflight: list[Pending] = []  # the step dispatched but not yet reported, if any
+
+        def settle() -> None:
+            """Report the step in flight (waiting for it): the state is then the last one
+            reported, as an evaluation, a save or the end of a trace need."""
+            while inflight:
+                complete(inflight.pop())
+
+        saved = [-1]
+
+        def save(at: int) -> None:
+            if checkpoint is None:
+                raise RuntimeError(
+                    f"{api}: a callback returned dp.Action.SAVE at step {at}, and fit has no "
+                    f"checkpoint=; pass checkpoint=dp.Checkpointer(directory, every=None) "
+                    f"(saves only when a callback asks), or do not return Action.SAVE."
+                )
+            if saved[0] != at:
+                settle()  # the save waits for the state anyway; the step's time stays its own
+                checkpoint.save(state)
+                saved[0] = at
+                meter.restart()
+
+        def act(at: int) -> bool:
+            """Do what the callbacks asked (the state is after step ``at``); True: stop."""
+            action, asked[0] = asked[0], Action(0)
+            if Action.SAVE in action:
+                save(at)
+            return Action.STOP in action
 
         def fetch(s: int) -> tuple[PyTree, int]:
             batch = source(s)
             return trainer.shard_batch(batch), leading_size("Trainer.step", batch)
 
         upcoming = fetch(start) if start < total else None
-        pending: Pending | None = None
+        last = start  # state.step of the newest state
         # With checkpoints, SIGTERM (a preemption) stops every process after the same step,
         # which is saved; without, it ends the process at once (jaxcoll's default).
         preemptible = handle_preemption() if checkpoint is not None else contextlib.nullcontext()
         with preemptible:
             for s in range(start, total):
+                if profile is not None and not tracing and profile[0] <= s + 1 < profile[1]:
+                    jax.profiler.start_trace(profile[2])  # before step profile[0] is dispatched
+                    tracing = True
                 batch, size = upcoming if upcoming is not None else fetch(s)
                 state, metrics = trainer.step(state, batch)  # each step is dispatched here
+                sent = meter.dispatched()
+                last = s + 1
+                costs = meter.costs(s, state, batch)  # once per program: a cache lookup
+                metrics = {**metrics, **meter.device_values(state)}
                 if checkpoint is not None and preemption_point(s + 1):
                     _preempted(api, checkpoint, state, s + 1)
                 upcoming = fetch(s + 1) if prefetch and s + 1 < total else None
-                if pending is not None:
-                    complete(pending)  # waits for the step before: at most 2 in flight
-                pending = Pending(s + 1, size, metrics)
+                settle()  # waits for the step before: at most 2 in flight
+                inflight.append(Pending(s + 1, size, metrics, costs, sent))
                 if not prefetch:  # one step at a time: wait for it before building the next batch
-                    complete(pending)
-                    pending = None
-                if checkpoint is not None and (s + 1) % checkpoint.every == 0:
-                    checkpoint.save(state)
-                if eval_data is not None and eval_every and (s + 1) % eval_every == 0:
-                    if pending is not None:
-                        complete(pending)
-                        pending = None
-                    run_eval(s + 1, eval_data)
-        if pending is not None:
-            complete(pending)
-        if checkpoint is not None:
-            checkpoint.save(state)
-        if eval_data is not None and evaluated[0] != max(start, total):
-            run_eval(max(start, total), eval_data)
+                    settle()
+                if tracing and profile is not None and s + 1 >= profile[1] - 1:
+                    settle()  # the trace holds the profiled steps whole
+                    jax.profiler.stop_trace()
+                    tracing = False
+                    meter.restart()
+                if checkpoint is not None and checkpoint.every and (s + 1) % checkpoint.every == 0:
+                    save(s + 1)
+                if sets is not None and eval_every and (s + 1) % eval_every == 0:
+                    settle()
+                    run_eval(s + 1)
+                if act(s + 1):
+                    break
+        settle()
+        if tracing:
+            jax.profiler.stop_trace()
+            tracing = False
+        final = max(start, last)
+        act(final)  # a STOP here changes nothing: the loop is over
+        if checkpoint is not None and checkpoint.every is not None:
+            save(final)
+        if sets is not None and evaluated[0] != final:
+            run_eval(final)
+            act(final)
+        for cb in cbs:
+            cb.on_end(final, history)
     finally:  # a crash keeps only the periodic checkpoints, as a killed process would
+        if tracing:
+            jax.profiler.stop_trace()
         if bar is not None:
             bar.close()
         if checkpoint is not None:

@@ -457,8 +457,15 @@ class Trainer:
                 f"'data'), or the Trainer with axis_name={axis!r} and a mesh with that axis."
             ) from e
 
-    def step_program(self, state: TrainState, batch: PyTree) -> tuple[Any, tuple[Any, Any]]:
+    def step_program(
+        self, state: TrainState, batch: PyTree, *, step: int | None = None
+    ) -> tuple[Any, tuple[Any, Any]]:
         """The jitted step program and abstract arguments to lower, compile or export it.
+
+        ``step``: the step number (``state.step`` before the step) whose program to return,
+        for a strategy with one program per phase (``sync.phased``, e.g. PowerSGD's plain
+        steps before ``start_iter``); None: ``state``'s own (read from the device unless this
+        Trainer returned ``state``).
 
         Returns:
             ``(step, (state_spec, batch_spec))``: :meth:`step`'s jitted function
@@ -475,11 +482,16 @@ class Trainer:
             return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding)
 
         def of_batch(x):
-            dtype = jax.dtypes.canonicalize_dtype(np.result_type(x))
+            # a jax array's own dtype (np.result_type of one is deprecated); NumPy's or a scalar's
+            dtype = jax.dtypes.canonicalize_dtype(
+                x.dtype if hasattr(x, "dtype") else np.result_type(x)
+            )
             return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=batch_sharding)
 
         args = (jax.tree_util.tree_map(of_state, state), jax.tree_util.tree_map(of_batch, batch))
-        return self._step_program(state), args
+        if step is not None:
+            step = check_static_int("Trainer.step_program", "step", step)
+        return self._step_program(state, step), args
 
     # ------------------------------------------------------------------------------ evaluate
     def evaluate(self, state: TrainState, data: Batches | Iterable[PyTree]) -> dict[str, float]:

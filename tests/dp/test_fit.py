@@ -1,15 +1,22 @@
-"""Trainer.fit as a training loop: callbacks as things happen, evaluation every k steps,
-at most two steps in flight with the next batch prefetched."""
+"""Trainer.fit as a training loop: callbacks as things happen, evaluation every k steps (of
+one set or named sets), at most two steps in flight with the next batch prefetched; what
+callbacks ask (save, stop: SaveBest, EarlyStopping), the step-numbering convention, the step
+metrics (time, throughput, FLOPs, MFU, learning rate, memory), TensorBoard, the plot and the
+profile."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 
 import jax
 import numpy as np
 import optax
+import pytest
 
 from jaxcoll import dp
+from jaxcoll.dp.metrics import matmul_flops
 from tests.dp._models import MLP, batches, cross_entropy
 from tests.helpers import mesh_1d
 
@@ -148,3 +155,245 @@ def test_fit_reports_steps_and_evaluations_as_they_happen(tmp_path, capsys):
         ("dispatch", 3),
         ("done", 3),
     ]
+
+
+# ------------------------------------------------------------------------------------------
+# One Trainer for the tests below (one step and one evaluation program, compiled once): Adam
+# under optax.inject_hyperparams with a decaying learning rate, so `lr` varies by step.
+SCHEDULE = optax.linear_schedule(3e-2, 3e-3, 16)
+
+
+@pytest.fixture(scope="module")
+def run():
+    model = dp.Linen(MLP(), cross_entropy)
+    train = batches("mlp", 1, 256)[0]
+    test = batches("mlp", 1, 203, seed=9)[0]
+    # A validation set with 60% of its labels replaced by random ones: its loss falls for a
+    # step, then rises as the model learns the true rule (SaveBest and EarlyStopping act).
+    rng = np.random.default_rng(3)
+    noisy = {"x": test["x"], "y": test["y"].copy()}
+    flip = rng.random(len(noisy["y"])) < 0.6
+    noisy["y"][flip] = rng.integers(0, 4, flip.sum())
+    params, ms = model.init(jax.random.key(0), train)
+    optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=SCHEDULE)
+    trainer = dp.Trainer(model, optimizer, mesh=mesh_1d(8, "data"))
+
+    def fresh():
+        return trainer.init(params, jax.random.key(1), model_state=ms)
+
+    return trainer, fresh, params, dp.Batches(train, 64), test, noisy
+
+
+def _loss(params, batch):  # the plain loss function, on the host's params
+    logits = MLP().apply({"params": jax.device_get(params)}, batch["x"])
+    return float(cross_entropy(logits, batch)[0])
+
+
+def test_named_eval_sets_numbering_and_step_metrics(run):
+    trainer, fresh, params, data, test, noisy = run
+    sets = {"val": dp.Batches(test, 64), "train": [data[0], data[1]]}
+    rec = Recorder([])
+    peak = 2.5e9
+    kw = dict(eval_data=sets, eval_every=3, tokens_per_example=7, peak_flops=peak)
+    state3, hist = trainer.fit(fresh(), data, steps=3, callbacks=[rec], **kw)
+    assert int(state3.step) == 3
+    # each named set is evaluated on the state after 3 updates, results keyed <name>_<metric>
+    want = {
+        f"{name}_{k}": v for name, d in sets.items() for k, v in trainer.evaluate(state3, d).items()
+    }
+    assert sorted(want) == ["train_accuracy", "train_loss", "val_accuracy", "val_loss"]
+    assert rec.evals == [(3, want)]
+    assert {k: v for k, v in hist[-1].items() if k.startswith("eval_")} == {
+        f"eval_{k}": v for k, v in want.items()
+    }
+    # numbering: step 1's loss is the initial params' loss on batch 0 (the plain loss function)
+    assert [h["step"] for h in hist] == [1, 2, 3]
+    np.testing.assert_allclose(hist[0]["loss"], _loss(params, data[0]), rtol=1e-5)
+    state6, more = trainer.fit(state3, data, steps=6, callbacks=[rec], **kw)
+    assert [h["step"] for h in more] == [4, 5, 6]
+    assert rec.evals[-1] == (
+        6,
+        {f"{n}_{k}": v for n, d in sets.items() for k, v in trainer.evaluate(state6, d).items()},
+    )
+
+    # step metrics, against values computed apart from fit
+    step, args = trainer.step_program(state6, data[0])
+    compiled = step.lower(*args).compile()
+    flops = compiled.cost_analysis()["flops"] * 8  # XLA counts one device's program
+    mem = compiled.memory_analysis()
+    # the three matmuls' FLOPs (16-32-32-4, batch 64) forward, for the weight gradients and
+    # for the input gradients of the last two; Adam and the elementwise work add < 60%
+    matmuls = 2 * 64 * (16 * 32 + 32 * 32 + 32 * 4) * 2 + 2 * 64 * (32 * 32 + 32 * 4)
+    assert matmul_flops(step.trace(*args).jaxpr) == matmuls
+    assert matmuls < flops <= 1.6 * matmuls
+    for h in hist + more:
+        m = rec.steps[h["step"] - 1][1]
+        assert {k: h[k] for k in m} == m
+        assert h["step_time_s"] > 0
+        assert h["examples_per_s"] == pytest.approx(64 / h["step_time_s"], rel=1e-12)
+        assert h["tokens_per_s"] == pytest.approx(7 * h["examples_per_s"], rel=1e-12)
+        assert h["flops_per_step"] == flops  # XLA's count: above the matmuls alone
+        assert h["mfu"] == pytest.approx(flops / h["step_time_s"] / (peak * 8), rel=1e-12)
+        assert h["memory_bytes"] == mem.argument_size_in_bytes + mem.temp_size_in_bytes  # CPU
+        # the rate the step used: the schedule at the step count before the update
+        assert h["lr"] == pytest.approx(float(SCHEDULE(h["step"] - 1)), rel=1e-6)
+    assert hist[0]["step_time_s"] > hist[1]["step_time_s"]  # the first step compiles
+
+    # named sets that are not: the keys name sets, each value is batches
+    state = fresh()
+    for bad, match in (
+        ({1: [data[0]]}, r"eval_data's keys name the evaluation sets .* got 1 of type int"),
+        ({"val": data[0]}, r"eval_data\['val'\] is a dict \(one batch\?\); each named set"),
+        ({"val": 3}, r"eval_data\['val'\] is a int, not batches"),
+    ):
+        with pytest.raises(TypeError, match=match):
+            trainer.fit(state, data, steps=1, eval_data=bad)
+    with pytest.raises(ValueError, match=r"eval_data is an empty dict"):
+        trainer.fit(state, data, steps=1, eval_data={})
+
+
+def _improving(values, mode="min"):
+    """The indices where a running best improves (an oracle apart from dp.SaveBest)."""
+    best, out = None, []
+    for i, v in enumerate(values):
+        if best is None or (v < best if mode == "min" else v > best):
+            best = v
+            out.append(i)
+    return out
+
+
+def test_save_best_and_early_stopping(run, tmp_path):
+    trainer, fresh, _, data, _, noisy = run
+    rec = Recorder([])
+    best, stop = dp.SaveBest("eval_val_loss"), dp.EarlyStopping("eval_val_loss", patience=3)
+    ckpt = dp.Checkpointer(tmp_path / "best", every=None, max_to_keep=100)
+    state, hist = trainer.fit(
+        fresh(),
+        data,
+        steps=16,
+        eval_data={"val": [noisy]},
+        eval_every=1,
+        checkpoint=ckpt,
+        callbacks=[rec, best, stop],
+    )
+    losses = [r["val_loss"] for _, r in rec.evals]
+    steps = [s for s, _ in rec.evals]
+    saves = [steps[i] for i in _improving(losses)]
+    assert 2 <= len(saves) < len(steps)  # it improves, then stalls
+    # SaveBest asked at exactly the improving steps, and only those were saved (every=None)
+    assert best.saved == saves
+    assert sorted(int(d) for d in os.listdir(tmp_path / "best") if d.isdigit()) == saves
+    # EarlyStopping: 3 evaluations in a row without a new best end the run after that step
+    last_best = steps.index(saves[-1])
+    want_stop = steps[last_best + 3]
+    assert stop.stopped_step == want_stop == int(state.step) == hist[-1]["step"] == steps[-1]
+    assert stop.best == best.best == min(losses) and best.best_step == saves[-1]
+    # the newest checkpoint is the best state: what a new run restores
+    assert (
+        int(dp.Checkpointer(tmp_path / "best", every=None).restore_latest(fresh()).step)
+        == saves[-1]
+    )
+
+    # mode="max" on accuracy; a metric absent from the results; per-process metrics refused
+    with pytest.raises(ValueError, match=r"metric='eval_val_loss' is not among the values"):
+        trainer.fit(
+            fresh(), data, steps=1, eval_data=[noisy], callbacks=[dp.EarlyStopping("eval_val_loss")]
+        )
+    with pytest.raises(ValueError, match=r"metric='step_time_s' is measured by each process"):
+        dp.SaveBest("step_time_s")
+    with pytest.raises(ValueError, match=r"patience=0 must be >= 1"):
+        dp.EarlyStopping(patience=0)
+    with pytest.raises(ValueError, match=r"mode='lowest' must be 'min'"):
+        dp.SaveBest(mode="lowest")
+    with pytest.raises(
+        ValueError, match=r"SaveBest asks to save checkpoints, and fit has no checkpoint="
+    ):
+        trainer.fit(fresh(), data, steps=1, eval_data=[noisy], callbacks=[dp.SaveBest("eval_loss")])
+
+
+class StopAt(dp.Callback):
+    def __init__(self, at, action=dp.Action.STOP):
+        self.at, self.action = at, action
+
+    def on_step(self, step, metrics):
+        return self.action if step == self.at else None
+
+
+def test_a_callback_stops_or_saves_from_on_step(run, tmp_path):
+    trainer, fresh, _, data, _, _ = run
+    # prefetch=False: the loop holds the state after step 3 when step 3 is reported
+    state, hist = trainer.fit(fresh(), data, steps=10, callbacks=[StopAt(3)], prefetch=False)
+    assert int(state.step) == 3 and [h["step"] for h in hist] == [1, 2, 3]
+    # prefetch=True: step 4 is in flight when step 3 is reported; it finishes and is reported
+    ckpt = dp.Checkpointer(tmp_path / "c", every=None, max_to_keep=10)
+    both = StopAt(3, dp.Action.SAVE | dp.Action.STOP)
+    state, hist = trainer.fit(fresh(), data, steps=10, callbacks=[both], checkpoint=ckpt)
+    assert int(state.step) == 4 and [h["step"] for h in hist] == [1, 2, 3, 4]
+    assert sorted(int(d) for d in os.listdir(tmp_path / "c") if d.isdigit()) == [4]
+    # a plain function may return an Action too; other return values are not requests
+    state, hist = trainer.fit(
+        fresh(),
+        data,
+        steps=10,
+        prefetch=False,
+        callbacks=[lambda s, m: dp.Action.STOP if s == 2 else 0],
+    )
+    assert int(state.step) == 2
+    with pytest.raises(
+        RuntimeError, match=r"returned dp.Action.SAVE at step 2, and fit has no checkpoint="
+    ):
+        trainer.fit(fresh(), data, steps=10, callbacks=[StopAt(1, dp.Action.SAVE)])
+    with pytest.raises(
+        TypeError, match=r"StopAt.on_step returned 'stop' of type str; a callback returns None"
+    ):
+        trainer.fit(fresh(), data, steps=10, callbacks=[StopAt(1, "stop")])
+
+
+def test_tensorboard_plot_and_profile(run, tmp_path):
+    trainer, fresh, _, data, test, _ = run
+    tb = dp.TensorBoardWriter(tmp_path / "tb")
+    png = tmp_path / "plot" / "run.png"
+    ends = []
+
+    class End(dp.Callback):
+        def on_end(self, step, history):
+            ends.append((step, len(history)))
+
+    state, hist = trainer.fit(
+        fresh(),
+        data,
+        steps=5,
+        eval_data={"val": [test]},
+        eval_every=2,
+        callbacks=[tb, dp.PlotWriter(png, title="test"), End()],
+        profile_steps=(2, 4),
+        profile_dir=tmp_path / "profile",
+    )
+    assert ends == [(5, 5)]
+    # the event file holds every step's loss and every evaluation, as float32
+    scalars = dp.read_scalars(tmp_path / "tb")
+    assert scalars["loss"] == [(h["step"], float(np.float32(h["loss"]))) for h in hist]
+    assert scalars["eval_val_loss"] == [
+        (h["step"], float(np.float32(h["eval_val_loss"]))) for h in hist if "eval_val_loss" in h
+    ]
+    assert [s for s, _ in scalars["eval_val_loss"]] == [2, 4, 5]
+    assert {"lr", "flops_per_step", "step_time_s", "examples_per_s"} <= set(scalars)
+    # the plot: a PNG with something drawn
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 300 and image.std() > 0.05
+    # the trace of steps 2 and 3
+    assert glob.glob(str(tmp_path / "profile" / "**" / "*.xplane.pb"), recursive=True)
+    for bad, match in (
+        (dict(profile_steps=(3, 3), profile_dir=tmp_path), r"must have 1 <= start < stop"),
+        (dict(profile_steps=(0, 2), profile_dir=tmp_path), r"must have 1 <= start < stop"),
+        (dict(profile_steps=(2, 4)), r"needs profile_dir="),
+        (dict(profile_dir=tmp_path), r"needs profile_steps=\(start, stop\)"),
+        (dict(peak_flops=-1.0), r"peak_flops=-1.0 must be the peak FLOP/s of one device"),
+        (dict(tokens_per_example=0), r"tokens_per_example=0 must be a positive int"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            trainer.fit(fresh(), data, steps=1, **bad)
+    with pytest.raises(TypeError, match=r"profile_steps must be a pair of ints"):
+        trainer.fit(fresh(), data, steps=1, profile_steps=2, profile_dir=tmp_path)
