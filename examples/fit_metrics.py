@@ -3,12 +3,13 @@ stopping, step metrics (throughput, FLOPs, MFU, learning rate, memory), TensorBo
 and a profile, on scikit-learn's digits with 8 simulated CPU devices.
 
     python examples/fit_metrics.py                      # ~20 s on 2 CPU cores
-    python examples/fit_metrics.py --images docs/img    # also the two pictures of docs/dp.md
+    python examples/fit_metrics.py --images docs/img    # also the pictures of docs/dp.md
 
 Writes under --out (default out/fit_metrics): the best checkpoint (best/), TensorBoard's
 event file (tb/; `tensorboard --logdir out/fit_metrics/tb`), the plot (fit_plot.png), the
 TensorBoard scalars read back from the event file and drawn (tensorboard_scalars.png), and a
-trace of steps 50 to 52 (profile/; TensorBoard's profile plugin or Perfetto).
+trace of steps 50 to 52 (profile/; TensorBoard's profile plugin or Perfetto) with its
+timeline drawn by dp.plot_trace (profile_trace.png).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=600)
 parser.add_argument("--out", default="out/fit_metrics")
-parser.add_argument("--images", default=None, help="also write the two PNGs here")
+parser.add_argument("--images", default=None, help="also write the three PNGs here")
 args = parser.parse_args()
 
 os.environ["XLA_FLAGS"] = (
@@ -122,11 +123,16 @@ def main() -> int:
         f"{last['memory_bytes'] / 2**20:.1f} MiB per device"
     )
     draw_scalars(os.path.join(out, "tb"), os.path.join(out, "tensorboard_scalars.png"))
+    drawn = dp.plot_trace(os.path.join(out, "profile"), os.path.join(out, "profile_trace.png"))
+    print(f"profile of steps 50-52: {drawn['span_s'] * 1e3:.0f} ms, top {drawn['ops'][:3]}")
     if args.images:
         os.makedirs(args.images, exist_ok=True)
-        for name in ("fit_plot.png", "tensorboard_scalars.png"):
+        for name in ("fit_plot.png", "tensorboard_scalars.png", "profile_trace.png"):
             shutil.copy(os.path.join(out, name), os.path.join(args.images, name))
-    print(f"wrote {out}/fit_plot.png, {out}/tensorboard_scalars.png, tb/, best/, profile/")
+    print(
+        f"wrote {out}/fit_plot.png, {out}/tensorboard_scalars.png, {out}/profile_trace.png, "
+        f"tb/, best/, profile/"
+    )
     return 0
 
 

@@ -28,6 +28,7 @@ from .layout import Layout as Layout
 from .metrics import measure_peak_flops as measure_peak_flops
 from .plot import PlotWriter as PlotWriter
 from .plot import plot_history as plot_history
+from .plot import plot_trace as plot_trace
 from .state import TrainState as TrainState
 from .tensorboard import TensorBoardWriter as TensorBoardWriter
 from .tensorboard import read_scalars as read_scalars
@@ -57,6 +58,7 @@ __all__ = [
     "measure_peak_flops",
     "plan_buckets",
     "plot_history",
+    "plot_trace",
     "read_scalars",
     "sync",
 ]

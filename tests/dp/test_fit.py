@@ -385,6 +385,10 @@ def test_tensorboard_plot_and_profile(run, tmp_path):
     assert image.shape[0] > 300 and image.std() > 0.05
     # the trace of steps 2 and 3
     assert glob.glob(str(tmp_path / "profile" / "**" / "*.xplane.pb"), recursive=True)
+    drawn = dp.plot_trace(tmp_path / "profile", tmp_path / "trace.png")
+    assert "PjitFunction(step)" in dict(drawn["ops"])  # the Trainer's step was dispatched
+    assert drawn["threads"][0][1] > 0 and 0 < drawn["span_s"] < 60
+    assert matplotlib.image.imread(tmp_path / "trace.png").std() > 0.05
     for bad, match in (
         (dict(profile_steps=(3, 3), profile_dir=tmp_path), r"must have 1 <= start < stop"),
         (dict(profile_steps=(0, 2), profile_dir=tmp_path), r"must have 1 <= start < stop"),
