@@ -22,6 +22,9 @@ Defining primitives (where jax has an extension API, it is used: ``jax.extend.co
   ``num_consts``/``num_carry``, 0.11's ``ft_in`` groups), :data:`CALLS` (0.10's ``pjit`` is
   0.11's ``jit``) and :func:`jaxpr_parts` (inner jaxprs are closed in 0.10 and open in
   0.11's ``scan`` and ``custom_vjp_call``).
+* :class:`ClosedJaxpr`, :class:`Jaxpr` (``jax.extend.core``): the sub-jaxprs in an
+  equation's parameters, which ``fit``'s matmul FLOP count follows
+  (:func:`jaxcoll.dp.metrics.matmul_flops`).
 * :class:`Primitive` (``jax.extend.core``): jaxcoll's primitives, so that a collective can get
   one lowering per platform and its own transpose and batching rules.
 * :func:`register_lowering`, :func:`lower_fun` (``jax.interpreters.mlir``): a lowering rule
@@ -62,6 +65,8 @@ from typing import Any
 
 from jax._src import distributed as _distributed
 from jax._src import xla_bridge as _xla_bridge
+from jax.extend.core import ClosedJaxpr as ClosedJaxpr
+from jax.extend.core import Jaxpr as Jaxpr
 from jax.extend.core import Literal as Literal
 from jax.extend.core import Primitive as Primitive
 from jax.interpreters.ad import deflinear2 as deflinear2
@@ -84,6 +89,8 @@ except ImportError:  # pragma: no cover - a JAX that moved it: callers fall back
 __all__ = [
     "CALLS",
     "ArrayImpl",
+    "ClosedJaxpr",
+    "Jaxpr",
     "Literal",
     "Primitive",
     "backends_are_initialized",

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core.typing import PyTree
+from .._jax import ClosedJaxpr, Jaxpr
 
 
 # ----------------------------------------------------------------------- compiled programs
@@ -70,7 +71,6 @@ def matmul_flops(jaxpr: Any) -> float:
     per device of its manual axes, a ``cond`` its largest branch, a ``while`` body once
     (its trip count is not known). Elementwise work is not counted.
     """
-    from jax.extend import core
 
     def count(j: Any) -> float:
         total = 0.0
@@ -89,10 +89,10 @@ def matmul_flops(jaxpr: Any) -> float:
                 total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * per_output
                 continue
             subs = [
-                x.jaxpr if isinstance(x, core.ClosedJaxpr) else x
+                x.jaxpr if isinstance(x, ClosedJaxpr) else x
                 for v in eqn.params.values()
                 for x in (v if isinstance(v, (tuple, list)) else [v])
-                if isinstance(x, (core.ClosedJaxpr, core.Jaxpr))
+                if isinstance(x, (ClosedJaxpr, Jaxpr))
             ]
             if not subs:
                 continue
