@@ -15,7 +15,9 @@ and reports, for the earliest problem:
   input shapes): each process's op and call site (``file:line``);
 * **missing**: some processes issued call #k and wait in it, others never issued it: where
   those others were instead (their last call and their Python stack when they wrote);
-* **stalled**: every process issued call #k and none saw it complete.
+* **stalled**: every process issued call #k and none saw it complete;
+* **unrecorded**: some processes wait in call #k and others of the group wrote no record at
+  all (killed by SIGKILL or the OOM killer, or their host is gone).
 
 Then one line per process: why it wrote, its last completed call, its oldest pending one and
 where its main thread was. ``jaxcoll-run`` prints this after a job fails, and warns when the
@@ -48,7 +50,8 @@ _LIBRARY_DIRS = tuple(
 
 @dataclass
 class Finding:
-    """One problem in a group's calls: ``kind`` is ``disagree``, ``missing`` or ``stalled``."""
+    """One problem in a group's calls: ``kind`` is ``disagree``, ``missing``, ``stalled`` or
+    ``unrecorded``."""
 
     kind: str
     group: tuple[int, ...]
@@ -139,6 +142,7 @@ def _check_group(
     by_proc: dict[int, dict[str, Any]],
 ) -> Finding | None:
     recorded = [p for p in group if p in by_proc]  # processes that wrote a record
+    silent = [p for p in group if p not in by_proc]
     calls = {p: per_proc.get(p, {}) for p in recorded}
     # The ring buffer may have dropped a process's oldest calls: compare from the first
     # call every process still holds.
@@ -154,6 +158,8 @@ def _check_group(
             prints = {c["fingerprint"] for c in here.values()}
             if len(prints) > 1:
                 return _disagree(group, seq, at, here)
+            if all(c["done"] is None for c in here.values()) and silent:
+                return _unrecorded(group, seq, here, silent)
             if all(c["done"] is None for c in here.values()):
                 call = here[min(here)]
                 return Finding(
@@ -169,6 +175,24 @@ def _check_group(
             continue
         return _missing(group, seq, at, here, absent, calls, by_proc)
     return None
+
+
+def _unrecorded(
+    group: tuple[int, ...], seq: int, here: dict[int, dict[str, Any]], silent: list[int]
+) -> Finding:
+    """Every process with a record waits in call #seq; ``silent`` wrote none (killed by
+    SIGKILL or the OOM killer, or its host is gone)."""
+    p0 = min(here)
+    return Finding(
+        "unrecorded",
+        group,
+        seq,
+        min(c["issued"] for c in here.values()),
+        f"call #{seq} of processes {_ranges(group)}: process(es) {_ranges(list(here))} "
+        f"wait in it ({_desc(here[p0])}); process(es) {_ranges(silent)} wrote no record "
+        f"(killed, or its host is gone).",
+        tuple(silent),
+    )
 
 
 def _disagree(

@@ -215,6 +215,15 @@ def test_analysis_of_a_stall_of_every_process_and_of_a_ring_that_dropped_calls()
 def test_analysis_lists_processes_without_a_record_and_the_cli_exit_codes(tmp_path, capsys):
     recs = [_rec(0, [_call(1)], n=3), _rec(2, [_call(1)], n=3)]
     assert "process(es) 1 wrote no record (killed, or never started)." in trace.report(recs)
+    # A group member without a record while the others wait: named as the cause.
+    g = (0, 1, 2)
+    waiting = [_rec(k, [_call(1, group=g), _call(2, group=g, done=None)]) for k in (0, 2)]
+    (f,) = trace.analyze(waiting)
+    assert (f.kind, f.seq, f.processes) == ("unrecorded", 2, (1,))
+    assert f.text == (
+        "call #2 of processes 0-2: process(es) 0,2 wait in it (dist.all_reduce(float32[4,3]) "
+        "at t.py:1); process(es) 1 wrote no record (killed, or its host is gone)."
+    )
     for r in recs:
         (tmp_path / f"process{r['process']}.json").write_text(json.dumps(r))
     assert trace.main([str(tmp_path)]) == 0  # nothing wrong among the records
