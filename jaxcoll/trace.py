@@ -77,7 +77,8 @@ def load(directory: str | os.PathLike) -> list[dict[str, Any]]:
     return [newest[k] for k in sorted(newest)]
 
 
-def _ranges(items: Sequence[int]) -> str:
+def ranges(items: Sequence[int]) -> str:
+    """``0-3,5`` for ``[0, 1, 2, 3, 5]``."""
     items = sorted(items)
     out, i = [], 0
     while i < len(items):
@@ -167,7 +168,7 @@ def _check_group(
                     group,
                     seq,
                     at,
-                    f"call #{seq} of processes {_ranges(group)} ({_desc(call)}) was issued "
+                    f"call #{seq} of processes {ranges(group)} ({_desc(call)}) was issued "
                     f"by every process and completed on none: they wait in it together (a "
                     f"transport fault, or a device that stopped).",
                     tuple(group),
@@ -188,8 +189,8 @@ def _unrecorded(
         group,
         seq,
         min(c["issued"] for c in here.values()),
-        f"call #{seq} of processes {_ranges(group)}: process(es) {_ranges(list(here))} "
-        f"wait in it ({_desc(here[p0])}); process(es) {_ranges(silent)} wrote no record "
+        f"call #{seq} of processes {ranges(group)}: process(es) {ranges(list(here))} "
+        f"wait in it ({_desc(here[p0])}); process(es) {ranges(silent)} wrote no record "
         f"(killed, or its host is gone).",
         tuple(silent),
     )
@@ -208,9 +209,9 @@ def _disagree(
             odd = tuple(small)
     listing = "; ".join(f"process {p} runs {_desc(c)}" for p, c in sorted(here.items()))
     lead = (
-        f"process(es) {_ranges(odd)} diverged at call #{seq} of processes {_ranges(group)}"
+        f"process(es) {ranges(odd)} diverged at call #{seq} of processes {ranges(group)}"
         if odd
-        else f"the processes disagree at call #{seq} of processes {_ranges(group)}"
+        else f"the processes disagree at call #{seq} of processes {ranges(group)}"
     )
     return Finding("disagree", group, seq, at, f"{lead}: {listing}.", odd or tuple(here))
 
@@ -225,7 +226,7 @@ def _missing(
     by_proc: dict[int, dict[str, Any]],
 ) -> Finding:
     p0 = min(here)
-    waiting = f"process(es) {_ranges(list(here))} issued it ({_desc(here[p0])})"
+    waiting = f"process(es) {ranges(list(here))} issued it ({_desc(here[p0])})"
     parts = []
     for q in absent:
         rec = by_proc[q]
@@ -241,7 +242,7 @@ def _missing(
         group,
         seq,
         at,
-        f"call #{seq} of processes {_ranges(group)}: {waiting}; {'; '.join(parts)}.",
+        f"call #{seq} of processes {ranges(group)}: {waiting}; {'; '.join(parts)}.",
         tuple(absent),
     )
 
@@ -258,12 +259,12 @@ def _process_line(rec: dict[str, Any]) -> str:
     parts = [f"{rec.get('calls_recorded', len(calls))} call(s)"]
     if done:
         c = done[-1]
-        parts.append(f"last completed #{c['group_seq']} of {_ranges(c['group'])} {_desc(c)}")
+        parts.append(f"last completed #{c['group_seq']} of {ranges(c['group'])} {_desc(c)}")
     if pending:
         c = pending[0]
         waited = rec["time"] - c["issued"]
         parts.append(
-            f"pending #{c['group_seq']} of {_ranges(c['group'])} {_desc(c)} for {waited:.1f}s"
+            f"pending #{c['group_seq']} of {ranges(c['group'])} {_desc(c)} for {waited:.1f}s"
         )
     where = _where(rec)
     if where:
@@ -288,7 +289,7 @@ def report(records: Sequence[dict[str, Any]], expected: int | None = None) -> li
     n = expected or max((int(r.get("num_processes", 0)) for r in records), default=0)
     absent = [k for k in range(n) if k not in have]
     if absent:
-        lines.append(f"process(es) {_ranges(absent)} wrote no record (killed, or never started).")
+        lines.append(f"process(es) {ranges(absent)} wrote no record (killed, or never started).")
     lines += [_process_line(r) for r in records]
     return lines
 

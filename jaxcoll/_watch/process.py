@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 from .._jax import distributed_state  # the job's key-value store client
+from ..trace import ranges as ranges  # ``0-3,5`` for ``[0, 1, 2, 3, 5]``
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a program that has completed before may wait, in a multi-process job, before the
@@ -364,16 +365,3 @@ def _shutdown_quietly() -> None:
 def die(line: str, code: int) -> None:
     """Print ``line`` and end the process now with ``code`` (see :func:`leave`)."""
     leave(code, line)
-
-
-def ranges(items: Any) -> str:
-    """``0-3,5`` for ``[0, 1, 2, 3, 5]``."""
-    items = sorted(items)
-    out, i = [], 0
-    while i < len(items):
-        j = i
-        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
-            j += 1
-        out.append(str(items[i]) if j == i else f"{items[i]}-{items[j]}")
-        i = j + 1
-    return ",".join(out)

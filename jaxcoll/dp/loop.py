@@ -111,6 +111,16 @@ def eval_sets(api: str, eval_data: Any) -> list[tuple[str, Any]] | None:
     return sets
 
 
+def _positive(api: str, name: str, value: int | None, what: str) -> int | None:
+    """``value`` (an int >= 1) or None; else an error naming ``name`` and ``what`` it is."""
+    if value is None:
+        return None
+    value = check_static_int(api, name, value)
+    if value < 1:
+        raise ValueError(f"{api}: {name}={value} must be a positive {what}, or None.")
+    return value
+
+
 def check_profile(
     api: str, steps: Any, directory: str | os.PathLike | None
 ) -> tuple[int, int, str] | None:
@@ -317,13 +327,9 @@ def fit(
     check_data(api, "data", data)
     sets = eval_sets(api, eval_data)
     total = total_steps(data, steps, epochs)
-    if eval_every is not None:
-        eval_every = check_static_int(api, "eval_every", eval_every)
-        if eval_every < 1:
-            raise ValueError(
-                f"{api}: eval_every={eval_every} must be a positive number of "
-                f"steps (len(train_batches) for once per epoch), or None."
-            )
+    eval_every = _positive(
+        api, "eval_every", eval_every, "number of steps (len(train_batches) for once per epoch)"
+    )
     cbs = as_callbacks(api, callbacks)
     if checkpoint is not None and not isinstance(checkpoint, Checkpointer):
         hint = (
@@ -342,13 +348,12 @@ def fit(
             f"checkpoint=; pass checkpoint=dp.Checkpointer(directory, every=None) (saves "
             f"only when a callback asks) or every=k (also every k steps and at the end)."
         )
-    if tokens_per_example is not None:
-        tokens_per_example = check_static_int(api, "tokens_per_example", tokens_per_example)
-        if tokens_per_example < 1:
-            raise ValueError(
-                f"{api}: tokens_per_example={tokens_per_example} must be a positive int "
-                f"(the tokens of one example, e.g. the sequence length), or None."
-            )
+    tokens_per_example = _positive(
+        api,
+        "tokens_per_example",
+        tokens_per_example,
+        "int (the tokens of one example, e.g. the sequence length)",
+    )
     peak = check_peak_flops(api, peak_flops)
     profile = check_profile(api, profile_steps, profile_dir)
     if progress is None:  # a bar only where someone watches it; not in logs or CI
