@@ -17,9 +17,12 @@ A layout is the mesh's axes and their sizes: ``dp`` (data parallel, replicated),
 attention heads and the MLP's hidden units split, jaxcoll.nn's layers) and ``pp`` (pipeline
 stages over the stacked blocks, parallel.pipeline_apply). The model is written once: on one
 device (or over data axes only) it runs dense. Every layout trains the same model to the same
-params as ``--layout single`` (tests/test_gpt.py checks it within 1e-5). With ``--ckpt DIR``
-the run saves its last step there; ``--resume`` restores the newest checkpoint in DIR into
-this run's layout, whatever layout wrote it. Logs come from process 0 only. Expect the
+params as ``--layout single`` (tests/test_gpt.py checks it within 1e-5). The loop is
+``Trainer.fit``, as nanoGPT's: every ``--eval-every`` steps it evaluates on train and val
+batches and prints both losses, the learning rate, tokens/s and (with ``--peak-flops``) MFU.
+With ``--ckpt DIR`` a run resumes from the newest checkpoint in DIR, in its own layout
+whatever layout wrote it, and saves there when the validation loss improves and at the last
+step. Logs come from process 0 only. Expect the
 validation loss to fall from about 3.4 (a uniform guess over the 31 characters) to about 0.5
 in 300 steps (dp8: 1.24 at step 100, 0.48 at step 300).
 """
@@ -187,11 +190,15 @@ def optimizer():
 
         return jax.tree_util.tree_map_with_path(matrix, params)
 
-    schedule = optax.warmup_cosine_decay_schedule(0.0, LR, WARMUP, DECAY_STEPS, MIN_LR)
     return optax.chain(
         optax.clip_by_global_norm(CLIP),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=WEIGHT_DECAY, mask=decay),
+        optax.adamw(schedule(), b1=0.9, b2=0.95, weight_decay=WEIGHT_DECAY, mask=decay),
     )
+
+
+def schedule():
+    """The learning rate of the update with count c: ``schedule()(c)`` (step c + 1)."""
+    return optax.warmup_cosine_decay_schedule(0.0, LR, WARMUP, DECAY_STEPS, MIN_LR)
 
 
 # ---------------------------------------------------------------------------- layouts
@@ -246,12 +253,18 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layout", default="dp8")
     parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--ckpt", help="save the last step here (a directory)")
-    parser.add_argument("--resume", action="store_true", help="restore the newest in --ckpt")
+    parser.add_argument(
+        "--ckpt", help="a directory: resume from its newest checkpoint, save the best and last"
+    )
     parser.add_argument("--out", help="write the final params here (.npz, process 0)")
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
     parser.add_argument(
         "--eval-every", type=int, default=EVAL_EVERY, help="steps between evaluations (0: none)"
+    )
+    parser.add_argument(
+        "--peak-flops",
+        default=None,
+        help="one device's peak FLOP/s for the MFU (a number, or 'measure')",
     )
     args = parser.parse_args(argv)
     if args.tiny:
@@ -259,35 +272,65 @@ def main(argv=None) -> None:
     me = jax.process_index()
     trainer = trainer_for(args.layout)
     state = trainer.init(init_params(), jax.random.key(0))
-    if args.resume:
-        state = dp.Checkpointer(args.ckpt).restore_latest(state)
-    start = int(jax.device_get(state.step))
     if me == 0:
         count = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
         print(
             f"{args.layout}: mesh {dict(trainer.mesh.shape)}, {count / 1e3:.0f}k params, "
-            f"{len(VOCAB)} characters, from step {start}"
+            f"{len(VOCAB)} characters"
         )
-    train = batches("train", args.steps, seed=1)
-    for step, batch in enumerate(train):
-        if step < start:
-            continue
-        state, metrics = trainer.step(state, batch)
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-            val = trainer.evaluate(state, batches("val", EVAL_BATCHES, seed=2))
-            if me == 0:
-                print(
-                    f"step {step + 1}: train loss {float(metrics['loss']):.3f}, "
-                    f"val loss {val['loss']:.3f}"
-                )
-    if args.ckpt:
-        ckpt = dp.Checkpointer(args.ckpt)  # collective: every process saves its part
-        ckpt.save(state)
-        ckpt.close()
-    params = trainer.host_params(state)  # collective too
+    # nanoGPT's loop as fit: evaluate on train AND val every --eval-every steps (the same
+    # batches each time), save when the validation loss improves and at the last step,
+    # log the learning rate, tokens/s and MFU. A run with --ckpt resumes from its newest
+    # checkpoint, in this run's layout whatever layout wrote it.
+    evals = None
+    if args.eval_every:
+        evals = {
+            "train": list(batches("train", EVAL_BATCHES, seed=3)),
+            "val": list(batches("val", EVAL_BATCHES, seed=2)),
+        }
+    peak = args.peak_flops
+    peak = float(peak) if peak not in (None, "measure") else peak
+    callbacks: list = [Log(me, schedule())]
+    if args.ckpt and evals:
+        callbacks.append(dp.SaveBest("eval_val_loss"))
+    state, _ = trainer.fit(
+        state,
+        batches("train", args.steps, seed=1),
+        steps=args.steps,
+        eval_data=evals,
+        eval_every=args.eval_every or None,
+        checkpoint=dp.Checkpointer(args.ckpt, every=args.steps) if args.ckpt else None,
+        callbacks=callbacks,
+        tokens_per_example=BLOCK,
+        peak_flops=peak,
+        progress=False,
+    )
+    params = trainer.host_params(state)  # collective: every process takes part
     if args.out and me == 0:
         flat = jax.tree_util.tree_flatten_with_path(params)[0]
         np.savez(args.out, **{jax.tree_util.keystr(p): x for p, x in flat})
+
+
+class Log(dp.Callback):
+    """Process 0 prints each evaluation: nanoGPT's line, with the step's rate and MFU."""
+
+    def __init__(self, me: int, lr) -> None:
+        self.me, self.lr = me, lr
+        self.last: dict = {}
+
+    def on_step(self, step, metrics):
+        self.last = metrics
+
+    def on_eval(self, step, results):
+        if self.me != 0:
+            return
+        m = self.last
+        mfu = f", mfu {m['mfu']:.1%}" if "mfu" in m else ""
+        print(
+            f"step {step}: train loss {results['train_loss']:.3f}, val loss "
+            f"{results['val_loss']:.3f}, lr {float(self.lr(step - 1)):.2e}, "
+            f"{m.get('tokens_per_s', 0):.0f} tokens/s{mfu}"
+        )
 
 
 if __name__ == "__main__":
