@@ -80,7 +80,8 @@ def watch_outputs(outputs: Any, what: str) -> Any:
 
 
 def ensure_thread() -> None:
-    """Start the watchdog thread if a timeout is set and it is not running."""
+    """Start the watchdog thread if it watches or records (:data:`process.on`) and is not
+    running."""
     global _thread
     if not process.on:
         return
@@ -195,20 +196,6 @@ def _fire(call: recorder.Call, leaf: Any, waited: float, t: float | None) -> Non
         f"with code 1.",
         1,
     )
-
-
-def _shapes(tree: Any) -> str:
-    leaves = jax.tree_util.tree_leaves(tree)
-    parts = []
-    for leaf in leaves[:4]:
-        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-        if shape is None or dtype is None:
-            parts.append(type(leaf).__name__)
-        else:
-            parts.append(f"{dtype}[{','.join(map(str, shape))}]")
-    if len(leaves) > 4:
-        parts.append(f"... {len(leaves)} arrays")
-    return ", ".join(parts)
 
 
 def _processes(leaf: Any) -> tuple[int, ...]:

@@ -22,8 +22,9 @@ Each process writes its flight record (:func:`jaxcoll.dump_trace`) into ``--trac
 (``JAXCOLL_TRACE_DIR``; default a temporary directory, removed after a clean run) when it
 ends early, and at its normal exit. When the job fails, the launcher prints what the records
 say (:mod:`jaxcoll.trace`): the first call at which the processes disagree, a call some
-never issued and where they were instead, or a call that stalled everywhere; after a clean
-run it warns when they disagree (a wrong answer that hung nothing).
+never issued and where they were instead, a call that stalled everywhere, or one the others
+wait in while a process wrote no record (killed); after a clean run it warns when they
+disagree (a wrong answer that hung nothing).
 
 Every output line is prefixed with ``[k]``, the process index; gloo's per-rank connection
 reports are dropped. If a process exits non-zero or is killed, the launcher gives the others
@@ -37,7 +38,9 @@ watchdog's ``jaxcoll: process 0 of 2 timed out ...`` or ``RuntimeError: ...``; e
 line, e.g. a ``SystemExit`` message), and exits with that process's exit code (or 128 +
 signal). A process that printed jaxcoll's exit line counts as failing from that line.
 jaxcoll's SIGTERM handler ends each worker within a second, even one blocked in a
-collective. With ``--max-restarts K`` it restarts the whole group up to K times instead. SIGINT and
+collective. With ``--max-restarts K`` it restarts the whole group up to K times instead;
+with ``--nprocs MIN:MAX`` a process that fails K + 1 times in a row is then left out and
+the others restart on their own devices, while at least MIN are left. SIGINT and
 SIGTERM sent to the launcher are forwarded to every process. Each process runs in its own
 session (process group) and is killed with the launcher if the launcher itself dies, so no
 process outlives it.
