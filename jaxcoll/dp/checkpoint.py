@@ -22,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from .._watch import process
+from .checks import as_path
 from .state import TrainState
 
 # The n-th save or restore of this process: every process of a job makes the same calls in
@@ -34,13 +35,7 @@ def check_directory(api: str, argname: str, path: str | os.PathLike) -> str:
 
     Checked before any training, so a bad path fails at once instead of at the first save.
     """
-    try:
-        path = os.path.abspath(os.fspath(path))
-    except TypeError:
-        raise TypeError(
-            f"{api}: {argname} must be a path (str or os.PathLike), got "
-            f"{type(path).__name__} instead."
-        ) from None
+    path = as_path(api, argname, path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(
             f"{api}: {argname}={path!r} is a file, not a directory; pass a "

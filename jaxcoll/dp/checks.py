@@ -17,6 +17,7 @@ Four kinds of check, each raised where the mistake is made:
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -230,3 +231,15 @@ def unbound_axis(exc: BaseException, axes: tuple) -> Any:
                 return missing[0]
         tb = tb.tb_next
     return None
+
+
+def as_path(api: str, argname: str, value: Any, of: str = "") -> str:
+    """``value`` (a str or ``os.PathLike``) as an absolute path; else a TypeError naming
+    ``argname`` (``of``: what it must be the path of, e.g. ``" of a PNG"``)."""
+    try:
+        return os.path.abspath(os.fspath(value))
+    except TypeError:
+        raise TypeError(
+            f"{api}: {argname} must be a path (str or os.PathLike){of}, got "
+            f"{type(value).__name__} instead."
+        ) from None

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 
 from .callbacks import Callback
+from .checks import as_path
 
 
 def _series(history: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -125,13 +126,7 @@ class PlotWriter(Callback):
     """
 
     def __init__(self, path: str | os.PathLike, *, title: str | None = None) -> None:
-        try:
-            self.path = os.path.abspath(os.fspath(path))
-        except TypeError:
-            raise TypeError(
-                f"dp.PlotWriter: path must be a path (str or os.PathLike) of a PNG, got "
-                f"{type(path).__name__} instead."
-            ) from None
+        self.path = as_path("dp.PlotWriter", "path", path, " of a PNG")
         self.title = title
 
     def on_end(self, step: int, history: list[dict[str, Any]]) -> None:

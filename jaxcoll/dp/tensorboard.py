@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from .callbacks import Callback
+from .checks import as_path
 
 
 def _tensorboardx(api: str) -> Any:
@@ -52,13 +53,7 @@ class TensorBoardWriter(Callback):
 
     def __init__(self, logdir: str | os.PathLike) -> None:
         self.tbx = _tensorboardx("dp.TensorBoardWriter")
-        try:
-            self.logdir = os.path.abspath(os.fspath(logdir))
-        except TypeError:
-            raise TypeError(
-                f"dp.TensorBoardWriter: logdir must be a path (str or os.PathLike), got "
-                f"{type(logdir).__name__} instead."
-            ) from None
+        self.logdir = as_path("dp.TensorBoardWriter", "logdir", logdir)
         self._writer: Any = None
 
     @property
