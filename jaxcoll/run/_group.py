@@ -19,6 +19,7 @@ from ._output import Proc, pump
 
 _PR_SET_PDEATHSIG = 1
 POLL_S = 0.05
+_KILLS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT}  # signals sent from outside
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -144,17 +145,22 @@ class _Group:
 
     def first_cause(self, window: float = 0.5) -> Proc:
         """The failure to name first: the earliest of those not caused by another process's
-        failure (see ``_FOLLOW_ON``), unless a process killed by a signal (that announced
-        nothing) failed within ``window`` seconds of it. A killed peer's partners can notice
-        the broken connection and exit within milliseconds, sometimes before the launcher's
-        thread has recorded the kill; the kill is the cause."""
+        failure (see ``_FOLLOW_ON``), unless a process killed from outside (SIGKILL, SIGTERM,
+        SIGINT: the OOM killer, ``kill``; it announced nothing) failed within ``window``
+        seconds of it. A killed peer's partners can notice the broken connection and exit
+        within milliseconds, sometimes before the launcher's thread has recorded the kill;
+        the kill is the cause. A process that aborted itself (SIGABRT, SIGSEGV: a library
+        failing, often on a peer's exit) is not preferred so: it is named only if it failed
+        first."""
         failed = self.failures()
         roots = [p for p in failed if not p.follow_on] or failed
         first = roots[0].failed_at()
         killed = [
             p
             for p in roots
-            if p.failed_at() - first < window and p.popen.returncode < 0 and p.announced_at is None
+            if p.failed_at() - first < window
+            and -p.popen.returncode in _KILLS
+            and p.announced_at is None
         ]
         return killed[0] if killed else roots[0]
 

@@ -74,20 +74,26 @@ class Proc:
     exited_at: float | None = None  # monotonic time the reaper saw the exit
     cause: str | None = None  # the last "Name: message" line it wrote to stderr
     last: str | None = None  # the last line it wrote to stderr that may say why it stopped
-    announced_at: float | None = None  # monotonic time of its jaxcoll exit line, if any
+    announced_at: float | None = None  # when it said it fails (see note), if it did
     follow_on: bool = False  # it reported another process's failure (see _FOLLOW_ON)
+    traceback: bool = False  # inside a Python traceback it is printing
 
     def note(self, line: str) -> None:
         """Remember what a line of stderr says about why this process stops."""
         if _FOLLOW_ON.search(line):
             self.follow_on = True
+        if line.startswith("Traceback"):
+            self.traceback = True
         if _NOT_A_CAUSE.match(line):
             return
         self.last = line[:400]
         if _CAUSE.match(line):
             self.cause = line[:400]
-            if self.announced_at is None and _ANNOUNCE.match(line):
+            # jaxcoll's exit line, or the last line of a traceback (jaxcoll's fail-fast hook
+            # ends the process right after an uncaught error's): it fails from here.
+            if self.announced_at is None and (self.traceback or _ANNOUNCE.match(line)):
                 self.announced_at = time.monotonic()
+            self.traceback = False
 
     def why(self) -> str | None:
         """Its cause line, else the last line that may say why (``SystemExit("...")``)."""
