@@ -86,11 +86,14 @@ def eval_sets(api: str, eval_data: Any) -> list[tuple[str, Any]] | None:
 
 def positive(api: str, name: str, value: int | None, what: str) -> int | None:
     """``value`` (an int >= 1) or None; else an error naming ``name`` and ``what`` it is."""
-    if value is None:
-        return None
+    return None if value is None else count(api, name, value, what, ", or None")
+
+
+def count(api: str, name: str, value: int, what: str, alternative: str = "") -> int:
+    """``value``, an int >= 1; else an error naming ``name`` and ``what`` it is."""
     value = check_static_int(api, name, value)
     if value < 1:
-        raise ValueError(f"{api}: {name}={value} must be a positive {what}, or None.")
+        raise ValueError(f"{api}: {name}={value} must be a positive {what}{alternative}.")
     return value
 
 

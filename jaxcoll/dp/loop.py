@@ -25,7 +25,15 @@ from .callbacks import Action, Callback, CallbackLike, as_callbacks, requested
 from .checkpoint import Checkpointer
 from .checks import check_state
 from .data import Batches, leading_size
-from .fit_args import EvalData, check_data, check_profile, eval_sets, positive, total_steps
+from .fit_args import (
+    EvalData,
+    check_data,
+    check_profile,
+    count,
+    eval_sets,
+    positive,
+    total_steps,
+)
 from .metrics import Costs, StepMetrics, check_peak_flops, measure_peak_flops
 from .state import TrainState
 
@@ -230,6 +238,7 @@ def fit(
             f"checkpoint=; pass checkpoint=dp.Checkpointer(directory, every=None) (saves "
             f"only when a callback asks) or every=k (also every k steps and at the end)."
         )
+    log_every = count(api, "log_every", log_every, "number of steps (between updates of the bar)")
     tokens_per_example = positive(
         api,
         "tokens_per_example",

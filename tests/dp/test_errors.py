@@ -217,6 +217,38 @@ def test_empty_batches_and_bad_fit_arguments_fail_before_training(tmp_path):
     assert int(state.step) == 0
 
 
+def test_log_every_is_checked_before_training():
+    # Before: log_every=0 raised ZeroDivisionError after the first step (p.step % log_every).
+    trainer, state = _trainer(lambda w, b, rng: (_ce(_logits(w, b), b), {}))
+
+    class Untouchable:
+        def __iter__(self):
+            raise AssertionError("fit read the data before checking its arguments")
+
+    with pytest.raises(
+        ValueError, match=r"Trainer.fit: log_every=0 must be a positive number of steps"
+    ):
+        trainer.fit(state, Untouchable(), steps=5, log_every=0, progress=True)
+    with pytest.raises(TypeError, match=r"Trainer.fit: log_every must be an int, got None"):
+        trainer.fit(state, Untouchable(), steps=5, log_every=None, progress=True)
+    _, history = trainer.fit(state, [BATCH] * 2, steps=2, log_every=1, progress=False)
+    assert [h["step"] for h in history] == [1, 2]
+
+
+def test_a_param_that_is_no_array_is_named_with_its_path_and_the_fix():
+    # Before: numpy's "TypeError: data type 'mlp' not understood", naming no leaf.
+    trainer = dp.Trainer(lambda w, b, rng: (_ce(_logits(w, b), b), {}), optax.sgd(0.1))
+    with pytest.raises(
+        TypeError,
+        match=r"Trainer.init: params\['name'\] is 'mlp' \(a str\), not an array; every leaf of "
+        r"params is a param.*Keep other values \(names, settings\) out of the params",
+    ):
+        trainer.init({**W, "name": "mlp"}, jax.random.key(0))
+    with pytest.raises(TypeError, match=r"params\['act'\] is <function .*\(a function\)"):
+        trainer.init({**W, "act": lambda x: x}, jax.random.key(0))
+    trainer.init({**W, "scale": 1.0}, jax.random.key(0))  # a Python float is a param
+
+
 def test_constructor_errors_name_the_fix():
     loss = lambda w, b, rng: (_ce(_logits(w, b), b), {})  # noqa: E731
     with pytest.raises(
