@@ -5,7 +5,8 @@ Four kinds of check, each raised where the mistake is made:
 * the loss's return value (:func:`loss_output`), checked when the step is traced, so a
   bare scalar, a ``None``, a string or a per-example array in the metrics is reported as
   such instead of as a failure deep inside the step;
-* params that cannot be trained (:func:`float_params`): an integer or boolean leaf, checked
+* params that cannot be trained (:func:`float_params`): an integer or boolean leaf, or one
+  that is no array at all (a string, an object), checked
   by ``Trainer.init`` and when the step is traced, instead of failing inside ``jax.grad``
   with a message that names no leaf;
 * a state whose buffers were donated to an earlier step (:func:`check_state`), checked before
@@ -17,6 +18,7 @@ Four kinds of check, each raised where the mistake is made:
 from __future__ import annotations
 
 import inspect
+import numbers
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -171,13 +173,23 @@ def model_output(who: str, out: Any) -> tuple[jax.Array, tuple[dict[str, jax.Arr
 
 
 def float_params(api: str, params: PyTree, grad_route: str) -> None:
-    """Raise TypeError if a leaf of ``params`` is not floating (or complex).
+    """Raise TypeError if a leaf of ``params`` is not floating (or complex), or is no array
+    (nor a Python number) at all: a string or another object.
 
     Every param is differentiated, its gradient crosses the devices (``grad_route``: how the
     strategy moves it, e.g. reduce-scattered for ZeRO-1 and FSDP) and the optimizer updates
     it; ``jax.grad`` refuses integer and boolean inputs, so such a leaf is named here.
     """
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not hasattr(leaf, "dtype") and not isinstance(leaf, numbers.Number):
+            shown = repr(leaf) if len(repr(leaf)) <= 60 else repr(leaf)[:57] + "..."
+            raise TypeError(
+                f"{api}: params{jax.tree_util.keystr(path)} is {shown} (a "
+                f"{type(leaf).__name__}), not an array; every leaf of params is a param, "
+                f"differentiated by jax.grad and updated by the optimizer. Keep other values "
+                f"(names, settings) out of the params: in loss_fn's closure, or as an "
+                f"attribute of the model."
+            )
         dtype = np.dtype(getattr(leaf, "dtype", None) or np.result_type(leaf))
         if not jnp.issubdtype(dtype, jnp.inexact):
             raise TypeError(
