@@ -134,15 +134,40 @@ def merge(model: P, dim: int | None, data: Any) -> P:
     return _spec(entries)
 
 
-def unbox(params: PyTree) -> tuple[PyTree, PyTree | None]:
+def unbox(params: PyTree, api: str = "Trainer.init") -> tuple[PyTree, PyTree | None]:
     """``(params, specs)``: the params without flax's ``nn.Partitioned`` boxes
     (``nn.with_partitioning``), and their specs (``nn.get_partition_spec``; None when no leaf
     is boxed)."""
     is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
-    boxed = any(is_box(x) for x in jax.tree_util.tree_leaves(params, is_leaf=is_box))
-    if not boxed:
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)[0]
+    for path, box in flat:
+        names = getattr(box, "names", None) if isinstance(box, meta.Partitioned) else None
+        if isinstance(names, str):  # nn.with_partitioning(init, "tensor"): one axis per letter
+            raise TypeError(
+                f"{api}: params{jax.tree_util.keystr(path)} is boxed with the names "
+                f"{names!r}, a string where a tuple of axis names (one per dimension) is "
+                f"expected; write nn.with_partitioning(init, ({names!r},)) to split dimension "
+                f"0 over it, or (None, {names!r}) for dimension 1."
+            )
+    if not any(is_box(x) for _, x in flat):
         return params, None
     return meta.unbox(params), meta.get_partition_spec(params)
+
+
+def _not_a_spec(api: str, path: str, value: Any) -> None:
+    """Raise TypeError for a leaf of a specs tree that is not a ``PartitionSpec`` (nor None)."""
+    if isinstance(value, str):
+        raise TypeError(
+            f"{api}: specs{path} is the string {value!r}, where a PartitionSpec is expected "
+            f"(a string is not read as an axis name: P(*{value!r}) would split one dimension "
+            f"per letter); write P({value!r}) to split dimension 0 over it, or P(None, "
+            f"{value!r}) for dimension 1."
+        )
+    raise TypeError(
+        f"{api}: specs{path} is {value!r} (a {type(value).__name__}), where a PartitionSpec "
+        f"is expected; write one PartitionSpec per param, e.g. P(None, 'tensor'), or None "
+        f"for a whole param."
+    )
 
 
 def model_specs(
@@ -167,8 +192,11 @@ def model_specs(
         given = [P() if s is None else s for s in found]
         source = "is placed"
     else:
-        given = jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)
-        given = [P() if s is None else s for s in given]
+        flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
+        for path, s in flat:
+            if not _is_spec(s):
+                _not_a_spec(api, jax.tree_util.keystr(path), s)
+        given = [P() if s is None else s for _, s in flat]
         if len(given) != len(leaves):
             raise ValueError(
                 f"{api}: specs has {len(given)} PartitionSpecs for {len(leaves)} params; "

@@ -270,9 +270,11 @@ class Trainer:
             ``extra.init(params)`` when the Trainer has an ``extra``.
 
         Raises:
-            TypeError: a leaf of ``params`` is not floating (an integer or a bool): every
-                param is differentiated and updated; the message names the leaf and where
-                such a value belongs instead.
+            TypeError: a leaf of ``params`` is not floating (an integer or a bool) or no
+                array at all (a string, an object): every param is differentiated and
+                updated; the message names the leaf and where such a value belongs instead.
+                A leaf of ``specs`` that is not a ``PartitionSpec`` (a bare string
+                ``"tensor"``: write ``P("tensor")``).
         """
         params, boxed = unbox(params)
         float_params("Trainer.init", params, self.sync.grad_route)

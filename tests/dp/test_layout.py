@@ -285,3 +285,27 @@ def test_the_3d_step_exports_for_gpus_and_the_export_runs_here():
     want, _ = trainer.step(fresh, batch)
     for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_a_spec_written_as_a_bare_string_is_named_not_read_letter_by_letter():
+    # Before: "tensor" was read as P('t', 'e', 'n', 's', 'o', 'r'), one dimension per letter.
+    import flax.linen as nn
+
+    mesh = _mesh((4, 2), ("data", "tensor"))
+    trainer = dp.Trainer(loss_fn, optimizer(), mesh=mesh, layout=dp.Layout(tensor="tensor"))
+    params = {"w": np.ones((4, 6), np.float32), "b": np.zeros(6, np.float32)}
+    with pytest.raises(
+        TypeError,
+        match=r"Trainer.init: specs\['w'\] is the string 'tensor', where a PartitionSpec is "
+        r"expected .*write P\('tensor'\) to split dimension 0 over it, or P\(None, 'tensor'\)",
+    ):
+        trainer.init(params, jax.random.key(0), specs={"w": "tensor", "b": P()})
+    with pytest.raises(TypeError, match=r"specs\['b'\] is 3 \(a int\), where a PartitionSpec"):
+        trainer.init(params, jax.random.key(0), specs={"w": P(), "b": 3})
+    boxed = {"w": nn.Partitioned(params["w"], "tensor"), "b": params["b"]}
+    with pytest.raises(
+        TypeError,
+        match=r"Trainer.init: params\['w'\] is boxed with the names 'tensor', a string where "
+        r"a tuple of axis names .*nn.with_partitioning\(init, \('tensor',\)\)",
+    ):
+        trainer.init(boxed, jax.random.key(0))
