@@ -1,6 +1,6 @@
 """jaxcoll.dp: data-parallel training (DDP for JAX) on jaxcoll's collectives, flax and optax.
 
-Needs the ``dp`` extra (flax, optax, orbax-checkpoint, tqdm): ``pip install jaxcoll[dp]``.
+Needs the ``dp`` extra (flax, optax, orbax-checkpoint, tqdm, grain): ``pip install jaxcoll[dp]``.
 The gradient-sync strategy is a value (:mod:`jaxcoll.dp.sync`):
 ``dp.Trainer(loss_fn, optimizer, sync=dp.sync.FSDP())``; communication hooks are in
 :mod:`jaxcoll.dp.hooks`. The model's own mesh axes (tensor, pipeline) are a
@@ -24,6 +24,8 @@ from .checkpoint import Checkpointer as Checkpointer
 from .data import Batches as Batches
 from .extra import Extra as Extra
 from .extra import ema as ema
+from .grain_data import TokenBatches as TokenBatches
+from .grain_data import TokenWindows as TokenWindows
 from .layout import Layout as Layout
 from .metrics import measure_peak_flops as measure_peak_flops
 from .plot import PlotWriter as PlotWriter
@@ -50,6 +52,8 @@ __all__ = [
     "SaveBest",
     "SyncBatchNorm",
     "TensorBoardWriter",
+    "TokenBatches",
+    "TokenWindows",
     "Trainer",
     "TrainState",
     "ema",

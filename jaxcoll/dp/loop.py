@@ -49,11 +49,19 @@ class Steps(Protocol):
 
 
 def batch_source(data: Any, start: int) -> Callable[[int], PyTree]:
-    if hasattr(data, "__getitem__") and hasattr(data, "epoch"):
+    """``source(s)``: global batch s, for s = start, start + 1, ... in turn.
+
+    ``dp.Batches``: ``data[s]``; data that starts at any step (``data.iter_from(start)``,
+    ``dp.TokenBatches``: grain's prefetching iterator from batch ``start``, whose state is
+    the step); any other iterable: its batches after skipping the first ``start``."""
+    if hasattr(data, "iter_from"):
+        iterator = data.iter_from(start)
+    elif hasattr(data, "__getitem__") and hasattr(data, "epoch"):
         return data.__getitem__
-    iterator = iter(data)
-    for _ in range(start):
-        next(iterator)
+    else:
+        iterator = iter(data)
+        for _ in range(start):
+            next(iterator)
 
     def source(_s: int) -> PyTree:
         try:
@@ -282,7 +290,7 @@ def fit(
             # The step's outputs are available here (waiting for them if needed): the
             # metrics and the learning rate in one transfer.
             metrics = {k: float(v) for k, v in jax.device_get(p.metrics).items()}
-            metrics.update(meter.complete(p.examples, p.costs, p.sent))
+            metrics.update(meter.complete(p.step, p.examples, p.costs, p.sent))
             if measured is not None and not history:
                 metrics["peak_flops"] = measured
             history.append({"step": p.step, **metrics})
@@ -301,13 +309,13 @@ def fit(
                 for k, v in trainer.evaluate(state, batches).items():
                     results[prefix + k] = v
             evaluated[0] = at
-            meter.restart()  # the evaluation's time is not the next step's
             if history and history[-1]["step"] == at:
                 history[-1].update({f"eval_{k}": v for k, v in results.items()})
             else:
                 history.append({"step": at, **{f"eval_{k}": v for k, v in results.items()}})
             for cb in cbs:
                 ask(cb, "on_eval", at, results)
+            meter.restart()  # the evaluation's time (its callbacks' too) is not the next step's
 
         inflight: list[Pending] = []  # the step dispatched but not yet reported, if any
 
@@ -354,6 +362,8 @@ def fit(
                     jax.profiler.start_trace(profile[2])  # before step profile[0] is dispatched
                     tracing = True
                 batch, size = upcoming if upcoming is not None else fetch(s)
+                if inflight:  # done already? (a look, no wait): then that is when it ended
+                    meter.poll(inflight[-1].step, inflight[-1].metrics)
                 state, metrics = trainer.step(state, batch)  # each step is dispatched here
                 sent = meter.dispatched()
                 last = s + 1
