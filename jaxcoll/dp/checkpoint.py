@@ -191,10 +191,19 @@ class Checkpointer:
         the template's fresh one is kept and a RuntimeWarning says what was reset and why.
         Collective in a multi-process job, like :meth:`save`.
 
+        The template is checked against the saved metadata first: a template that does not
+        match (the params instead of the whole state, another model width, another
+        optimizer) raises at once, naming the leaf and its saved and given shapes and dtypes;
+        the checkpoints are left as they are. Only a step whose files fail to read
+        (truncated, emptied, deleted) is skipped, with a warning, for an older one.
+
         Raises:
-            RuntimeError: checkpoints exist but none can be restored into ``template``
-                (each one's error is listed: damaged files, or a model that changed); or,
-                in a multi-process job, another process did not call it too.
+            TypeError: ``template`` is not a :class:`TrainState` (e.g. the params alone).
+            ValueError: ``template``'s structure, shapes or dtypes differ from the newest
+                checkpoint that reads back (a model or optimizer that changed).
+            RuntimeError: checkpoints exist but none reads back (each one's error is
+                listed, with how to check it); or, in a multi-process job, another process
+                did not call it too.
         """
         rendezvous(
             "Checkpointer.restore_latest",
@@ -203,40 +212,91 @@ class Checkpointer:
             self.rendezvous_timeout,
             fix="call it on every process (Trainer.fit does, with checkpoint=...)",
         )
-        errors = []
+        errors: list[str] = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                return self._restore(step, template)
-            except Exception as e:  # any failure to read it back: damaged (or a new model)
-                reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                errors.append(f"step {step}: {reason}")
-                self.damaged.add(step)
-                # A fresh manager for the next try: a failed restore can leave the manager
-                # with wrong ideas about the checkpoints' layout.
-                self.manager.close()
-                self._manager = None
-                warnings.warn(
-                    f"Checkpointer: the checkpoint of step {step} in "
-                    f"{self.directory} cannot be restored ({reason}); skipping it "
-                    f"for an older one.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                saved = self._saved_tree(step)
+            except Exception as e:  # its metadata does not read: damaged
+                self._skip_damaged(step, e, errors)
+                continue
+            # A template that does not match raises here, never counted as damage.
+            check_template("Checkpointer.restore_latest", template, saved, step, self.directory)
+            try:
+                return self._restore(step, template, saved)
+            except Exception as e:  # the metadata reads, the arrays do not: damaged
+                self._skip_damaged(step, e, errors)
         if errors:
+            first = errors[0].split(":", 1)[0].split()[1]
             raise RuntimeError(
-                f"Checkpointer: no checkpoint in {self.directory} can be restored into this "
-                f"state:\n  " + "\n  ".join(errors) + "\nIf the model or optimizer changed, "
-                "start in a new directory; otherwise remove the damaged steps."
+                f"Checkpointer.restore_latest: no checkpoint in {self.directory} reads back:"
+                f"\n  " + "\n  ".join(errors) + "\nThe template matches what each one's "
+                f"metadata holds; their files fail to read (truncated, emptied or deleted, "
+                f"e.g. by a crash or a full disk during the write). Check one first: "
+                f"dp.Checkpointer({self.directory!r}).restore({first}, template), with the "
+                f"template you train with, reads that step alone and raises its full error; "
+                f"if it fails the same way, remove that step's folder "
+                f"({os.path.join(self.directory, first)}) or start in a new directory."
             )
         return template
 
-    def _restore(self, step: int, template: TrainState) -> TrainState:
-        """Step ``step`` read into ``template``'s shardings; its hook state kept only if it
-        fits the template's (see :meth:`restore_latest`)."""
-        target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, template)
+    def restore(self, step: int, template: TrainState) -> TrainState:
+        """The checkpoint of ``step`` exactly, placed like ``template`` (no fallback to an
+        older step): to check one step, e.g. one that :meth:`restore_latest` skipped.
+
+        Collective in a multi-process job, like :meth:`save`.
+
+        Raises:
+            TypeError, ValueError: ``template`` does not match the checkpoint (see
+                :meth:`restore_latest`).
+            ValueError: no checkpoint of ``step`` is in the directory.
+            Exception: orbax's own error when the step's files fail to read.
+        """
+        rendezvous(
+            "Checkpointer.restore",
+            f"restore step {step}",
+            self.directory,
+            self.rendezvous_timeout,
+            fix="call it on every process",
+        )
+        steps = self.manager.all_steps()
+        if step not in steps:
+            raise ValueError(
+                f"Checkpointer.restore: step={step!r} has no checkpoint in {self.directory} "
+                f"(saved: {sorted(steps) or 'none'}); pass one of those."
+            )
+        saved = self._saved_tree(step)
+        check_template("Checkpointer.restore", template, saved, step, self.directory)
+        return self._restore(step, template, saved)
+
+    def _saved_tree(self, step: int) -> Any:
+        """The saved tree of ``step`` with orbax's metadata (shape, dtype) at its leaves."""
         meta = self.manager.item_metadata(step)
         saved = getattr(meta, "tree", meta)
-        saved_comm = saved.get("comm_state", {}) if isinstance(saved, dict) else {}
+        if not isinstance(saved, dict):
+            raise ValueError(f"no tree in the metadata of step {step} (got {type(saved).__name__})")
+        return saved
+
+    def _skip_damaged(self, step: int, e: Exception, errors: list[str]) -> None:
+        """Record ``step`` as damaged (a later save of it replaces it) and warn."""
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        errors.append(f"step {step}: {reason}")
+        self.damaged.add(step)
+        # A fresh manager for the next try: a failed restore can leave the manager with wrong
+        # ideas about the checkpoints' layout.
+        self.manager.close()
+        self._manager = None
+        warnings.warn(
+            f"Checkpointer: the checkpoint of step {step} in {self.directory} cannot be "
+            f"restored (its files fail to read: {reason}); skipping it for an older one.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def _restore(self, step: int, template: TrainState, saved: Any) -> TrainState:
+        """Step ``step`` read into ``template``'s shardings; its hook state kept only if it
+        fits the template's (see :meth:`restore_latest`). ``saved``: its metadata tree."""
+        target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, template)
+        saved_comm = saved.get("comm_state", {})
         why = _comm_mismatch(saved_comm, template.comm_state)
         if why is None:
             return self.manager.restore(step, args=ocp.args.StandardRestore(target))
@@ -294,6 +354,57 @@ def _leaf_table(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
         )
         table[keys] = (tuple(getattr(leaf, "shape", ())), str(getattr(leaf, "dtype", "")))
     return table
+
+
+def check_template(api: str, template: Any, saved: dict, step: int, directory: str) -> None:
+    """Raise if ``template`` cannot receive the checkpoint whose metadata tree is ``saved``.
+
+    Compares the structure (the leaves' paths) and each leaf's shape and dtype, the hook
+    state (``comm_state``) apart: it has its own rule (:func:`_comm_mismatch`). A template
+    that does not match is a caller's mistake, never a damaged checkpoint: the message says
+    what differs and that the checkpoints are intact.
+    """
+    where = f"the checkpoint of step {step} in {directory}"
+    intact = "nothing was restored, and the checkpoints are intact: do not remove them"
+    if not isinstance(template, TrainState):
+        given = _leaf_table(template)
+        raise TypeError(
+            f"{api}: template must be the whole dp.TrainState that {where} holds "
+            f"({', '.join(sorted(saved))}), got a {type(template).__name__} instead (leaves "
+            f"{_some(given)}); {intact}. Pass the state the run trains: "
+            f"trainer.init(params, rng), not the params alone."
+        )
+    old = {k: v for k, v in _leaf_table(saved).items() if not k.startswith("comm_state/")}
+    new = {k: v for k, v in _leaf_table(template).items() if not k.startswith("comm_state/")}
+    if old == new:
+        return
+    diffs = []
+    for k in (k for k in new if k in old):  # in the template's order: params first
+        (s_shape, s_dtype), (g_shape, g_dtype) = old[k], new[k]
+        if s_shape != g_shape or s_dtype != g_dtype:
+            diffs.append(f"{k}: saved {s_shape} {s_dtype}, given {g_shape} {g_dtype}")
+    parts = []
+    if diffs:
+        more = f" (and {len(diffs) - 3} more leaves)" if len(diffs) > 3 else ""
+        parts.append("; ".join(diffs[:3]) + more)
+    only_saved, only_given = old.keys() - new.keys(), new.keys() - old.keys()
+    if only_saved:
+        parts.append(f"leaves saved but not in the template: {_some(only_saved)}")
+    if only_given:
+        parts.append(f"leaves in the template but not saved: {_some(only_given)}")
+    raise ValueError(
+        f"{api}: the template does not match {where} (read from its metadata; {intact}): "
+        f"{'; '.join(parts)}. Build the template with the model, optimizer and strategy of "
+        f"the run that saved it (trainer.init(params, rng)), or start a changed model in a "
+        f"new directory."
+    )
+
+
+def _some(keys: Any, n: int = 4) -> str:
+    """Up to ``n`` of ``keys``, sorted, with how many more."""
+    keys = sorted(keys)
+    more = f" and {len(keys) - n} more" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more if keys else "none"
 
 
 def _comm_mismatch(saved: Any, fresh: Any) -> str | None:

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -147,11 +148,69 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path):
         pytest.warns(RuntimeWarning),
         pytest.raises(
             RuntimeError,
-            match=r"no checkpoint in .* can be restored into this state:\n"
-            r"  step 15: .*\n  step 10: .*\nIf the model or optimizer",
+            match=r"no checkpoint in .* reads back:\n"
+            r"  step 15: .*\n  step 10: .*\nThe template matches what each one's metadata "
+            r"holds; their files fail to read .* Check one first: dp.Checkpointer\(.*\)"
+            r"\.restore\(15, template\)",
         ),
     ):
         trainer.fit(fresh(), data, steps=20, checkpoint=dp.Checkpointer(run, every=5))
+
+
+def test_a_template_that_does_not_match_is_named_and_the_checkpoints_are_kept(tmp_path):
+    # A template that cannot receive the checkpoint (the params alone, another layer width,
+    # another dtype) is the caller's mistake: the error names the leaf and the saved and
+    # given shapes, nothing is marked damaged or advised for removal, and the right
+    # template restores the newest step afterwards.
+    trainer, fresh, data = _setup()
+    run = tmp_path / "run"
+    end, _ = trainer.fit(fresh(), data, steps=10, checkpoint=dp.Checkpointer(run, every=5))
+    wider = trainer.init({"w": jnp.zeros(4)}, jax.random.key(0))
+    half = trainer.init({"w": jnp.zeros(3, jnp.bfloat16)}, jax.random.key(0))
+    cases = [
+        (
+            fresh().params,
+            TypeError,
+            r"template must be the whole dp.TrainState that the "
+            r"checkpoint of step 10 in .* holds \(comm_state, extra, model_state, opt_state, "
+            r"params, rng, step\), got a dict instead \(leaves w\); nothing was restored, and "
+            r"the checkpoints are intact: do not remove them\. Pass the state the run trains",
+        ),
+        (
+            wider,
+            ValueError,
+            r"the template does not match the checkpoint of step 10 in .* "
+            r"\(read from its metadata; nothing was restored, and the checkpoints are intact: do "
+            r"not remove them\): params/w: saved \(3,\) float32, given \(4,\) float32; "
+            r"opt_state/0/mu/w: saved \(3,\) float32, given \(4,\) float32",
+        ),
+        (half, ValueError, r"params/w: saved \(3,\) float32, given \(3,\) bfloat16"),
+    ]
+    for template, kind, message in cases:
+        ckpt = dp.Checkpointer(run)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(kind, match=message) as raised:
+                ckpt.restore_latest(template)
+        assert not caught, [str(w.message) for w in caught]  # no step called damaged
+        assert "remove that step" not in str(raised.value)
+        assert ckpt.damaged == set()
+        ckpt.close()
+    # fit with the wider state: the same error before any step, and nothing saved over.
+    with pytest.raises(ValueError, match=r"params/w: saved \(3,\) float32, given \(4,\)"):
+        trainer.fit(wider, data, steps=15, checkpoint=dp.Checkpointer(run, every=5))
+    ckpt = dp.Checkpointer(run)
+    assert ckpt.manager.all_steps() == [5, 10]
+    got = ckpt.restore_latest(fresh())
+    assert int(got.step) == 10 and _same(got, end)
+    with pytest.raises(
+        ValueError,
+        match=r"Checkpointer.restore: step=7 has no checkpoint in "
+        r".* \(saved: \[5, 10\]\); pass one of those\.",
+    ):
+        ckpt.restore(7, fresh())
+    assert _same(ckpt.restore(5, fresh()), _read(ckpt, 5, fresh()))
+    ckpt.close()
 
 
 # The preempted run, in a process of its own (its SIGTERM and exit are its own): this file's
