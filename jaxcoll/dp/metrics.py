@@ -9,10 +9,11 @@ with the loss in the same transfer.
 
 ==================  ===========================================================================
 ``step_time_s``     wall time between the completions of consecutive steps, as the loop
-                    reads them (one per turn; a step read right after the one before, at an
-                    evaluation, a save or the end: the time between their dispatches; the
-                    first step: from the start of ``fit``, compilation included; an
-                    evaluation, a save or a trace in between is not counted)
+                    sees them (one per turn: read, or found ready at the start of the next
+                    turn; a step read right after the one before, at an evaluation, a save
+                    or the end: the time between their dispatches; the first step: from the
+                    start of ``fit``, compilation included; an evaluation with its
+                    callbacks, a save or a trace in between is not counted)
 ``examples_per_s``  the global batch size / ``step_time_s``
 ``tokens_per_s``    ``examples_per_s * tokens_per_example`` (with ``fit(tokens_per_example=)``)
 ``flops_per_step``  the step program's FLOPs on all devices: XLA's ``cost_analysis()``
@@ -348,6 +349,7 @@ class StepMetrics:
         self.device_memory = device_peak_bytes(self.local) is not None
         self.clock = self.sent = time.perf_counter()  # the last completion, the last dispatch
         self.turn = self.done_turn = 0  # the loop's turns (one dispatch each), the last report's
+        self.seen: tuple[int, float] | None = None  # (a step in flight, when it was seen done)
 
     def key(self, host_step: int) -> Any:
         """The step program's identity: the strategy's phase for a phased one."""
@@ -371,9 +373,19 @@ class StepMetrics:
         return found
 
     def restart(self) -> None:
-        """Start the next step's time now: after an evaluation, a save or a trace, which are
-        not the step's."""
+        """Start the next step's time now: after an evaluation (and its callbacks), a save or
+        a trace, which are not the step's."""
         self.clock = self.sent = time.perf_counter()
+        self.seen = None
+
+    def poll(self, step: int, outputs: PyTree) -> None:
+        """Call at the start of a turn, before the next dispatch, with the step in flight
+        (``state.step`` after it) and its outputs: if they are ready (a look, no wait), the
+        step is taken as completed now, not when the loop reads it at the end of the turn."""
+        leaves = jax.tree_util.tree_leaves(outputs)
+        ready = getattr(leaves[0], "is_ready", None) if leaves else None
+        if self.seen is None and ready is not None and ready():
+            self.seen = (step, time.perf_counter())
 
     def dispatched(self) -> tuple[float, float]:
         """Call right after a step is dispatched: (its dispatch time, the previous one's)."""
@@ -389,22 +401,31 @@ class StepMetrics:
         lr = at_path(state.opt_state, self.lr_path)
         return {"lr": jnp.copy(lr) if self.copy else lr}
 
-    def complete(self, examples: int, costs: Costs, sent: tuple[float, float]) -> dict[str, float]:
-        """The host metrics of a step whose outputs were just read; ``sent``: what
-        :meth:`dispatched` returned for it.
+    def complete(
+        self, step: int, examples: int, costs: Costs, sent: tuple[float, float]
+    ) -> dict[str, float]:
+        """The host metrics of step ``step`` (``state.step`` after it), whose outputs were
+        just read; ``sent``: what :meth:`dispatched` returned for it.
 
-        The step's time is the time since the previous step's outputs were read: one step
-        is read per turn of the loop, so this is the loop's period, the device's step time
-        when the device is the bottleneck. A step read in the same turn as the one before
-        (the step before an evaluation, a save or the end) gets the time between the two
-        steps' dispatches instead: the device may have finished both before the host asked.
+        The step's time is the time since the previous step completed: when its outputs
+        were read, or, if :meth:`poll` found them ready at the start of the turn, then. One
+        step is read per turn of the loop, so this is the loop's period, the device's step
+        time when the device is the bottleneck. The first step after a :meth:`restart` is
+        read two turns after it (the loop keeps one step in flight): it counts from the
+        restart to the start of the turn that found it done (the next batch built), or to
+        when it was waited for, so it measures its own turn, not two. A step read in the
+        same turn as the one before (the step before an evaluation, a save or the end) gets
+        the time between the two steps' dispatches instead: the device may have finished
+        both before the host asked.
         """
         now = time.perf_counter()
+        seen, self.seen = self.seen, None
+        end = seen[1] if seen is not None and seen[0] == step else now
         if self.done_turn == self.turn:  # the second report of this turn
             dt = max(sent[0] - sent[1], 1e-9)
         else:
-            dt = max(now - self.clock, 1e-9)
-        self.clock, self.done_turn = now, self.turn
+            dt = max(end - self.clock, 1e-9)
+        self.clock, self.done_turn = end, self.turn
         out = {"step_time_s": dt, "examples_per_s": examples / dt}
         if self.tokens is not None:
             out["tokens_per_s"] = examples * self.tokens / dt

@@ -7,8 +7,10 @@ profile."""
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
+import time
 
 import jax
 import numpy as np
@@ -250,6 +252,47 @@ def test_named_eval_sets_numbering_and_step_metrics(run):
             trainer.fit(state, data, steps=1, eval_data=bad)
     with pytest.raises(ValueError, match=r"eval_data is an empty dict"):
         trainer.fit(state, data, steps=1, eval_data={})
+
+
+class Slow:
+    """Batches that take ``wait`` seconds each to build (``repeat``: endlessly, cycling)."""
+
+    def __init__(self, data, wait, repeat=True):
+        self.data, self.wait, self.repeat = data, wait, repeat
+
+    def __iter__(self):
+        for i in itertools.count() if self.repeat else range(len(self.data)):
+            time.sleep(self.wait)
+            yield self.data[i % len(self.data)]
+
+
+class SlowOnEval(dp.Callback):
+    def on_eval(self, step, results):
+        time.sleep(0.3)  # a writer, a plot: the evaluation's host work, not the next step's
+
+
+def test_the_step_after_an_evaluation_or_a_save_measures_its_own_time(run, tmp_path):
+    # Before: the step after an evaluation counted the on_eval callbacks and two turns of the
+    # loop (its own and the next batch's), as did the step after a save: 2.1-2.4x the
+    # steady step time when building a batch takes longer than a step (here 0.2 s a batch).
+    trainer, fresh, params, data, test, noisy = run
+    _, hist = trainer.fit(
+        fresh(),
+        Slow([data[i] for i in range(4)], 0.2),
+        steps=14,
+        eval_data=Slow([test], 0.2, repeat=False),
+        eval_every=4,
+        checkpoint=dp.Checkpointer(tmp_path / "ckpt", every=6, max_to_keep=1),
+        callbacks=[SlowOnEval()],
+    )
+    times = {h["step"]: h["step_time_s"] for h in hist if "step_time_s" in h}
+    assert sorted(times) == list(range(1, 15))
+    steady = float(np.median([times[s] for s in range(2, 14)]))
+    assert 0.15 < steady < 0.3, times  # one batch built per step
+    # 5, 9, 13: after an evaluation; 7 and 13: after a save. (The last step builds no next
+    # batch: its time is the device's.)
+    for s in range(2, 14):
+        assert 0.5 * steady < times[s] < 1.5 * steady, (s, times)
 
 
 def _improving(values, mode="min"):
