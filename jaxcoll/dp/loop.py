@@ -140,6 +140,7 @@ def fit(
     epochs: int | None = None,
     eval_data: EvalData | None = None,
     eval_every: int | None = None,
+    eval_on_start: bool = False,
     callbacks: CallbackLike | Iterable[CallbackLike] | None = None,
     checkpoint: Checkpointer | None = None,
     progress: bool | None = None,
@@ -182,6 +183,11 @@ def fit(
             (results ``val_loss``, ``train_loss``, ...).
         eval_every: steps between evaluations (``len(data)``: once per epoch); None: at the
             end only.
+        eval_on_start: also evaluate the state ``fit`` starts from (the initial state, or the
+            restored one), before the first step: nanoGPT's evaluation at iteration 0, a
+            baseline for the curves (Hugging Face's ``eval_on_start``). It is reported with
+            ``step`` = ``state.step`` at the start (0 for a new run): a history entry of its
+            own and ``on_eval(start, results)``.
         callbacks: :class:`~jaxcoll.dp.Callback` objects, metric writers with
             ``write_scalars(step, scalars)`` (``dp.JsonlWriter``, ``dp.TensorBoardWriter``,
             clu's) or functions ``fn(step, metrics)``: each gets every step's metrics and
@@ -228,6 +234,17 @@ def fit(
     eval_every = positive(
         api, "eval_every", eval_every, "number of steps (len(train_batches) for once per epoch)"
     )
+    if not isinstance(eval_on_start, bool):
+        raise TypeError(
+            f"{api}: eval_on_start must be True or False, got {eval_on_start!r} of type "
+            f"{type(eval_on_start).__name__} instead."
+        )
+    if eval_on_start and sets is None:
+        raise ValueError(
+            f"{api}: eval_on_start=True evaluates the starting state on eval_data, and fit "
+            f"has no eval_data=; pass eval_data=val_batches (or named sets), or leave "
+            f"eval_on_start=False."
+        )
     cbs = as_callbacks(api, callbacks)
     if checkpoint is not None and not isinstance(checkpoint, Checkpointer):
         hint = (
@@ -351,6 +368,10 @@ def fit(
             batch = source(s)
             return trainer.shard_batch(batch), leading_size("Trainer.step", batch)
 
+        if eval_on_start:  # the state fit starts from, before any step (nanoGPT's iter 0)
+            run_eval(start)
+            if act(start):
+                total = start  # a callback asked to stop: no step, the end runs as usual
         upcoming = fetch(start) if start < total else None
         last = start  # state.step of the newest state
         # With checkpoints, SIGTERM (a preemption) stops every process after the same step,

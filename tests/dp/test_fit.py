@@ -254,6 +254,33 @@ def test_named_eval_sets_numbering_and_step_metrics(run):
         trainer.fit(state, data, steps=1, eval_data={})
 
 
+def test_eval_on_start_evaluates_the_starting_state_before_the_first_step(run, tmp_path):
+    # nanoGPT's evaluation at iteration 0: the initial state, then (resumed) the restored one.
+    trainer, fresh, params, data, test, noisy = run
+    val = dp.Batches(test, 64)
+    want0 = trainer.evaluate(fresh(), val)
+    rec = Recorder([])
+    ckpt = dp.Checkpointer(tmp_path / "ckpt", every=2)
+    kw = dict(eval_data=val, eval_on_start=True, callbacks=[rec], checkpoint=ckpt)
+    state, hist = trainer.fit(fresh(), data, steps=2, eval_every=2, **kw)
+    assert rec.evals[0] == (0, want0)
+    assert hist[0] == {"step": 0, **{f"eval_{k}": v for k, v in want0.items()}}
+    assert [h["step"] for h in hist] == [0, 1, 2]
+    assert [step for step, _ in rec.evals] == [0, 2]  # and every eval_every steps, as before
+    want2 = trainer.evaluate(state, val)
+    # Resumed from step 2's checkpoint: the restored state is evaluated, as step 2.
+    rec2 = Recorder([])
+    ckpt = dp.Checkpointer(tmp_path / "ckpt", every=2)
+    _, more = trainer.fit(fresh(), data, steps=3, **{**kw, "callbacks": [rec2], "checkpoint": ckpt})
+    assert rec2.evals[0] == (2, want2) and more[0]["step"] == 2
+    assert [h["step"] for h in more] == [2, 3]
+    assert rec2.evals[0][1]["loss"] != want0["loss"]
+    with pytest.raises(ValueError, match=r"Trainer.fit: eval_on_start=True evaluates the "):
+        trainer.fit(fresh(), data, steps=1, eval_on_start=True)
+    with pytest.raises(TypeError, match=r"Trainer.fit: eval_on_start must be True or False"):
+        trainer.fit(fresh(), data, steps=1, eval_data=val, eval_on_start=1)
+
+
 class Slow:
     """Batches that take ``wait`` seconds each to build (``repeat``: endlessly, cycling)."""
 
