@@ -9,6 +9,7 @@ Each process feeds only its own rows of every global batch
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -60,9 +61,17 @@ def test_trainer_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path, single):
     assert len(two) == len(resumed) == len(preempted) == 2
     # SIGTERM: both processes stopped after the same step, saved it, exited 143, resumed.
     assert "received SIGTERM; the training loop will stop at a step boundary" in job_t.stderr
-    assert "Trainer.fit: SIGTERM: saved a checkpoint at step" in job_t.stderr
+    saved = {int(k) for k in re.findall(r"SIGTERM: saved a checkpoint at step (\d+)", job_t.stderr)}
+    assert len(saved) == 1, job_t.stderr[-4000:]  # both processes, the same step
+    (at,) = saved
+    assert 6 <= at < 12, at  # the step SIGTERM arrived at (while batch 6 was being built)
     assert "exited with code 143 first" in job_t.stderr
     assert "restarting all 2 process(es) (restart 1 of 1)" in job_t.stderr
+    # The restart resumed from that step's checkpoint, not from an earlier periodic one
+    # (every 4 steps): without the preemption save it would start again at step 4 (or 8).
+    assert f"process 0: finished at step 12 on 8 devices, {12 - at} steps in this run" in (
+        job_t.stdout
+    ), (at, job_t.stdout[-2000:])
     # The run was really killed, and restarted once with its checkpoints.
     assert "process 1 (pid" in job.stderr and "was killed by SIGKILL first" in job.stderr
     assert "restarting all 2 process(es) (restart 1 of 1)" in job.stderr
