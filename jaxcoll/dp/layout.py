@@ -134,10 +134,14 @@ def merge(model: P, dim: int | None, data: Any) -> P:
     return _spec(entries)
 
 
-def unbox(params: PyTree, api: str = "Trainer.init") -> tuple[PyTree, PyTree | None]:
-    """``(params, specs)``: the params without flax's ``nn.Partitioned`` boxes
-    (``nn.with_partitioning``), and their specs (``nn.get_partition_spec``; None when no leaf
-    is boxed)."""
+def unbox(
+    params: PyTree, api: str = "Trainer.init"
+) -> tuple[PyTree, PyTree | None, list[Any] | None]:
+    """``(params, specs, notes)``: the params without flax's ``nn.Partitioned`` boxes
+    (``nn.with_partitioning``), their specs (``nn.get_partition_spec``) and, per leaf, its
+    box's ``indivisible(size, n, axes)`` where it has one (:mod:`jaxcoll.nn`'s layers: the
+    layer's own message for a split that does not divide); None, None when no leaf is
+    boxed."""
     is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
     flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)[0]
     for path, box in flat:
@@ -150,8 +154,9 @@ def unbox(params: PyTree, api: str = "Trainer.init") -> tuple[PyTree, PyTree | N
                 f"0 over it, or (None, {names!r}) for dimension 1."
             )
     if not any(is_box(x) for _, x in flat):
-        return params, None
-    return meta.unbox(params), meta.get_partition_spec(params)
+        return params, None, None
+    notes = [getattr(x, "indivisible", None) for _, x in flat]
+    return meta.unbox(params), meta.get_partition_spec(params), notes
 
 
 def _not_a_spec(api: str, path: str, value: Any) -> None:
@@ -177,6 +182,7 @@ def model_specs(
     mesh: Mesh,
     layout: Layout,
     data_axes: tuple,
+    notes: list[Any] | None = None,
 ) -> list[P]:
     """Per leaf of ``params``, its model spec over the layout's axes, checked.
 
@@ -184,7 +190,8 @@ def model_specs(
     each leaf's own ``NamedSharding`` (its data axes dropped: a state the Trainer placed).
     A name that is no axis of the mesh is dropped (a model written for a tensor axis, run on
     a mesh without one, runs dense); a mesh axis that is neither a data axis nor one of the
-    layout's raises, naming the leaf and the fix; so does a split that does not divide.
+    layout's raises, naming the leaf and the fix; so does a split that does not divide (in
+    the words of the leaf's layer where ``notes``, from :func:`unbox`, has them).
     """
     leaves = jax.tree_util.tree_leaves(params)
     if specs is None:
@@ -193,9 +200,9 @@ def model_specs(
         source = "is placed"
     else:
         flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
-        for path, s in flat:
+        for key, s in flat:
             if not _is_spec(s):
-                _not_a_spec(api, jax.tree_util.keystr(path), s)
+                _not_a_spec(api, jax.tree_util.keystr(key), s)
         given = [P() if s is None else s for _, s in flat]
         if len(given) != len(leaves):
             raise ValueError(
@@ -230,6 +237,12 @@ def model_specs(
                 k *= mesh.shape[a]
             if leaf.shape[d] % k:
                 path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][i][0])
+                said = notes[i](leaf.shape[d], k, e) if notes and notes[i] else None
+                if said:  # the layer's words: its argument that the axis does not divide
+                    raise ValueError(
+                        f"{api}: {said} (params{path}, of shape {tuple(leaf.shape)}, is split "
+                        f"over it along dimension {d}.)"
+                    )
                 raise ValueError(
                     f"{api}: params{path} (shape {tuple(leaf.shape)}) is split over {e} "
                     f"along dimension {d}, of size {leaf.shape[d]}, which {k} devices do not "

@@ -303,7 +303,7 @@ class Trainer:
                 A leaf of ``specs`` that is not a ``PartitionSpec`` (a bare string
                 ``"tensor"``: write ``P("tensor")``).
         """
-        params, boxed = unbox(params)
+        params, boxed, notes = unbox(params)
         float_params("Trainer.init", params, self.sync.grad_route)
         found = model_specs(
             "Trainer.init",
@@ -312,6 +312,7 @@ class Trainer:
             self.mesh,
             self.layout,
             axis_names(self.axis_name),
+            notes if specs is None else None,
         )
         self._set_model_specs(tuple(found))
         sync = self.sync

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import linen
+from flax import linen, struct
 from flax.core import meta
 from flax.typing import Dtype, Initializer
 from jax import lax
@@ -56,12 +56,53 @@ def _positive_int(api: str, argname: str, value: Any) -> int:
     return value
 
 
-def _divides(api: str, argname: str, value: int, n: int, axis: str | None, fix: str) -> None:
-    if value % n:
-        raise ValueError(
-            f"{api}: {argname}={value} is not divisible by the {n} ranks of mesh axis "
-            f"{axis!r}, over which it is split. {fix}"
-        )
+_FIX = {  # what to do when the layer's argument does not divide by n
+    "hidden": "Pick a hidden width divisible by {n}, or split over an axis whose size divides "
+    "{value}.",
+    "num_heads": "Each rank owns whole heads: pick a number of heads divisible by {n}, or split "
+    "over an axis whose size divides {value}.",
+}
+
+
+def _indivisible(where: str, argname: str, value: int, n: int, axis: str | None) -> str:
+    fix = _FIX[argname].format(n=n, value=value)
+    return (
+        f"{where}: {argname}={value} is not divisible by the {n} ranks of mesh axis {axis!r}, "
+        f"over which it is split. {fix}"
+    )
+
+
+def _divides(where: str, argname: str, value: int, n: int | None, axis: str | None) -> None:
+    if n is not None and value % n:
+        raise ValueError(_indivisible(where, argname, value, n, axis))
+
+
+def _mesh_size(axis: str | None) -> int | None:
+    """The size of ``axis`` in the mesh set by ``jax.set_mesh`` (None if none has it): params
+    initialised under it are then placed split over it (``out_shardings`` from their boxes),
+    where JAX's own error would name neither the layer nor its argument."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if axis is None or mesh.empty or axis not in mesh.axis_names:
+        return None
+    return int(dict(mesh.shape)[axis])
+
+
+class Split(meta.Partitioned):
+    """A param box (flax's ``nn.Partitioned``, as ``nn.with_partitioning`` makes) that also
+    knows which argument of its layer sizes its split dimension, so that code placing the
+    params (``dp.Trainer.init``) can report a split that does not divide in the layer's words:
+    ``indivisible(size, n, axes)`` gives the layer's message, or None where the failing split
+    is not the layer's own (another dimension or axis)."""
+
+    layer: str = struct.field(default="", pytree_node=False)  # "ParallelMLP 'block/mlp'"
+    argname: str = struct.field(default="", pytree_node=False)  # "hidden", "num_heads"
+    size: int = struct.field(default=0, pytree_node=False)  # its value: the split dim's size
+    axis: str | None = struct.field(default=None, pytree_node=False)
+
+    def indivisible(self, size: int, n: int, axes: tuple) -> str | None:
+        if not self.argname or size != self.size or tuple(axes) != (self.axis,):
+            return None
+        return _indivisible(self.layer, self.argname, self.size, n, self.axis)
 
 
 def _plain(value: Any) -> jax.Array:
@@ -93,6 +134,7 @@ class _Linear(linen.Module):
     kernel_init: Initializer
     bias_init: Initializer
     param_dtype: Dtype
+    split_arg: str = ""  # the layer's argument the split dim's size is ("hidden", "num_heads")
 
     @linen.compact
     def __call__(self) -> tuple[jax.Array, jax.Array | None]:
@@ -138,9 +180,20 @@ class _Linear(linen.Module):
                     f"in_specs=flax.linen.get_partition_spec(variables)."
                 )
         names = tuple(axis if i == split else None for i in range(len(shape)))
-        boxed = self.param(
-            name, linen.with_partitioning(init_fn, names), local, self.param_dtype, unbox=False
-        )
+
+        def boxed_init(key: jax.Array, local_shape: tuple[int, ...], dtype: Dtype) -> Split:
+            # nn.with_partitioning's box, which also names the layer's argument it splits
+            size = 0 if split is None else shape[split]
+            return Split(
+                init_fn(key, local_shape, dtype),
+                names,
+                layer=self.api,
+                argname=self.split_arg if split is not None else "",
+                size=size,
+                axis=axis,
+            )
+
+        boxed = self.param(name, boxed_init, local, self.param_dtype, unbox=False)
         return _plain(boxed)
 
 
@@ -154,6 +207,7 @@ def _linear(
     bias_split: int | None,
     *,
     fan_in_dims: int = 1,
+    split_arg: str,
 ) -> tuple[jax.Array, jax.Array | None]:
     """The params of ``layer``'s linear map ``name`` (a :class:`_Linear` below it); no bias
     where the layer has ``use_bias=False``. Called inside the layer's ``__call__``."""
@@ -169,6 +223,7 @@ def _linear(
         kernel_init=layer.kernel_init,
         bias_init=layer.bias_init,
         param_dtype=layer.param_dtype,
+        split_arg=split_arg,
         name=name,
     )()
 
@@ -270,16 +325,9 @@ class ParallelMLP(linen.Module):
         features = _positive_int(api, "features", self.features)
         hidden = _positive_int(api, "hidden", self.hidden)
         ranks = _bound_size(self.axis)
-        if ranks is not None:
-            _divides(
-                api,
-                "hidden",
-                hidden,
-                ranks,
-                self.axis,
-                f"Pick a hidden width divisible by {ranks}, or split over an axis whose size "
-                f"divides {hidden}.",
-            )
+        # split here, or (initialising dense under jax.set_mesh) to be placed split
+        n = ranks if ranks is not None or not self.is_initializing() else _mesh_size(self.axis)
+        _divides(api, "hidden", hidden, n, self.axis)
         sp = self.sequence_parallel and ranks is not None
         if jnp.ndim(x) < (2 if sp else 1):
             raise ValueError(
@@ -287,8 +335,10 @@ class ParallelMLP(linen.Module):
                 + (" and a sequence axis (-2) for sequence_parallel=True." if sp else ".")
             )
         d = jnp.shape(x)[-1]
-        w1, b1 = _linear(self, "fc1", ranks, (d, hidden), 1, (hidden,), 0)
-        w2, b2 = _linear(self, "fc2", ranks, (hidden, features), 0, (features,), None)
+        w1, b1 = _linear(self, "fc1", ranks, (d, hidden), 1, (hidden,), 0, split_arg="hidden")
+        w2, b2 = _linear(
+            self, "fc2", ranks, (hidden, features), 0, (features,), None, split_arg="hidden"
+        )
         x, w1, b1, w2, b2 = linen.dtypes.promote_dtype(x, w1, b1, w2, b2, dtype=self.dtype)
         if ranks is None:  # dense: the whole block, no collective
             h = self.activation(parallel.column_parallel(x, w1, b1))
@@ -431,23 +481,26 @@ class ParallelSelfAttention(linen.Module):
             )
         head_dim = qkv // heads
         ranks = _bound_size(self.axis)
-        if ranks is not None:
-            _divides(
-                api,
-                "num_heads",
-                heads,
-                ranks,
-                self.axis,
-                f"Each rank owns whole heads: pick a number of heads divisible by {ranks}, or "
-                f"split over an axis whose size divides {heads}.",
-            )
+        # split here, or (initialising dense under jax.set_mesh) to be placed split
+        n = ranks if ranks is not None or not self.is_initializing() else _mesh_size(self.axis)
+        _divides(api, "num_heads", heads, n, self.axis)
         sp = self.sequence_parallel and ranks is not None
         q_shape, bias_shape = (d, heads, head_dim), (heads, head_dim)
         params = [
-            *_linear(self, "query", ranks, q_shape, 1, bias_shape, 0),
-            *_linear(self, "key", ranks, q_shape, 1, bias_shape, 0),
-            *_linear(self, "value", ranks, q_shape, 1, bias_shape, 0),
-            *_linear(self, "out", ranks, (heads, head_dim, out), 0, (out,), None, fan_in_dims=2),
+            *_linear(self, "query", ranks, q_shape, 1, bias_shape, 0, split_arg="num_heads"),
+            *_linear(self, "key", ranks, q_shape, 1, bias_shape, 0, split_arg="num_heads"),
+            *_linear(self, "value", ranks, q_shape, 1, bias_shape, 0, split_arg="num_heads"),
+            *_linear(
+                self,
+                "out",
+                ranks,
+                (heads, head_dim, out),
+                0,
+                (out,),
+                None,
+                fan_in_dims=2,
+                split_arg="num_heads",
+            ),
         ]
         x, wq, bq, wk, bk, wv, bv, wo, bo = linen.dtypes.promote_dtype(x, *params, dtype=self.dtype)
         local_heads = heads // (ranks or 1)

@@ -371,6 +371,66 @@ def test_error_when_the_split_dimension_does_not_divide():
         _trace_split(attn, whole, x, 4, specs=P())
 
 
+def test_an_indivisible_split_is_named_by_the_layer_where_the_params_are_placed():
+    # Before: the layers' own check ran only inside shard_map, after the params were placed;
+    # placing them first failed with JAX's IndivisibleError (or a message about a param's
+    # dimension), which names neither the layer nor its argument.
+    import optax
+    from jax.sharding import NamedSharding
+
+    from jaxcoll import dp
+
+    x, _ = _data()
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+
+    class Block(linen.Module):
+        hidden: int
+        heads: int
+
+        @linen.compact
+        def __call__(self, x):
+            x = x + ParallelSelfAttention(num_heads=self.heads, name="attn")(x)
+            return x + ParallelMLP(features=D, hidden=self.hidden, name="mlp")(x)
+
+    def trainer_init(block):
+        boxed = block.init(jax.random.key(0), x)["params"]  # outside: whole params, any size
+        loss = lambda p, b, rng: (jnp.mean(block.apply({"params": p}, b["x"]) ** 2), {})  # noqa: E731
+        trainer = dp.Trainer(loss, optax.sgd(0.1), mesh=mesh, layout=dp.Layout(tensor="tensor"))
+        return trainer.init(boxed, jax.random.key(1))
+
+    with pytest.raises(
+        ValueError,
+        match=r"Trainer.init: ParallelMLP 'mlp': hidden=6 is not divisible by the 4 ranks of "
+        r"mesh axis 'tensor', over which it is split\. Pick a hidden width divisible by 4, or "
+        r"split over an axis whose size divides 6\. \(params\['mlp'\]\['fc1'\]",
+    ):
+        trainer_init(Block(hidden=6, heads=4))
+    with pytest.raises(
+        ValueError,
+        match=r"Trainer.init: ParallelSelfAttention 'attn': num_heads=2 is not divisible by the "
+        r"4 ranks of mesh axis 'tensor'.*Each rank owns whole heads",
+    ):
+        trainer_init(Block(hidden=8, heads=2))
+    trainer_init(Block(hidden=8, heads=4))  # sizes the axis divides
+
+    # Initialised under jax.set_mesh and placed by out_shardings from the boxes: the layer
+    # raises while init is traced, before JAX's IndivisibleError at placement.
+    def placed_init(module):
+        specs = linen.get_partition_spec(jax.eval_shape(module.init, jax.random.key(0), x))
+        shardings = jax.tree.map(
+            lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P)
+        )
+        with jax.set_mesh(mesh):
+            return jax.jit(module.init, out_shardings=shardings)(jax.random.key(0), x)
+
+    with pytest.raises(ValueError, match=r"^ParallelMLP: hidden=6 is not divisible by the 4 "):
+        placed_init(ParallelMLP(features=D, hidden=6))
+    with pytest.raises(ValueError, match=r"^ParallelSelfAttention: num_heads=2 is not divis"):
+        placed_init(ParallelSelfAttention(num_heads=2))
+    kernel = placed_init(ParallelMLP(features=D, hidden=8))["params"]["fc1"]["kernel"]
+    assert kernel.value.sharding.spec == P(None, "tensor")
+
+
 def test_error_when_params_do_not_fit_the_input_or_the_rank():
     x, _ = _data()
     mlp = ParallelMLP(features=D, hidden=HIDDEN)
