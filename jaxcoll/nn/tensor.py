@@ -8,6 +8,11 @@ and communicates through :mod:`jaxcoll.parallel`'s ``column_parallel`` / ``row_p
 (one all-reduce per layer); called where it is not, it is the dense layer on whole params,
 with no collective. One model definition serves the single-device reference and the
 tensor-parallel run.
+
+The boxes are :class:`Split`, flax's ``nn.Partitioned`` that also names the layer's argument
+its split dimension is (``hidden``, ``num_heads``): ``dp.Trainer.init`` then reports a split
+the tensor axis does not divide in the layer's words, as the layer does when it is
+initialised under ``jax.set_mesh`` with that axis, before JAX would fail to place the params.
 """
 
 from __future__ import annotations
