@@ -9,7 +9,7 @@ and communicates through :mod:`jaxcoll.parallel`'s ``column_parallel`` / ``row_p
 with no collective. One model definition serves the single-device reference and the
 tensor-parallel run.
 
-The boxes are :class:`Split`, flax's ``nn.Partitioned`` that also names the layer's argument
+The boxes are ``Split``, flax's ``nn.Partitioned`` that also names the layer's argument
 its split dimension is (``hidden``, ``num_heads``): ``dp.Trainer.init`` then reports a split
 the tensor axis does not divide in the layer's words, as the layer does when it is
 initialised under ``jax.set_mesh`` with that axis, before JAX would fail to place the params.
