@@ -2,14 +2,13 @@
 
 A process-level unit beside :mod:`jaxcoll._init` that imports nothing else of jaxcoll, so
 ``distributed``, ``dp`` and ``bench`` can all use it. :func:`jaxcoll.init` calls :func:`start`
-after joining the job; a single process uses the watchdog once ``JAXCOLL_TIMEOUT`` (or
-``init(timeout=...)``) sets a timeout.
+after joining the job; a single process settles the same settings at its first watched call
+(``JAXCOLL_TIMEOUT=0`` turns the watchdog off).
 
 * :mod:`.watchdog`: every ``dist`` call, :func:`watch`-ed function and
   :func:`watch_outputs` registration that is not computed within its timeout ends its process
-  with one line naming it (in a multi-process job by default 600 s until a program's first
-  completion, :data:`process.DEFAULT_FIRST_TIMEOUT`, and 300 s after it,
-  :data:`DEFAULT_TIMEOUT`).
+  with one line naming it (by default 600 s until a program's first completion,
+  :data:`process.DEFAULT_FIRST_TIMEOUT`, and 300 s after it, :data:`DEFAULT_TIMEOUT`).
 * :mod:`.recorder`: the flight recorder, a ring buffer of those calls (op, group, shapes,
   call site, issue and completion times) dumped as JSON when a process ends early, on
   SIGUSR1 and on :func:`dump_trace`; :mod:`jaxcoll.trace` compares the processes' dumps.
@@ -69,9 +68,7 @@ def configure(
     api: str = "init",
 ) -> None:
     """Set the collective timeouts and detail mode (``"env"``: from the environment)."""
-    process.configure(timeout, debug, api=api, first_timeout_s=first_timeout)
-    process.on_leave = _recorder.dump_on_leave
-    _watchdog.ensure_thread()
+    _watchdog.configure(timeout, debug, first_timeout, api)
 
 
 def start(

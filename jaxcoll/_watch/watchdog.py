@@ -44,13 +44,41 @@ def register(outputs: Any, what: Any, inputs: Any = None, options: str = "") -> 
     kept. ``options`` (the op's options, e.g. ``"src=0"``) goes into the record.
     """
     if not process.configured:
-        process.configure()
-        ensure_thread()
+        configure()
     if not process.on:
         return
     leaf = _first_leaf(outputs)
     call = recorder.record(leaf, what, outputs if inputs is None else inputs, options)
-    _pending.append((call, leaf, (what, options, call.sig)))
+    _pending.append([call, leaf, (what, options, call.sig)])
+
+
+DISPATCHING = object()
+"""The outputs of a call whose dispatch has not returned yet (see :func:`run`)."""
+
+
+def run(program: Any, x: Any, what: str, options: str = "") -> Any:
+    """``program(x)``, watched from before its dispatch: record the call and put it under the
+    watchdog, dispatch, then watch its outputs; return them.
+
+    For programs whose dispatch itself can block: XLA:CPU's dispatch waits once too many
+    programs are queued, or while an earlier one holds the devices, and a call registered
+    only after its dispatch returned would then hang unwatched. ``x`` (a pytree of
+    ``jax.Array`` on the call's devices) gives the record its shapes and its processes.
+    """
+    if not process.configured:
+        configure()
+    if not process.on:
+        return program(x)
+    call = recorder.record(_first_leaf(x), what, x, options)
+    entry = [call, DISPATCHING, (what, options, call.sig)]
+    _pending.append(entry)
+    try:
+        out = program(x)
+    except BaseException:
+        entry[1] = None  # raised before running anything: nothing to wait for
+        raise
+    entry[1] = _first_leaf(out)
+    return out
 
 
 _completed: set[Any] = set()  # (what, options, signature) of programs that completed here
@@ -79,6 +107,20 @@ def watch_outputs(outputs: Any, what: str) -> Any:
     return outputs
 
 
+def configure(
+    timeout: float | str | None = "env",
+    debug: str | None = "env",
+    first_timeout: float | str | None = "env",
+    api: str = "init",
+) -> None:
+    """Settle the timeouts and detail mode (:func:`process.configure`; ``"env"``: from the
+    environment), have a process that ends early write its flight record, and start the
+    thread if it has work."""
+    process.configure(timeout, debug, api=api, first_timeout_s=first_timeout)
+    process.on_leave = recorder.dump_on_leave
+    ensure_thread()
+
+
 def ensure_thread() -> None:
     """Start the watchdog thread if it watches or records (:data:`process.on`) and is not
     running."""
@@ -91,11 +133,28 @@ def ensure_thread() -> None:
             _thread.start()
 
 
+EXIT_WAIT_S = 10.0
+"""At a normal exit with the watchdog off, the longest :func:`drain` waits for the programs
+still running, so that the flight record says they completed."""
+
+
 def drain(wait_s: float) -> None:
-    """Wait (at most ``wait_s``) until every registered program has finished; at exit."""
-    deadline = time.monotonic() + wait_s
-    while _pending and time.monotonic() < deadline:
-        time.sleep(0.05)  # the thread drops what is done and fires on what is stuck
+    """At a normal exit: wait (at most ``wait_s``; :data:`EXIT_WAIT_S` with the watchdog off)
+    until every registered program has finished, stamping each completion in the flight
+    record here rather than leaving it to the thread's next poll, so that a record written
+    now never shows a finished call as unfinished (it would read as a stall)."""
+    deadline = time.monotonic() + (wait_s if process.watching else EXIT_WAIT_S)
+    while True:
+        unfinished = False
+        for call, leaf, _ in list(_pending):  # the thread pops them; only stamp here
+            if call.done is None:
+                if _done(leaf):
+                    call.done = time.monotonic()
+                else:
+                    unfinished = True
+        if not unfinished or time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)  # the thread fires on what is stuck
 
 
 def _first_leaf(tree: Any) -> Any:
@@ -110,6 +169,8 @@ def _first_leaf(tree: Any) -> Any:
 def _done(leaf: Any) -> bool:
     if leaf is None:
         return True
+    if leaf is DISPATCHING:
+        return False
     try:
         if leaf.is_deleted():  # is_ready() of a deleted array can crash the process
             return True
@@ -120,7 +181,6 @@ def _done(leaf: Any) -> bool:
 
 def _run() -> None:
     head: Any = None
-    leaf: Any = None
     since = 0.0
     left_seen_at: float | None = None
     next_probe = 0.0
@@ -131,19 +191,20 @@ def _run() -> None:
         while _pending:
             item = _pending[0]
             if item is not head:  # a new oldest entry: its wait starts now (or at dispatch)
-                head, leaf, left_seen_at = item, item[1], None
+                head, left_seen_at = item, None
                 since = max(item[0].issued, time.monotonic() - POLL_S)
                 # Its timeout: the short one once a call of the same program (name, options,
                 # input shapes) has completed here. Calls complete in order, so every call
                 # before this one has been seen by now.
                 item[0].first = item[2] not in _completed
                 item[0].limit = process.first_timeout if item[0].first else process.timeout
-            if not _done(leaf):
+            if not _done(item[1]):  # read each time: run() sets it once dispatched
                 break
             _pending.popleft()
-            item[0].done = time.monotonic()
+            if item[0].done is None:  # drain may have stamped it first
+                item[0].done = time.monotonic()
             _completed.add(item[2])
-            head = leaf = None
+            head = None
         if head is None or not process.watching:
             continue
         t = head[0].limit
@@ -151,18 +212,18 @@ def _run() -> None:
         waited = now - since
         if waited >= min(1.0, t or 1.0) and now >= next_probe and process.client() is not None:
             next_probe = now + 1.0
-            if left_seen_at is None and set(process.exited()) & set(_processes(leaf)):
+            if left_seen_at is None and set(process.exited()) & set(head[0].group):
                 left_seen_at = now
         if (t is not None and waited >= t) or (
             left_seen_at is not None and now - left_seen_at >= LEFT_GRACE_S
         ):
-            _fire(head[0], leaf, waited, t)
+            _fire(head[0], waited, t)
 
 
-def _fire(call: recorder.Call, leaf: Any, waited: float, t: float | None) -> None:
+def _fire(call: recorder.Call, waited: float, t: float | None) -> None:
     me, n = process.me()
     desc = f"{call.what}({recorder.describe(call.sig)})"
-    procs = _processes(leaf)
+    procs = call.group
     where = f" over processes {process.ranges(procs)}" if n > 1 and procs else ""
     process.kv(lambda c: c.key_value_set(f"{process.PREFIX}stuck/{me}", desc, allow_overwrite=True))
     gone = [p for p in process.exited() if p != me and p in procs]
@@ -196,12 +257,3 @@ def _fire(call: recorder.Call, leaf: Any, waited: float, t: float | None) -> Non
         f"with code 1.",
         1,
     )
-
-
-def _processes(leaf: Any) -> tuple[int, ...]:
-    if leaf is None:
-        return ()
-    try:
-        return tuple(sorted({d.process_index for d in leaf.sharding.device_set}))
-    except Exception:  # noqa: BLE001 - deleted arrays have no sharding to read
-        return ()

@@ -337,6 +337,19 @@ def test_processes_that_finish_seconds_apart_end_cleanly(tmp_path, mode):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout", ["0", "inf"])
+def test_a_clean_job_with_the_watchdog_off_raises_no_alarm(tmp_path, timeout):
+    # One all_reduce, its result printed, a normal exit at once: the flight records must say
+    # the call completed on both processes (it did), not that it stalled on both.
+    job = launch([*JOB[:4], "--timeout", timeout], "hangs.py", [str(tmp_path), "once"], timeout=60)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert job.stdout.count("result [10. 10. 10.]") == 2, job.stdout
+    assert "flight records" not in job.stderr, job.stderr[-3000:]
+    _no_abort(job)
+    assert survivors(job.token) == []
+
+
+@pytest.mark.timeout(60)
 def test_sigterm_stops_workers_blocked_in_a_collective_at_once(tmp_path):
     # Process 0 waits inside an all-reduce (its main thread in C++), process 1 sleeps. JAX's
     # preemption notifier would swallow SIGTERM; jaxcoll's handler ends both inside the

@@ -15,6 +15,7 @@ Modes (process 0 / process 1):
   ``fail0``: ``raise SystemExit("...")`` once process 1 is in its loop / ``dist.all_reduce``.
   ``apart``: both ``dist.all_reduce``, then process k sleeps ``3 * k`` s (``apart1``:
   ``3 * (1 - k)`` s) before its normal exit.
+  ``once``: both ``dist.all_reduce`` once, print the result and exit at once (a clean job).
   ``block``: waits in ``dist.all_reduce`` / sleeps in Python (the test sends SIGTERM).
   ``second``: both ``dist.all_reduce`` once; then process 0 all-reduces again while process
   1 sleeps 30 s (the second call of a program that completed: the short timeout).
@@ -115,6 +116,8 @@ elif MODE in ("apart", "apart1"):
     print(f"process {ME} result {dist.to_ranks(y)[0]}", flush=True)
     time.sleep(3 * (ME if MODE == "apart" else 1 - ME))
     sys.exit(0)
+elif MODE == "once":
+    y = dist.all_reduce(x)
 elif MODE == "block":
     mark("loop")
     if ME == 1:
