@@ -22,8 +22,8 @@ from .._jax import distributed_state  # the job's key-value store client
 from ..trace import ranges as ranges  # ``0-3,5`` for ``[0, 1, 2, 3, 5]``
 
 DEFAULT_TIMEOUT = 300.0
-"""Seconds a program that has completed before may wait, in a multi-process job, before the
-watchdog ends the process (``timeout``).
+"""Seconds a program that has completed before may wait before the watchdog ends the process
+(``timeout``), in a multi-process job and in a single process alike.
 
 Once a program has run, its compile is done on every process; what a peer may still
 legitimately be doing while this one waits in the collective is a step's host work, a
@@ -45,11 +45,12 @@ DEFAULT_TRACE_BUFFER = 2000
 PREFIX = "jaxcoll/"  # every key jaxcoll puts in the job's key-value store starts with this
 KV_S = 2.0  # the longest a key-value call of a background thread may take before giving up
 
-on: bool = bool(os.environ.get("JAXCOLL_TIMEOUT", "").strip())
+on: bool = True
 """Register each dispatched program with the watchdog and the flight recorder: a collective
-timeout is set (or set in the environment and not yet read), or this process is in a
-multi-process job, where the flight recorder is on even with the watchdog off."""
-watching: bool = on
+timeout is set (the default, in one process too), or this process is in a multi-process job,
+where the flight recorder is on even with the watchdog off. True until the first call settles
+the settings (:func:`configure`)."""
+watching: bool = False
 """A collective timeout is set: the watchdog may end the process."""
 detail: bool = os.environ.get("JAXCOLL_DEBUG", "").strip().lower() == "detail"
 """Mismatch detection is on: fingerprint each program at its first use."""
@@ -109,11 +110,12 @@ def configure(
     """Settle the timeouts and detail mode: the arguments, else the environment, else defaults.
 
     ``"env"`` (or None) reads ``JAXCOLL_TIMEOUT`` / ``JAXCOLL_FIRST_TIMEOUT`` /
-    ``JAXCOLL_DEBUG``. Unset, the timeout is :data:`DEFAULT_TIMEOUT` in a multi-process job
-    (``joined``; default: whether this process joined one) and off in a single process; 0
-    turns it off. The first-completion timeout is, unset, :data:`DEFAULT_FIRST_TIMEOUT` or
-    the timeout if that is longer, and off when the timeout is off; it may not be shorter
-    than the timeout.
+    ``JAXCOLL_DEBUG``. Unset, the timeout is :data:`DEFAULT_TIMEOUT`, in a single process as
+    in a multi-process job (``joined``; default: whether this process joined one), so a stall
+    ends with a line naming the call instead of silence; 0 turns it off (the flight recorder
+    stays on in a multi-process job). The first-completion timeout is, unset,
+    :data:`DEFAULT_FIRST_TIMEOUT` or the timeout if that is longer, and off when the timeout
+    is off; it may not be shorter than the timeout.
     """
     global on, watching, detail, timeout, first_timeout, trace_buffer, configured
     env = os.environ
@@ -121,11 +123,7 @@ def configure(
         joined = client() is not None
     if timeout_s == "env" or timeout_s is None:
         raw = env.get("JAXCOLL_TIMEOUT", "").strip()
-        t = (
-            _parse_timeout(api, raw, "JAXCOLL_TIMEOUT")
-            if raw
-            else (DEFAULT_TIMEOUT if joined else None)
-        )
+        t = _parse_timeout(api, raw, "JAXCOLL_TIMEOUT") if raw else DEFAULT_TIMEOUT
         t_source = "JAXCOLL_TIMEOUT"
     else:
         t = _parse_timeout(api, timeout_s, "timeout")

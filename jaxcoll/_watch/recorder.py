@@ -205,11 +205,16 @@ def snapshot(reason: str) -> dict[str, Any]:
 
 def default_path() -> str:
     """Where :func:`dump` writes without a path: ``$JAXCOLL_TRACE_DIR/process<k>.json``, else
-    ``<tmp>/jaxcoll-trace/process<k>-<pid>.json``."""
-    me = process.me()[0]
+    ``<tmp>/jaxcoll-trace/process<k>-<pid>.json`` (one process alone:
+    ``<tmp>/jaxcoll-trace/<pid>/process0.json``, a directory of its own for the analysis)."""
+    me, n = process.me()
     directory = os.environ.get("JAXCOLL_TRACE_DIR")
     if directory:
         return os.path.join(directory, f"process{me}.json")
+    if n == 1:
+        return os.path.join(
+            tempfile.gettempdir(), "jaxcoll-trace", str(os.getpid()), "process0.json"
+        )
     return os.path.join(tempfile.gettempdir(), "jaxcoll-trace", f"process{me}-{os.getpid()}.json")
 
 
@@ -251,7 +256,7 @@ def dump_trace(path: str | os.PathLike | None = None) -> str:
     in its group of processes, the op, its options and input shapes, the call site
     (``file:line``), when it was issued and when it completed; and this process's Python
     stack now. Recording is on in every multi-process job (``JAXCOLL_TRACE_BUFFER=0`` turns
-    it off), and in a single process whenever a collective timeout is set.
+    it off), and in a single process while the watchdog is on (the default).
     ``python -m jaxcoll.trace DIR`` compares the records of a job's processes and names the
     first that diverged or stalled; ``jaxcoll-run`` does so by itself when a job fails. A
     process also writes its record on SIGUSR1 (``kill -USR1 PID``: a running job's state,
@@ -259,7 +264,8 @@ def dump_trace(path: str | os.PathLike | None = None) -> str:
 
     Args:
         path: the file to write (default ``$JAXCOLL_TRACE_DIR/process<k>.json``, else
-            ``<tmp>/jaxcoll-trace/process<k>-<pid>.json``).
+            ``<tmp>/jaxcoll-trace/process<k>-<pid>.json``; one process alone:
+            ``<tmp>/jaxcoll-trace/<pid>/process0.json``).
 
     Example::
 

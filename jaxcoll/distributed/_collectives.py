@@ -28,6 +28,7 @@ from .._core.ops import ReduceOp, check_op_dtype, coerce_op
 from .._core.typing import PyTree
 from .._watch import detect, process, watchdog
 from ..groups import Group
+from . import _inflight
 from ._group import group_root, resolve_group
 from ._per_rank import check_per_rank, per_rank
 from ._work import Work
@@ -60,9 +61,11 @@ def _run(api: str, name: str, x: PyTree, group: Group, async_op: bool, **options
     program = _program(api, name, group, settings)
     if process.detail:  # JAXCOLL_DEBUG=detail: compare with the other processes at first use
         _agree_first_use(api, name, program, x, group, options)
-    out = program(x)
-    if process.on:  # watchdog and flight recorder: they poll out (never waiting here)
-        watchdog.register(out, api, x, options_text(settings))
+    if process.on:  # watchdog and flight recorder, from before the dispatch (never waiting)
+        out = watchdog.run(program, x, api, options_text(settings))
+    else:
+        out = program(x)
+    _inflight.admit(out)  # past the bound, waits for the oldest call in flight
     return Work(out) if async_op else out
 
 

@@ -24,6 +24,7 @@ from .._core.ops import ReduceOp, check_op_dtype, coerce_op
 from .._core.typing import PyTree
 from .._watch import process, watchdog
 from ..groups import Group
+from . import _inflight
 from ._collectives import all_to_all
 from ._group import group_root, resolve_group
 from ._per_rank import check_per_rank, per_rank
@@ -31,9 +32,11 @@ from ._work import Work
 
 
 def _watched(api: str, out: Any, x: PyTree) -> Any:
-    """Hand ``out`` to the collective watchdog when a timeout is set (as every dist call)."""
+    """Hand ``out`` to the collective watchdog and the flight recorder, and count it in flight
+    (as every dist call)."""
     if process.on:
         watchdog.register(out, api, x)
+    _inflight.admit(out)
     return out
 
 
