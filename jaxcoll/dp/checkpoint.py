@@ -22,12 +22,18 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from .._watch import process
+from ._commit import Barriers, Beacon, CommitAbandoned
 from .checks import as_path
 from .state import TrainState
 
 # The n-th save or restore of this process: every process of a job makes the same calls in
 # the same order, so the n-th meets the others' n-th.
 _calls = itertools.count(1)
+
+COMMIT_STEPS = 2
+"""``fit`` waits for a save's commit once the step this many steps after the save is
+dispatched (:meth:`Checkpointer.at_step`): a save is a checkpoint on disk before the process
+goes further, so a process lost later cannot take it with it."""
 
 
 def check_directory(api: str, argname: str, path: str | os.PathLike) -> str:
@@ -80,6 +86,22 @@ class Checkpointer:
             :meth:`restore_latest` wait for every other process to make the same call
             before they raise (at once when a peer has exited or failed); raise it if your
             processes reach a save further apart than that.
+        enable_async_checkpointing: True (orbax's default, and torch DCP's ``async_save``):
+            :meth:`save` returns once the state is copied to host memory, and the write
+            and the commit go on behind the next steps; False: :meth:`save` returns once
+            the step is committed on disk.
+
+    Asynchronous saving: what blocks the step that saves is the copy of the state from the
+    devices to host memory (and, in a multi-process job, a few meetings of the processes);
+    the files are written, and the step committed (every process's shards written, then
+    the step's folder renamed into place by process 0), in orbax's background thread while
+    training goes on. ``fit`` waits for that commit when it dispatches the step
+    :data:`COMMIT_STEPS` (2) steps after the save (:meth:`at_step`), so each save is a
+    checkpoint on disk within two steps, and always before the next save; :meth:`wait`
+    waits for it at any time, and ``enable_async_checkpointing=False`` at every save. A save
+    whose commit cannot complete because a process is gone (it ended, failed, or gave no
+    sign of life; see :mod:`jaxcoll.dp._commit`) ends the processes left with a line naming
+    it and the newest committed step, exit code 1, instead of an abort inside orbax or JAX.
 
     Saved: the whole :class:`TrainState` (params, optimizer state, model state, step, rng,
     extra, hook state), each leaf as one global array: a checkpoint written under any
@@ -109,7 +131,14 @@ class Checkpointer:
         every: int | None = 100,
         max_to_keep: int = 2,
         rendezvous_timeout: float = 60.0,
+        enable_async_checkpointing: bool = True,
     ) -> None:
+        if not isinstance(enable_async_checkpointing, bool):
+            raise TypeError(
+                f"Checkpointer: enable_async_checkpointing must be True or False, got "
+                f"{enable_async_checkpointing!r} of type "
+                f"{type(enable_async_checkpointing).__name__} instead."
+            )
         for name, value, what in (
             ("every", every, "steps between saves"),
             ("max_to_keep", max_to_keep, "checkpoints kept"),
@@ -136,8 +165,21 @@ class Checkpointer:
         self.rendezvous_timeout: float = float(t)
         self.directory: str = check_directory("Checkpointer", "directory", directory)
         self.every: int | None = None if every is None else int(every)
-        self.options: Any = ocp.CheckpointManagerOptions(max_to_keep=int(max_to_keep), create=True)
+        self.enable_async_checkpointing: bool = enable_async_checkpointing
+        self._barriers: Barriers = Barriers(self.directory)
+        self._beacon: Beacon = Beacon()
+        # Always orbax's asynchronous checkpointer: a synchronous save is this one waited for
+        # (wait), so that a lost peer is met by jaxcoll's barriers either way.
+        self.options: Any = ocp.CheckpointManagerOptions(
+            max_to_keep=int(max_to_keep),
+            create=True,
+            enable_async_checkpointing=True,
+            async_options=ocp.AsyncOptions(barrier_sync_fn=self._barriers),
+        )
         self._manager: ocp.CheckpointManager | None = None
+        self._pending: int | None = None  # the step whose commit is under way
+        self.committed: int | None = None
+        """The newest step this Checkpointer saved and saw committed."""
         self.damaged: set[int] = set()
 
     @property
@@ -154,6 +196,61 @@ class Checkpointer:
     def __repr__(self) -> str:
         return f"Checkpointer({self.directory!r}, every={self.every})"
 
+    def wait(self) -> None:
+        """Wait until the last :meth:`save` is committed: a checkpoint on disk, which
+        :meth:`restore_latest` finds (torch DCP's ``async_save(...).result()``, orbax's
+        ``wait_until_finished``). Nothing to do when no save is under way.
+
+        Returns within a few seconds of a peer's loss too: in a multi-process job, a commit
+        that cannot complete because a process is gone ends this process with a line naming
+        that process and the newest committed step, exit code 1 (through
+        :func:`jaxcoll._watch.process.leave`, so that the others leave as well); in one
+        process, its error is raised as RuntimeError.
+        """
+        step, self._pending = self._pending, None
+        if step is None:
+            return
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - the commit failed: say which and why
+            self._commit_failed(step, e)
+        finally:
+            self._beacon.stop()
+        self.committed = step
+
+    def at_step(self, step: int) -> None:
+        """Called by :meth:`Trainer.fit` once step ``step`` is dispatched (a loop of your own
+        may do the same): :meth:`wait` for a save made :data:`COMMIT_STEPS` or more steps
+        before, so that every save is committed within two steps."""
+        if self._pending is not None and step - self._pending >= COMMIT_STEPS:
+            self.wait()
+
+    def _commit_failed(self, step: int, e: BaseException) -> None:
+        """End the process (several) or raise (one) for a save of ``step`` that failed."""
+        why = self._barriers.abandoned
+        cause = (
+            f"{why}, so its part of the save is not written"
+            if why is not None
+            else f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        )
+        last = (
+            f"the newest committed one is step {self.committed}"
+            if self.committed is not None
+            else "no step was committed by this run"
+        )
+        me, n = process.me()
+        line = (
+            f"Checkpointer: the save of step {step} in {self.directory} cannot be committed: "
+            f"{cause}. Step {step} is not a checkpoint; {last}, where a restart resumes."
+        )
+        if process.client() is None or n < 2:
+            raise RuntimeError(line) from e
+        process.leave(
+            1,
+            f"jaxcoll: process {me} of {n} stops: {line} Exiting with code 1.",
+            reason=line,
+        )
+
     def save(self, state: TrainState) -> None:
         """Save ``state`` under its step (a no-op if that step is saved already and good).
 
@@ -162,9 +259,13 @@ class Checkpointer:
         (``if jax.process_index() == 0: ckpt.save(state)``, as one writes
         ``torch.save`` on the master rank) raises RuntimeError on the processes that made it,
         within ``rendezvous_timeout`` seconds, before any file is written.
+
+        Asynchronous by default: it returns once the state is in host memory, and the step
+        is committed in the background (see the class's notes; :meth:`wait` waits for it);
+        it first waits for the previous save's commit.
         """
         step = int(jax.device_get(state.step))
-        rendezvous(
+        seq = rendezvous(
             "Checkpointer.save",
             f"save step {step}",
             self.directory,
@@ -172,12 +273,23 @@ class Checkpointer:
             fix="call ckpt.save(state) on every process (drop the `if process_index == 0` "
             "guard; orbax writes each shard once)",
         )
+        self.wait()  # the previous save is committed before this one starts
         if step in self.damaged:
             self.manager.delete(step)
             self.damaged.discard(step)
         if step in self.manager.all_steps():
             return
-        self.manager.save(step, args=ocp.args.StandardSave(state))
+        self._barriers.begin(seq)
+        self._beacon.start()
+        self._pending = step
+        try:
+            self.manager.save(step, args=ocp.args.StandardSave(state))
+        except CommitAbandoned as e:  # a peer lost at one of the save's own meetings
+            self._pending = None
+            self._beacon.stop()
+            self._commit_failed(step, e)
+        if not self.enable_async_checkpointing:
+            self.wait()
 
     def restore_latest(self, template: TrainState) -> TrainState:
         """The newest state that reads back, placed like ``template``; ``template`` if none
@@ -212,6 +324,7 @@ class Checkpointer:
             self.rendezvous_timeout,
             fix="call it on every process (Trainer.fit does, with checkpoint=...)",
         )
+        self.wait()
         errors: list[str] = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
@@ -258,6 +371,7 @@ class Checkpointer:
             self.rendezvous_timeout,
             fix="call it on every process",
         )
+        self.wait()
         steps = self.manager.all_steps()
         if step not in steps:
             raise ValueError(
@@ -327,9 +441,10 @@ class Checkpointer:
         return restored.replace(comm_state=template.comm_state)
 
     def close(self) -> None:
-        """Wait for pending saves and release the manager (a later use opens a new one)."""
+        """Wait for pending saves (:meth:`wait`) and release the manager (a later use opens
+        a new one)."""
+        self.wait()
         if self._manager is not None:
-            self._manager.wait_until_finished()
             self._manager.close()
             self._manager = None
 
@@ -426,20 +541,21 @@ def _comm_mismatch(saved: Any, fresh: Any) -> str | None:
     return "its shapes or dtypes differ from this Trainer's hook state"
 
 
-def rendezvous(api: str, what: str, directory: str, timeout: float, *, fix: str) -> None:
+def rendezvous(api: str, what: str, directory: str, timeout: float, *, fix: str) -> int:
     """Meet every other process of the job at this call, or raise RuntimeError.
 
     Each process writes ``what`` (e.g. ``save step 10``) under the number of its calls so far
     in ``jax.distributed``'s key-value store and waits for every other process's entry of the
     same number: up to ``timeout`` seconds, less when a peer exits or fails first. Raises,
     naming ``api``, the processes and ``fix``, when one does not come or makes another call
-    (a save of another step, a restore). Nothing to do in a single process.
+    (a save of another step, a restore). Nothing to do in a single process. Returns the
+    number of the call (the same on every process).
     """
     client = process.client()
     me, n = process.me()
-    if client is None or n < 2:
-        return
     seq = next(_calls)
+    if client is None or n < 2:
+        return seq
     key = f"{process.PREFIX}ckpt/{seq}/"
     client.key_value_set(key + str(me), what)
     deadline = time.monotonic() + timeout
@@ -470,3 +586,4 @@ def rendezvous(api: str, what: str, directory: str, timeout: float, *, fix: str)
             f"({listing}). Saving and restoring are collective: every process must save the "
             f"same step (or restore) together, as Trainer.fit does. Fix: {fix}."
         )
+    return seq

@@ -392,6 +392,8 @@ def fit(
                 metrics = {**metrics, **meter.device_values(state)}
                 if checkpoint is not None and preemption_point(s + 1):
                     _preempted(api, checkpoint, state, s + 1)
+                if checkpoint is not None:  # a save 2 steps back is committed by now
+                    checkpoint.at_step(s + 1)
                 upcoming = fetch(s + 1) if prefetch and s + 1 < total else None
                 settle()  # waits for the step before: at most 2 in flight
                 inflight.append(Pending(s + 1, size, metrics, costs, sent))
@@ -435,7 +437,7 @@ def fit(
 def _preempted(api: str, ckpt: Checkpointer, state: TrainState, step: int) -> None:
     """Save ``state`` (after ``step``) and end the process as a preempted one: exit 143."""
     ckpt.save(state)
-    ckpt.manager.wait_until_finished()
+    ckpt.wait()
     print(
         f"{api}: SIGTERM: saved a checkpoint at step {step} in {ckpt.directory}; exiting "
         f"with code {128 + signal.SIGTERM}. Start the same run again to resume there.",

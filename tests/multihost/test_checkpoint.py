@@ -7,7 +7,10 @@
 * ``Trainer.host_params`` and ``Trainer.to_module`` give every process the whole params,
   equal to a one-process run's;
 * a save made on process 0 only raises there at once, naming Checkpointer.save, and the job
-  ends on it (no abort inside gloo, no misleading error on process 1).
+  ends on it (no abort inside gloo, no misleading error on process 1);
+* a process killed while a save is being committed (tests/multihost/workers/ckpt_lost.py)
+  leaves the other one to end with jaxcoll's line naming it (no abort inside orbax or JAX),
+  and the restart resumes from the newest committed step and ends as an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import re
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from jaxcoll import dp
 from tests.helpers import mesh_1d
 
 from ._launch import launch, survivors
+from .workers import ckpt_lost_model as lm
 from .workers import ckpt_model as cm
 
 
@@ -101,3 +106,47 @@ def test_fsdp_2x4_checkpoints_restore_anywhere_and_host_params_are_whole(tmp_pat
             np.testing.assert_allclose(
                 value, got[0][key], rtol=1e-5, atol=1e-6, err_msg=f"{sync} on {n}: {key}"
             )
+
+
+@pytest.mark.timeout(150)
+def test_a_process_lost_inside_a_commit_ends_the_other_cleanly_and_the_restart_resumes(tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    # --grace 15: the launcher's SIGTERM (10 s after the kill) must not be followed by its
+    # SIGKILL before process 0 has said why it stops.
+    job = launch(
+        ["--nprocs", "2", "--devices-per-proc", "4", "--max-restarts", "1", "--grace", "15"],
+        "ckpt_lost.py",
+        [str(out), str(ckpt)],
+        timeout=130,
+    )
+    err = job.stderr
+    assert job.returncode == 0, err[-4000:]
+    assert re.search(r"jaxcoll-run: process 1 \(pid \d+\) was killed by SIGKILL first", err), err
+    # Process 0 ends by itself, naming process 1 and the step to resume from.
+    assert re.search(
+        r"\[0\] jaxcoll: process 0 of 2 stops: Checkpointer: the save of step 6 in .*ckpt "
+        r"cannot be committed: process 1 gave no sign of life for \d+s \(killed, or its "
+        r"host lost\), so its part of the save is not written\. Step 6 is not a checkpoint; "
+        r"the newest committed one is step 4, where a restart resumes\. Exiting with code 1\.",
+        err,
+    ), err[-4000:]
+    assert re.search(r"then process 0 exited with code 1", err), err[-4000:]
+    assert not re.search(
+        r"SIGABRT|Timed out while waiting for|Check fail|Terminating process|^\[\d\] F\d{4} ",
+        err,
+        re.M,
+    ), err[-4000:]
+    assert survivors(job.token) == []
+
+    # The restart resumed at step 5 (after the committed step 4) and ended as a run that was
+    # never stopped (one process on 8 devices: gloo sums in another order, float32 rounding).
+    got = [dict(np.load(out / f"p{k}.npz")) for k in (0, 1)]
+    assert [int(g["first"]) for g in got] == [lm.KILL_AT - lm.EVERY + 1] * 2
+    assert [int(g["step"]) for g in got] == [lm.STEPS] * 2
+    trainer = dp.Trainer(lm.loss_fn, optax.adam(0.05), mesh=mesh_1d(8, "data"))
+    state = trainer.init(jax.tree_util.tree_map(np.asarray, lm.INIT), jax.random.key(0))
+    for s in range(lm.STEPS):
+        state, _ = trainer.step(state, lm.global_batch(s))
+    for k, v in state.params.items():
+        np.testing.assert_allclose(got[0][k], np.asarray(v), rtol=1e-5, atol=1e-6, err_msg=k)
+        np.testing.assert_array_equal(got[0][k], got[1][k], err_msg=k)

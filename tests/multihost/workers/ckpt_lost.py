@@ -1,0 +1,86 @@
+"""A process lost while a save is being committed: the other one is not aborted.
+
+Usage: ``ckpt_lost.py OUT CKPT_DIR`` under ``jaxcoll-run --nprocs 2 --devices-per-proc 4
+--max-restarts 1``. ``Trainer.fit`` trains a small MLP (DDP over the 8 devices, each process
+feeding only its rows of every global batch) for STEPS steps with
+``dp.Checkpointer(CKPT_DIR, every=EVERY)``: the saves are asynchronous, and fit waits for each
+one's commit two steps later. In the first run the save of step KILL_AT is waited for at once
+on both processes (``Checkpointer.wait``, so that no process is inside a collective), and
+process 1 kills itself (SIGKILL) inside that commit, when its shards are written and it is
+about to meet process 0 at orbax's ``async_write_complete`` barrier: step KILL_AT can never be
+committed, and process 0 must end with jaxcoll's line naming process 1. The launcher's
+restart then resumes from step KILL_AT - EVERY, the newest committed one, and trains to STEPS.
+Writes ``OUT/p{k}.npz`` (the final params and step, the first step this run trained).
+"""
+
+import os
+import signal
+import sys
+
+import jaxcoll
+
+jaxcoll.init()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from ckpt_lost_model import BATCH, EVERY, INIT, KILL_AT, STEPS, global_batch, loss_fn  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxcoll import dp  # noqa: E402
+from jaxcoll.dp import _commit  # noqa: E402
+
+OUT, CKPT = sys.argv[1], sys.argv[2]
+ME = jax.process_index()
+FIRST_RUN = os.environ.get("JAXCOLL_RESTART_COUNT", "0") == "0"
+
+
+if FIRST_RUN and ME == 1:
+    meet = _commit.Barriers.__call__
+
+    def dying(self, *, key, timeout_ms):
+        if key.endswith(f"async_write_complete.{KILL_AT}"):
+            os.kill(os.getpid(), signal.SIGKILL)  # shards written, not yet arrived
+        return meet(self, key=key, timeout_ms=timeout_ms)
+
+    _commit.Barriers.__call__ = dying
+
+
+class WaitAtKill(dp.Checkpointer):
+    """The save of step KILL_AT waited for at once in the first run (no step goes on)."""
+
+    def save(self, state):
+        super().save(state)
+        if FIRST_RUN and int(jax.device_get(state.step)) == KILL_AT:
+            self.wait()
+
+
+if __name__ == "__main__":
+    trainer = dp.Trainer(loss_fn, optax.adam(0.05))
+    sharding = NamedSharding(trainer.mesh, P(trainer.axis_name))
+    mine = [k for k, d in enumerate(trainer.mesh.devices.reshape(-1)) if d.process_index == ME]
+    per_device = BATCH // trainer.n
+    rows = np.concatenate([np.arange(k * per_device, (k + 1) * per_device) for k in mine])
+
+    class Batches:
+        def __iter__(self):
+            for s in range(STEPS):
+                whole = global_batch(s)
+                yield {
+                    k: jax.make_array_from_process_local_data(sharding, v[rows])
+                    for k, v in whole.items()
+                }
+
+    state = trainer.init(jax.tree_util.tree_map(jnp.asarray, INIT), jax.random.key(0))
+    state, history = trainer.fit(
+        state, Batches(), steps=STEPS, checkpoint=WaitAtKill(CKPT, every=EVERY), progress=False
+    )
+    params = {k: np.asarray(v.addressable_shards[0].data) for k, v in state.params.items()}
+    os.makedirs(OUT, exist_ok=True)
+    first = history[0]["step"] if history else STEPS + 1
+    np.savez(
+        os.path.join(OUT, f"p{ME}.npz"), step=int(jax.device_get(state.step)), first=first, **params
+    )
+    print(f"process {ME}: trained steps {first}-{STEPS} in this run", flush=True)
