@@ -7,7 +7,7 @@ first loop: ``for i in range(n): dist.all_reduce(x)``), then waits for the last 
 within ``--timeout`` seconds) and the median time per call of the runs that ended, measured in
 interleaved rounds (bound A, bound B, ..., then again) so machine noise hits all alike.
 
-Run:  python benchmarks/eager_inflight.py [--rounds 5] [--calls 120] [--limits 0,1,4,8,16,32]
+Run:  python benchmarks/eager_inflight.py [--rounds 5] [--calls 120] [--limits 0,2,4,8,16,24,32]
 """
 
 import argparse
@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=120)
     parser.add_argument("--floats", type=int, default=1_000_000, help="float32 per rank")
-    parser.add_argument("--limits", default="0,1,4,8,16,32")
+    parser.add_argument("--limits", default="0,2,4,8,16,24,32")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before 'hung'")
     args = parser.parse_args()
     limits = [int(v) for v in args.limits.split(",")]

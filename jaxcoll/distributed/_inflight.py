@@ -13,9 +13,10 @@ many are ever in flight. Outputs that are already computed are dropped at every 
 loop that waits on its results (or whose devices keep up) never waits here. The limit, per
 backend:
 
-* ``cpu``: :data:`CPU_LIMIT` (8). On 2 cores under load, 32 in flight hung 3 of 3 runs of the
-  loop above, 24 none; 8 is as fast as any bound measured (1, 4, 8: 3.5-3.7 ms a call; 16:
-  5.4 ms; ``benchmarks/eager_inflight.py``);
+* ``cpu``: :data:`CPU_LIMIT` (8). On 2 busy cores, 33 in flight hung 3 of 3 runs of the loop
+  above and 32 or fewer none of 5; 2 to 8 are the fastest (3.7-4.7 ms a call against
+  5.6-6.5 ms for 16 to 32: ``benchmarks/eager_inflight.py``), and 8 is a quarter of the
+  queue that deadlocks;
 * other backends (``gpu``, ``tpu``): :data:`OTHER_LIMIT` (256): XLA:GPU runs each device's
   programs in order on its stream and no deadlock of a queue is known there; the bound only
   caps how many results a runaway loop keeps alive;
