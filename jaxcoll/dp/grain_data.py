@@ -18,15 +18,17 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
 import jax
 import numpy as np
 from jax.sharding import Sharding
 
 from .._core.checks import check_static_int
 from .checks import as_path
+
+if TYPE_CHECKING:
+    import grain
 
 __all__ = ["TokenBatches", "TokenWindows"]
 
@@ -56,7 +58,7 @@ class TokenWindows:
         >>> np.arange(100, dtype=np.uint16).tofile("tokens.bin")
         >>> windows = dp.TokenWindows("tokens.bin", block_size=8)
         >>> len(windows), windows[2]["x"][:3], windows[2]["y"][:3], windows[2]["id"]
-        (12, array([16, 17, 18], dtype=int32), array([17, 18, 19], dtype=int32), 2)
+        (12, array([16, 17, 18], dtype=int32), array([17, 18, 19], dtype=int32), np.int32(2))
     """
 
     def __init__(
@@ -296,6 +298,10 @@ class TokenBatches:
     def dataset(self) -> grain.MapDataset:
         """This process's batches as a grain ``MapDataset``: element ``s`` is this process's
         rows of global batch ``s`` (``self.rows``), NumPy, not placed."""
+        # grain (and the C++ modules it loads, array_record's) only where a pipeline is
+        # built: importing jaxcoll.dp does not load it.
+        import grain
+
         local = len(self.rows)
         steps = sys.maxsize // (2 * self.batch_size)  # endless: epochs repeat
         return (
@@ -320,6 +326,8 @@ class TokenBatches:
             >>> it.get_state()
             {'next_index': 6}
         """
+        import grain  # as in dataset()
+
         step = check_static_int("TokenBatches.iter_from", "step", step)
         if step < 0:
             raise ValueError(f"TokenBatches.iter_from: step={step} must be 0 or more.")
