@@ -239,25 +239,12 @@ class Trainer:
     def shard_batch(self, batch: PyTree, api: str = "Trainer.step") -> PyTree:
         """Place a global batch on the mesh, split along its leading axis; check its size.
 
-        A host batch (NumPy) is whole on every process and split here; a batch of global
+        A host batch (NumPy) is whole on every process and split here. A batch of global
         ``jax.Array`` s already placed as :attr:`batch_sharding` (each process gave only its
-        rows) is used as it is."""
+        rows, as :class:`~jaxcoll.dp.TokenBatches` does) is used as it is; one placed
+        otherwise is resharded (``jax.device_put``)."""
         self._check_batch(batch, api)
-        sharding = self.batch_sharding
-        for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            if (
-                isinstance(leaf, jax.Array)
-                and not leaf.is_fully_addressable
-                and not leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
-            ):
-                raise ValueError(
-                    f"{api}: batch{jax.tree_util.keystr(path)} spans other processes' devices "
-                    f"placed as {leaf.sharding}, not as this Trainer's batch sharding "
-                    f"{sharding}; place each process's rows with trainer.batch_sharding "
-                    f"(jax.make_array_from_process_local_data(trainer.batch_sharding, rows, "
-                    f"global_shape), or dp.TokenBatches(..., sharding=trainer.batch_sharding))."
-                )
-        return jax.device_put(batch, sharding)
+        return jax.device_put(batch, self.batch_sharding)
 
     # ---------------------------------------------------------------------------------- init
     def init(
