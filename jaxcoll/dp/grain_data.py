@@ -15,6 +15,7 @@ threads and a prefetch buffer (``grain.ReadOptions``). Each batch is placed with
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from collections.abc import Iterator
@@ -203,8 +204,9 @@ class TokenBatches:
     each process reads whole global batches as NumPy arrays (one process, or a small
     corpus). Reading runs ahead in grain's threads (``prefetch`` batches).
 
-    :meth:`Trainer.fit` iterates from ``state.step`` (:meth:`iter_from`); ``batches[s]``
-    is global batch ``s`` whole, as NumPy (for checks and for evaluation sets).
+    :meth:`Trainer.fit` iterates from ``state.step`` (:meth:`iter_from`, endless);
+    ``iter(batches)`` gives the first ``len(batches)`` (one epoch's worth, e.g. for
+    ``eval_data``); ``batches[s]`` is global batch ``s`` whole, as NumPy.
 
     Args:
         source: the windows (:class:`TokenWindows`), or any grain data source whose
@@ -342,7 +344,9 @@ class TokenBatches:
         return iterator
 
     def __iter__(self) -> Iterator[Any]:
-        return self.iter_from(0)
+        """The first ``len(self)`` batches (one epoch's worth: an evaluation set, say);
+        :meth:`iter_from` goes on for ever, as :meth:`Trainer.fit` reads it."""
+        return itertools.islice(self.iter_from(0), len(self))
 
     def _place(self, local: dict[str, np.ndarray]) -> Any:
         assert self.sharding is not None

@@ -92,6 +92,13 @@ def test_the_iterator_yields_placed_batches_and_its_state_is_the_step(path):
     # The Trainer uses a placed batch as it is.
     placed = trainer.shard_batch(batch)
     assert placed["x"] is batch["x"]
+    # Iterating gives one epoch's worth of batches (399 // 16), e.g. for evaluation.
+    assert len(data) == 24
+    ids = [jax.device_get(b["id"]) for b in data]
+    assert len(ids) == 24
+    np.testing.assert_array_equal(ids[23], tm.oracle_ids(23))
+    state = trainer.init(tm.init_params(), jax.random.key(0))
+    assert set(trainer.evaluate(state, data)) == {"loss"}
 
 
 def test_rows_over_a_model_axis_and_a_batch_that_does_not_split(path):
