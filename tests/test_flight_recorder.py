@@ -229,3 +229,17 @@ def test_analysis_lists_processes_without_a_record_and_the_cli_exit_codes(tmp_pa
     assert trace.main([str(tmp_path)]) == 0  # nothing wrong among the records
     assert "flight records of 2 process(es)" in capsys.readouterr().out
     assert trace.main([str(tmp_path / "none")]) == 2
+
+
+def test_the_thread_ends_and_lets_go_of_arrays_before_the_interpreter_exits(recording):
+    # A daemon thread holding jax.Arrays while Python finalizes ends the process with
+    # std::terminate (SIGABRT after a passing run); watchdog.stop runs at exit before that.
+    from jaxcoll._watch import watchdog
+
+    x = dist.per_rank(lambda r: np.ones((4,), np.float32))
+    watchdog.register(dist.all_reduce(x), "held")
+    assert watchdog._thread is not None and watchdog._thread.is_alive()
+    watchdog.stop()
+    assert not watchdog._thread.is_alive() and len(watchdog._pending) == 0
+    watchdog.ensure_thread()  # a later call starts it again
+    assert watchdog._thread.is_alive()

@@ -18,6 +18,7 @@ checkpoint); once one call of it has completed, its later calls get ``timeout``.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import threading
@@ -124,13 +125,38 @@ def configure(
 def ensure_thread() -> None:
     """Start the watchdog thread if it watches or records (:data:`process.on`) and is not
     running."""
-    global _thread
+    global _thread, _stop_hook
     if not process.on:
         return
     with process.lock:
         if _thread is None or not _thread.is_alive():
+            _stopping.clear()
             _thread = threading.Thread(target=_run, name="jaxcoll-watchdog", daemon=True)
             _thread.start()
+            if not _stop_hook:
+                atexit.register(stop)
+                _stop_hook = True
+
+
+_stopping = threading.Event()
+_stop_hook = False
+
+
+def stop() -> None:
+    """End the thread and drop the outputs it watches (at interpreter exit, registered by
+    :func:`ensure_thread`).
+
+    A daemon thread that still holds ``jax.Array`` objects when the interpreter finalizes
+    drops them there, and jaxlib's destructor then ends the process with ``std::terminate``
+    (SIGABRT at exit, after a run that succeeded). So the thread ends first, and the deque
+    is emptied while JAX is whole. Runs after :func:`jaxcoll._watch._at_exit` (registered
+    later), whose wait for the outputs needs the thread.
+    """
+    _stopping.set()
+    thread = _thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(2 * POLL_S + 1.0)
+    _pending.clear()
 
 
 EXIT_WAIT_S = 10.0
@@ -184,8 +210,7 @@ def _run() -> None:
     since = 0.0
     left_seen_at: float | None = None
     next_probe = 0.0
-    while True:
-        time.sleep(POLL_S)
+    while not _stopping.wait(POLL_S):
         if not process.on:
             continue
         while _pending:
