@@ -28,9 +28,9 @@ import optax  # noqa: E402
 from ckpt_lost_model import BATCH, EVERY, INIT, KILL_AT, STEPS, global_batch, loss_fn  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from orbax.checkpoint._src.checkpointers import async_checkpointer  # noqa: E402
 
 from jaxcoll import dp  # noqa: E402
-from jaxcoll.dp import _commit  # noqa: E402
 
 OUT, CKPT = sys.argv[1], sys.argv[2]
 ME = jax.process_index()
@@ -38,14 +38,23 @@ FIRST_RUN = os.environ.get("JAXCOLL_RESTART_COUNT", "0") == "0"
 
 
 if FIRST_RUN and ME == 1:
-    meet = _commit.Barriers.__call__
+    # orbax's commit thread meets the other processes through its _AsyncManager's _sync_fn
+    # (whatever barrier_sync_fn it was given): process 1 dies on its way to the meeting of
+    # step KILL_AT, its shards written.
+    manager_init = async_checkpointer._AsyncManager.__init__
 
-    def dying(self, *, key, timeout_ms):
-        if key.endswith(f"async_write_complete.{KILL_AT}"):
-            os.kill(os.getpid(), signal.SIGKILL)  # shards written, not yet arrived
-        return meet(self, key=key, timeout_ms=timeout_ms)
+    def dying_init(self, *args, **kwargs):
+        manager_init(self, *args, **kwargs)
+        meet = self._sync_fn
 
-    _commit.Barriers.__call__ = dying
+        def dying(key, timeout_ms):
+            if key.endswith(f"async_write_complete.{KILL_AT}"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return meet(key, timeout_ms)
+
+        self._sync_fn = dying
+
+    async_checkpointer._AsyncManager.__init__ = dying_init
 
 
 class WaitAtKill(dp.Checkpointer):
