@@ -213,6 +213,39 @@ def test_a_template_that_does_not_match_is_named_and_the_checkpoints_are_kept(tm
     ckpt.close()
 
 
+def test_a_save_is_asynchronous_and_committed_within_two_steps(tmp_path):
+    # save returns before the commit (the step's folder appears once it is committed), fit's
+    # at_step waits for it two steps after the save, wait() at any time; with
+    # enable_async_checkpointing=False every save returns committed.
+    trainer, fresh, data = _setup()
+    state = fresh()
+    ckpt = dp.Checkpointer(tmp_path / "a", every=None)
+    ckpt.save(state.replace(step=jnp.asarray(4, jnp.int32)))
+    assert ckpt._pending == 4 and ckpt.committed is None  # under way
+    ckpt.at_step(5)  # one step later: not waited for
+    assert ckpt._pending == 4
+    ckpt.at_step(6)  # two steps later: committed
+    assert ckpt._pending is None and ckpt.committed == 4
+    assert ckpt.manager.all_steps() == [4]
+    ckpt.save(state.replace(step=jnp.asarray(8, jnp.int32)))
+    ckpt.wait()
+    assert ckpt.committed == 8 and ckpt.manager.all_steps() == [4, 8]
+    ckpt.wait()  # nothing under way: a no-op
+    ckpt.close()
+
+    blocking = dp.Checkpointer(tmp_path / "s", every=None, enable_async_checkpointing=False)
+    blocking.save(state)
+    assert blocking._pending is None and blocking.committed == 0
+    assert blocking.manager.all_steps() == [0]
+    blocking.close()
+    with pytest.raises(
+        TypeError,
+        match=r"Checkpointer: enable_async_checkpointing must be True or False, got 'no' of "
+        r"type str instead\.",
+    ):
+        dp.Checkpointer(tmp_path / "x", enable_async_checkpointing="no")
+
+
 # The preempted run, in a process of its own (its SIGTERM and exit are its own): this file's
 # _setup, fit with a checkpoint every EVERY steps, and a callback that sends SIGTERM after
 # step AT and waits until jaxcoll's handler has recorded it, so the stop step is fixed.
