@@ -20,8 +20,10 @@ did not arrive, as soon as one of them is known to be gone:
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -55,14 +57,26 @@ def _beat_key(p: int) -> str:
     return f"{process.PREFIX}ckpt-alive/{p}"
 
 
+_beacons: weakref.WeakSet[Beacon] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_beacons() -> None:
+    """At exit, stop what a save left beating (a save never waited for): a daemon thread
+    inside a key-value call when Python finalizes can abort the process."""
+    for beacon in list(_beacons):
+        beacon.stop()
+
+
 class Beacon:
     """Beats in the key-value store (a counter under ``ckpt-alive/<me>``) while a save of this
     process is being committed; :meth:`stop` joins the thread, so that no beat is in flight
-    when the process exits."""
+    when the process exits (at exit at the latest)."""
 
     def __init__(self) -> None:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        _beacons.add(self)
 
     def start(self) -> None:
         client = process.client()
