@@ -10,7 +10,9 @@
   ends on it (no abort inside gloo, no misleading error on process 1);
 * a process killed while a save is being committed (tests/multihost/workers/ckpt_lost.py)
   leaves the other one to end with jaxcoll's line naming it (no abort inside orbax or JAX),
-  and the restart resumes from the newest committed step and ends as an uninterrupted run.
+  and the restart resumes from the newest committed step and ends as an uninterrupted run;
+* a process lost two steps after a save whose commit was slow: fit waited for that commit,
+  so the restart resumes from it.
 """
 
 from __future__ import annotations
@@ -150,3 +152,25 @@ def test_a_process_lost_inside_a_commit_ends_the_other_cleanly_and_the_restart_r
     for k, v in state.params.items():
         np.testing.assert_allclose(got[0][k], np.asarray(v), rtol=1e-5, atol=1e-6, err_msg=k)
         np.testing.assert_array_equal(got[0][k], got[1][k], err_msg=k)
+
+
+@pytest.mark.timeout(150)
+def test_a_save_two_steps_before_a_loss_is_committed_and_the_restart_resumes_there(tmp_path):
+    # Process 1's commit of step 4 meets process 0 1.5 s late; process 1 is killed while it
+    # fetches the batch after step 6 (milliseconds after the save of step 4 without fit's
+    # wait at step 6). The restart resumes from step 4, not 2.
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    job = launch(
+        ["--nprocs", "2", "--devices-per-proc", "4", "--max-restarts", "1"],
+        "ckpt_lost.py",
+        [str(out), str(ckpt), "late"],
+        timeout=130,
+    )
+    assert job.returncode == 0, job.stderr[-4000:]
+    assert re.search(r"jaxcoll-run: process 1 \(pid \d+\) was killed by SIGKILL first", job.stderr)
+    got = [dict(np.load(out / f"p{k}.npz")) for k in (0, 1)]
+    assert [int(g["first"]) for g in got] == [lm.KILL_AT - lm.EVERY + 1] * 2, job.stderr[-3000:]
+    assert [int(g["step"]) for g in got] == [lm.STEPS] * 2
+    for k in got[0]:
+        np.testing.assert_array_equal(got[0][k], got[1][k], err_msg=k)
+    assert survivors(job.token) == []

@@ -11,11 +11,19 @@ about to meet process 0 at orbax's ``async_write_complete`` barrier: step KILL_A
 committed, and process 0 must end with jaxcoll's line naming process 1. The launcher's
 restart then resumes from step KILL_AT - EVERY, the newest committed one, and trains to STEPS.
 Writes ``OUT/p{k}.npz`` (the final params and step, the first step this run trained).
+
+``ckpt_lost.py OUT CKPT_DIR late``: a node lost after a save, not during it. In the first run
+process 1's commit of step KILL_AT - EVERY is slow (its meeting at ``async_write_complete``
+comes 1.5 s late, as on a loaded machine or a slow filesystem), and process 1 kills itself
+while it fetches the batch of step KILL_AT + 1 (after fit dispatched step KILL_AT): fit must
+have waited for that commit two steps after the save, so the restart resumes from step
+KILL_AT - EVERY.
 """
 
 import os
 import signal
 import sys
+import time
 
 import jaxcoll
 
@@ -33,6 +41,7 @@ from orbax.checkpoint._src.checkpointers import async_checkpointer  # noqa: E402
 from jaxcoll import dp  # noqa: E402
 
 OUT, CKPT = sys.argv[1], sys.argv[2]
+LATE = sys.argv[3:] == ["late"]
 ME = jax.process_index()
 FIRST_RUN = os.environ.get("JAXCOLL_RESTART_COUNT", "0") == "0"
 
@@ -48,7 +57,9 @@ if FIRST_RUN and ME == 1:
         meet = self._sync_fn
 
         def dying(key, timeout_ms):
-            if key.endswith(f"async_write_complete.{KILL_AT}"):
+            if LATE and key.endswith(f"async_write_complete.{KILL_AT - EVERY}"):
+                time.sleep(1.5)  # a slow commit: two steps take milliseconds
+            elif not LATE and key.endswith(f"async_write_complete.{KILL_AT}"):
                 os.kill(os.getpid(), signal.SIGKILL)
             return meet(key, timeout_ms)
 
@@ -62,7 +73,7 @@ class WaitAtKill(dp.Checkpointer):
 
     def save(self, state):
         super().save(state)
-        if FIRST_RUN and int(jax.device_get(state.step)) == KILL_AT:
+        if FIRST_RUN and not LATE and int(jax.device_get(state.step)) == KILL_AT:
             self.wait()
 
 
@@ -76,6 +87,8 @@ if __name__ == "__main__":
     class Batches:
         def __iter__(self):
             for s in range(STEPS):
+                if LATE and FIRST_RUN and ME == 1 and s == KILL_AT:
+                    os.kill(os.getpid(), signal.SIGKILL)  # step KILL_AT was dispatched
                 whole = global_batch(s)
                 yield {
                     k: jax.make_array_from_process_local_data(sharding, v[rows])
