@@ -10,17 +10,19 @@ calls; 33 or fewer never hung; plain ``jax.jit`` + ``shard_map`` loops hang the 
 So :func:`admit` keeps the first output of each of the newest dispatched calls, and once
 :func:`limit` of them are running, waits for the oldest before the call returns: at most that
 many are ever in flight. Outputs that are already computed are dropped at every call, so a
-loop that waits on its results (or whose devices keep up) never waits here. The limit, per
-backend:
+loop that waits on its results (or whose devices keep up) never waits here. The limit:
 
-* ``cpu``: :data:`CPU_LIMIT` (8). On 2 busy cores, 33 in flight hung 3 of 3 runs of the loop
-  above and 32 or fewer none of 5; 2 to 8 are the fastest (3.7-4.7 ms a call against
-  5.6-6.5 ms for 16 to 32: ``benchmarks/eager_inflight.py``), and 8 is a quarter of the
-  queue that deadlocks;
-* other backends (``gpu``, ``tpu``): :data:`OTHER_LIMIT` (256): XLA:GPU runs each device's
-  programs in order on its stream and no deadlock of a queue is known there; the bound only
-  caps how many results a runaway loop keeps alive;
-* ``JAXCOLL_MAX_INFLIGHT=N`` sets it for every backend (0: no bound).
+* XLA:CPU with fewer than two cores per device (the deadlock's condition: 8 simulated devices
+  hung without a bound on 2, 4 and 8 cores, jaxlib 0.10.2 and 0.11.2, and never on 16 cores,
+  even over 1000 calls): :data:`CPU_LIMIT` (8). On 2 busy cores, 33 in flight hung 3 of 3
+  runs of the loop above and 32 or fewer none of 5; 2 to 8 are the fastest (3.7-4.7 ms a
+  call against 5.6-6.5 ms for 16 to 32: ``benchmarks/eager_inflight.py``), and 8 is a
+  quarter of the queue that deadlocks;
+* otherwise (XLA:CPU with cores to spare, GPU, TPU): :data:`OTHER_LIMIT` (256). No deadlock of
+  a queue is known there (on 16 cores the loop ran 2.3x faster unbounded than with 8; XLA:GPU
+  runs each device's programs in order on its stream); the bound only caps how many results
+  a runaway loop keeps alive;
+* ``JAXCOLL_MAX_INFLIGHT=N`` sets it everywhere (0: no bound).
 
 The kept outputs are the caller's own result arrays, held until they are computed (with 8
 calls of a 32 MB result, at most 256 MB beyond what the loop itself holds).
@@ -35,19 +37,27 @@ from typing import Any
 import jax
 
 CPU_LIMIT = 8
-"""Eager collectives that may be in flight at once on XLA:CPU (``JAXCOLL_MAX_INFLIGHT``)."""
+"""Eager collectives that may be in flight at once on XLA:CPU with fewer than two cores per
+device (``JAXCOLL_MAX_INFLIGHT``)."""
 OTHER_LIMIT = 256
-"""The same on GPU and TPU, where only memory asks for a bound."""
+"""The same elsewhere (GPU, TPU, XLA:CPU with cores to spare), where only memory asks for a
+bound."""
 
 _queue: collections.deque = collections.deque()
 _limit: int | None = None  # settled at the first call, from the environment or the backend
 
 
-def limit(platform: str) -> int:
-    """The bound for ``platform`` (0: none): ``JAXCOLL_MAX_INFLIGHT``, else the backend's."""
+def limit(platform: str, devices: int = 1, cores: int | None = None) -> int:
+    """The bound (0: none) for ``devices`` local devices of ``platform`` on ``cores`` cores
+    (default: the cores this process may run on): ``JAXCOLL_MAX_INFLIGHT``, else
+    :data:`CPU_LIMIT` for XLA:CPU with fewer than two cores per device, else
+    :data:`OTHER_LIMIT`."""
     raw = os.environ.get("JAXCOLL_MAX_INFLIGHT", "").strip()
     if not raw:
-        return CPU_LIMIT if platform == "cpu" else OTHER_LIMIT
+        if cores is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        starved = platform == "cpu" and cores < 2 * devices
+        return CPU_LIMIT if starved else OTHER_LIMIT
     try:
         value = int(raw)
     except ValueError:
@@ -76,7 +86,8 @@ def admit(outputs: Any) -> None:
     if leaf is None:
         return
     if _limit is None:
-        _limit = limit(next(iter(leaf.sharding.device_set)).platform)
+        platform = next(iter(leaf.sharding.device_set)).platform
+        _limit = limit(platform, len(jax.local_devices(backend=platform)))
     if not _limit:
         return
     queue = _queue
