@@ -41,6 +41,7 @@ from .signals import handle_preemption as handle_preemption
 from .signals import install as _install_sigterm
 from .signals import preemption_point as preemption_point
 from .signals import preemption_requested as preemption_requested
+from .watchdog import configure as configure
 from .watchdog import register as register
 from .watchdog import watch_outputs as watch_outputs
 
@@ -59,16 +60,6 @@ __all__ = [
 ]
 
 _exit_hook = False
-
-
-def configure(
-    timeout: float | str | None = "env",
-    debug: str | None = "env",
-    first_timeout: float | str | None = "env",
-    api: str = "init",
-) -> None:
-    """Set the collective timeouts and detail mode (``"env"``: from the environment)."""
-    _watchdog.configure(timeout, debug, first_timeout, api)
 
 
 def start(
