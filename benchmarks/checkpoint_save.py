@@ -57,10 +57,13 @@ class Clock:
         self.stamps[step] = time.perf_counter()
 
 
-def measure(rounds: int, steps: int, every: int, scratch: str) -> dict[str, list[dict[str, float]]]:
+def measure(
+    rounds: int, steps: int, every: int, scratch: str, batch: int
+) -> dict[str, list[dict[str, float]]]:
     """Step times of ``rounds`` runs per mode, the modes interleaved; checkpoints under
-    ``scratch`` (the same folder for every process)."""
+    ``scratch`` (the same folder for every process); ``batch`` sequences a step."""
     gpt = _gpt()
+    gpt.BATCH = batch
     import jax
     import numpy as np
 
@@ -142,6 +145,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="runs per mode (interleaved)")
     parser.add_argument("--steps", type=int, default=STEPS, help="steps per run")
     parser.add_argument("--every", type=int, default=EVERY, help="steps between saves")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=32,
+        help="sequences a step (the example's 32): the same "
+        "model and state, a step that many times longer",
+    )
     parser.add_argument("--no-procs2", action="store_true", help="skip the 2-process rows")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a jaxcoll-run process: JSON here
     a = parser.parse_args()
@@ -151,14 +161,14 @@ def main() -> None:
         jaxcoll.init()
         import jax
 
-        results = measure(a.rounds, a.steps, a.every, os.path.dirname(a.worker))
+        results = measure(a.rounds, a.steps, a.every, os.path.dirname(a.worker), a.batch)
         if jax.process_index() == 0:
             with open(a.worker, "w") as fh:
                 json.dump(results, fh)
         return
     t0 = time.monotonic()
     scratch = tempfile.mkdtemp(prefix="ckpt-bench-")
-    results = measure(a.rounds, a.steps, a.every, scratch)
+    results = measure(a.rounds, a.steps, a.every, scratch, a.batch)
     print(table("1 process x 8 simulated devices:", results), flush=True)
     if not a.no_procs2:
         path = os.path.join(scratch, "procs2.json")
@@ -167,7 +177,7 @@ def main() -> None:
         subprocess.run(
             [sys.executable, "-m", "jaxcoll.run", "--nprocs", "2", "--devices-per-proc", "4"]
             + [__file__, "--rounds", str(a.rounds), "--steps", str(a.steps)]
-            + ["--every", str(a.every), "--worker", path],
+            + ["--every", str(a.every), "--batch", str(a.batch), "--worker", path],
             cwd=ROOT,
             env=env,
             check=True,
@@ -176,7 +186,8 @@ def main() -> None:
             print(table("\n2 processes x 4 devices (jaxcoll-run):", json.load(fh)))
     shutil.rmtree(scratch, ignore_errors=True)
     print(
-        f"\n{a.rounds} rounds of {a.steps} steps, a save every {a.every}; "
+        f"\n{a.rounds} rounds of {a.steps} steps of {a.batch} sequences, a save every "
+        f"{a.every}; "
         f"{time.monotonic() - t0:.0f} s"
     )
 

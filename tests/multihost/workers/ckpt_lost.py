@@ -60,6 +60,9 @@ if FIRST_RUN and ME == 1:
             if LATE and key.endswith(f"async_write_complete.{KILL_AT - EVERY}"):
                 time.sleep(1.5)  # a slow commit: two steps take milliseconds
             elif not LATE and key.endswith(f"async_write_complete.{KILL_AT}"):
+                # Once process 0 is past the save's blocking part (whose collectives a loss
+                # would break: another failure, not this test's) and waits for the commit.
+                time.sleep(1.0)
                 os.kill(os.getpid(), signal.SIGKILL)
             return meet(key, timeout_ms)
 
@@ -72,8 +75,11 @@ class WaitAtKill(dp.Checkpointer):
     """The save of step KILL_AT waited for at once in the first run (no step goes on)."""
 
     def save(self, state):
+        # The step is read before the save: its commit may kill process 1 at once, and a
+        # collective (this read of a global array) may not be under way then.
+        at_kill = FIRST_RUN and not LATE and int(jax.device_get(state.step)) == KILL_AT
         super().save(state)
-        if FIRST_RUN and not LATE and int(jax.device_get(state.step)) == KILL_AT:
+        if at_kill:
             self.wait()
 
 
