@@ -90,3 +90,4 @@ def _at_exit() -> None:
         _recorder.dump("exit")  # for jaxcoll-run's comparison of the processes' records
     process.mark_exit()
     _monitor.stop()
+    process.join_helpers()

@@ -207,14 +207,35 @@ def kv(call: Callable[[Any], Any], wait_s: float = KV_S) -> Any:
             box.append(call(c))
         except Exception:  # noqa: BLE001 - a missing key or a gone coordinator: no answer
             box.append(None)
+        finally:
+            with _helpers_lock:
+                _helpers.discard(threading.current_thread())
 
     th = threading.Thread(target=run, name="jaxcoll-kv", daemon=True)
+    with _helpers_lock:
+        _helpers.add(th)
     th.start()
     th.join(wait_s)
     if th.is_alive():
         _kv_broken = True
         return None
     return box[0] if box else None
+
+
+_helpers: set[threading.Thread] = set()
+_helpers_lock = threading.Lock()
+
+
+def join_helpers(wait_s: float = KV_S) -> None:
+    """At a normal exit: wait, at most ``wait_s`` in all, for the key-value calls of helper
+    threads still in flight. A daemon thread that returns from jaxlib while Python finalizes
+    is unwound by the C library through jaxlib's frames ("terminate called ... FATAL:
+    exception not rethrown", SIGABRT) after the job ended well."""
+    deadline = time.monotonic() + wait_s
+    with _helpers_lock:
+        left = list(_helpers)
+    for th in left:
+        th.join(max(0.0, deadline - time.monotonic()))
 
 
 def _marked(kind: str) -> dict[int, str]:

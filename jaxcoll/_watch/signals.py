@@ -39,6 +39,8 @@ _published: int | None = None  # the step this process put in the key-value stor
 _stop_step: int | None = None  # the agreed step to stop after
 _cond = threading.Condition()
 _agreement: threading.Thread | None = None
+_released = threading.Event()
+"""Set when the last :func:`handle_preemption` block ends: the agreement thread returns."""
 
 
 def install() -> None:
@@ -139,6 +141,7 @@ def handle_preemption() -> Iterator[None]:
     with process.lock:
         _claims += 1
         if process.client() is not None and (_agreement is None or not _agreement.is_alive()):
+            _released.clear()
             _agreement = threading.Thread(target=_agree, name="jaxcoll-preemption", daemon=True)
             _agreement.start()
     try:
@@ -146,6 +149,13 @@ def handle_preemption() -> Iterator[None]:
     finally:
         with process.lock:
             _claims -= 1
+            last = _claims == 0
+            agreement = _agreement
+        if last and agreement is not None and agreement is not threading.current_thread():
+            # The thread stops now, not at its next poll: a key-value call of it still in
+            # flight when the process exits would abort it (see process.join_helpers).
+            _released.set()
+            agreement.join(2 * process.KV_S)
 
 
 def preemption_point(step: int) -> bool:
@@ -193,7 +203,8 @@ def _agree() -> None:
     global _stop_step
     me, n = process.me()
     while _claims > 0 and _stop_step is None:
-        time.sleep(_POLL_S if _published is None else _POLL_S / 4)
+        if _released.wait(_POLL_S if _published is None else _POLL_S / 4) or _claims == 0:
+            return
         entries = process.kv(lambda c: c.key_value_dir_get(f"{process.PREFIX}preempt/"))
         if not entries:
             continue
