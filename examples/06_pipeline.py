@@ -31,6 +31,7 @@ from jaxcoll import parallel  # noqa: E402
 
 DATA, STAGES = 2, 4  # 2 replicas x 4 pipeline stages = 8 devices
 MICROBATCHES = 8  # per replica and step
+SCHEDULE = parallel.GPipe(MICROBATCHES)  # a value; it also gives the bubble printed below
 BATCH = 64  # global batch: 32 per replica, 4 per micro-batch
 WIDTH = 16
 STEPS, LR = 10, 0.2
@@ -66,7 +67,7 @@ def pipeline_step(params, x, y):
         x,
         y,
         stage_axis="stage",
-        num_microbatches=MICROBATCHES,
+        schedule=SCHEDULE,
         data_axis="data",
     )
     new = jax.tree.map(lambda p, g: p - LR * g, mine, grads)
@@ -119,7 +120,7 @@ for i, (x, y) in enumerate(batches):
             f"{float(ref_loss):.6f}  max param difference {diff:.1e}"
         )
 
-bubble = parallel.bubble_fraction(STAGES, MICROBATCHES)
+bubble = SCHEDULE.bubble_fraction(STAGES)
 print(
     f"{DATA} data x {STAGES} stages, {MICROBATCHES} micro-batches per step: bubble fraction "
     f"(S-1)/(M+S-1) = {STAGES - 1}/{MICROBATCHES + STAGES - 1} = {bubble:.3f}"

@@ -51,7 +51,7 @@ def test_pipeline_without_data_axis_matches_one_device():
     def body(p, x, y):
         mine = jax.tree.map(lambda v: v[0], p)
         loss, g = parallel.pipeline_value_and_grad(
-            stage_fn, loss_fn, mine, x, y, stage_axis="stage", num_microbatches=3
+            stage_fn, loss_fn, mine, x, y, stage_axis="stage", schedule=parallel.GPipe(3)
         )
         out = parallel.pipeline_apply(stage_fn, mine, x, stage_axis="stage", num_microbatches=4)
         return loss, jax.tree.map(lambda v: v[None], g), out
@@ -149,19 +149,24 @@ def test_grad_through_pipeline_apply_equals_the_dense_gradient():
 
 
 def test_bubble_fraction():
-    assert parallel.bubble_fraction(4, 8) == 3 / 11
-    assert parallel.bubble_fraction(1, 5) == 0.0
+    assert parallel.GPipe(8).bubble_fraction(4) == 3 / 11
+    assert parallel.GPipe(5).bubble_fraction(1) == 0.0
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
         (
-            {"num_microbatches": 5},
+            {"schedule": parallel.GPipe(5)},
             r"pipeline_value_and_grad: the batch has 12 examples, which do "
-            r"not split into num_microbatches=5",
+            r"not split into the 5 of GPipe\(microbatches=5\) equal micro-batches",
         ),
-        ({"num_microbatches": 0}, r"num_microbatches=0 must be a positive int"),
+        (
+            {"schedule": parallel.OneFOneB(8)},
+            r"the batch has 12 examples, which do not split into the 8 of "
+            r"OneFOneB\(microbatches=8\) equal micro-batches\. Pick a divisor of the "
+            r"per-replica batch size\.",
+        ),
         (
             {"stage_fn": lambda p, h: h[:, :2]},
             r"stage_fn maps a micro-batch of shape \(4, 6\) "
@@ -171,7 +176,7 @@ def test_bubble_fraction():
 )
 def test_pipeline_errors(kwargs, match):
     mesh = mesh_1d(S, "stage")
-    args = {"stage_fn": stage_fn, "num_microbatches": 3, **kwargs}
+    args = {"stage_fn": stage_fn, "schedule": parallel.GPipe(3), **kwargs}
 
     def body(p, x):
         mine = jax.tree.map(lambda v: v[0], p)
@@ -182,7 +187,7 @@ def test_pipeline_errors(kwargs, match):
             x,
             x,
             stage_axis="stage",
-            num_microbatches=args["num_microbatches"],
+            schedule=args["schedule"],
         )[0]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P()))
@@ -218,7 +223,7 @@ def test_pipeline_refuses_targets_that_do_not_match_the_examples(y, match):
         mine = jax.tree.map(lambda v: v[0], p)
         loss_of = loss_fn if not isinstance(y, dict) else lambda h, t: loss_fn(h, t["h"])
         return parallel.pipeline_value_and_grad(
-            stage_fn, loss_of, mine, x, y, stage_axis="stage", num_microbatches=4
+            stage_fn, loss_of, mine, x, y, stage_axis="stage", schedule=parallel.GPipe(4)
         )[0]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=P()))

@@ -1,12 +1,17 @@
-"""The pipeline's three schedules: 1F1B and interleaved 1F1B give GPipe's loss and gradients
-(and the dense model's), on their own and beside a data axis; they keep fewer activations than
-GPipe in the compiled program, a number that does not grow with the micro-batches; the
-interleaved schedule's table (every dependency, the buffers, the idle slots) and the bubble of
-each; bad schedules and virtual stages."""
+"""The pipeline's three schedules, as values (``parallel.GPipe``, ``parallel.OneFOneB``,
+``parallel.Interleaved``): 1F1B and interleaved 1F1B give GPipe's loss and gradients (and the
+dense model's), on their own and beside a data axis; they keep fewer activations than GPipe in
+the compiled program, a number that does not grow with the micro-batches; the interleaved
+schedule's table (every dependency, the buffers, the idle slots) and each value's bubble and
+kept inputs; bad values. Then the old spelling (``schedule="1f1b", num_microbatches=8``,
+``parallel.bubble_fraction``): the same program with a DeprecationWarning naming the value, and
+its errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +25,6 @@ from jaxcoll.parallel import _interleaved
 from tests.helpers import mesh_1d, mesh_2d
 
 S, W = 4, 8
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def stage_fn(p, h):
@@ -66,12 +70,12 @@ def _check(got_loss, got_grads, params, x, y):
 
 
 def _both(stage_axis, m, data_axis=None):
-    """A shard_map body that runs both schedules (one compiled program for the two)."""
+    """A shard_map body that runs GPipe and 1F1B (one compiled program for the two)."""
 
     def body(p, x, y):
         mine = jax.tree.map(lambda v: v[0], p)
         out = []
-        for schedule in SCHEDULES:
+        for schedule in (parallel.GPipe(m), parallel.OneFOneB(m)):
             loss, g = parallel.pipeline_value_and_grad(
                 stage_fn,
                 loss_fn,
@@ -79,9 +83,8 @@ def _both(stage_axis, m, data_axis=None):
                 x,
                 y,
                 stage_axis=stage_axis,
-                num_microbatches=m,
-                data_axis=data_axis,
                 schedule=schedule,
+                data_axis=data_axis,
             )
             out.append((loss, jax.tree.map(lambda v: v[None], g)))
         return tuple(out)
@@ -167,16 +170,33 @@ def _two_chunks(p, h):
     return h
 
 
-def _three(stage_axis, m, data_axis=None):
+def _values(m):
+    """The three schedules' values, as keyword arguments."""
+    return (
+        {"schedule": parallel.GPipe(m)},
+        {"schedule": parallel.OneFOneB(m)},
+        {"schedule": parallel.Interleaved(m, virtual=V)},
+    )
+
+
+def _old_spellings(m):
+    """The same three in the deprecated spelling (GPipe by the default schedule)."""
+    return (
+        {"num_microbatches": m},
+        {"schedule": "1f1b", "num_microbatches": m},
+        {"schedule": "interleaved", "num_microbatches": m, "virtual_stages": V},
+    )
+
+
+def _three(stage_axis, spelled, data_axis=None):
     """One shard_map body running GPipe and 1F1B (stage s: model chunks Vs..Vs+V-1) and the
-    interleaved schedule (stage s: chunks s, s + S): one compiled program for the three."""
+    interleaved schedule (stage s: chunks s, s + S), given as ``spelled``: one compiled
+    program for the three."""
 
     def body(contiguous, ring, x, y):
         out = []
-        for schedule, p, fn, chunks in (
-            ("gpipe", contiguous, _two_chunks, {}),
-            ("1f1b", contiguous, _two_chunks, {}),
-            ("interleaved", ring, stage_fn, {"virtual_stages": V}),
+        for schedule, p, fn in zip(
+            spelled, (contiguous, contiguous, ring), (_two_chunks, _two_chunks, stage_fn)
         ):
             loss, g = parallel.pipeline_value_and_grad(
                 fn,
@@ -185,10 +205,8 @@ def _three(stage_axis, m, data_axis=None):
                 x,
                 y,
                 stage_axis=stage_axis,
-                num_microbatches=m,
                 data_axis=data_axis,
-                schedule=schedule,
-                **chunks,
+                **schedule,
             )
             out.append((loss, jax.tree.map(lambda t: t[None], g)))
         return tuple(out)
@@ -196,9 +214,11 @@ def _three(stage_axis, m, data_axis=None):
     return body
 
 
-@pytest.mark.parametrize("data", [False, True], ids=["4-stages", "2-data-x-4-stages"])
-@pytest.mark.parametrize("m", [4, 8])
-def test_interleaved_equals_gpipe_1f1b_and_the_dense_model(m, data):
+@functools.cache
+def _three_run(m, data, old=False):
+    """The chunked problem and the three schedules' ``(loss, grads)`` (host arrays, grads
+    ``(S, V, ...)`` as each schedule places the chunks), 4 stages or 2 data x 4 stages; with
+    ``old``, through the deprecated spelling. Cached: the program compiles once per case."""
     if data:
         mesh, stage_axis, data_axis = mesh_2d(2, S), "local", "node"  # all 8 devices
         params, x, y = _chunked_problem(32)  # 16 examples per replica
@@ -206,9 +226,10 @@ def test_interleaved_equals_gpipe_1f1b_and_the_dense_model(m, data):
         mesh, stage_axis, data_axis = mesh_1d(S, "stage"), "stage", None
         params, x, y = _chunked_problem(16)
     rows = P(data_axis) if data else P()
+    spelled = _old_spellings(m) if old else _values(m)
     f = jax.jit(
         jax.shard_map(
-            _three(stage_axis, m, data_axis),
+            _three(stage_axis, spelled, data_axis),
             mesh=mesh,
             in_specs=(P(stage_axis), P(stage_axis), rows, rows),
             out_specs=((P(), P(stage_axis)),) * 3,
@@ -224,6 +245,13 @@ def test_interleaved_equals_gpipe_1f1b_and_the_dense_model(m, data):
         jax.device_put(x, NamedSharding(mesh, rows)),
         jax.device_put(y, NamedSharding(mesh, rows)),
     )
+    return (params, x, y), jax.tree.map(np.asarray, results)
+
+
+@pytest.mark.parametrize("data", [False, True], ids=["4-stages", "2-data-x-4-stages"])
+@pytest.mark.parametrize("m", [4, 8])
+def test_interleaved_equals_gpipe_1f1b_and_the_dense_model(m, data):
+    (params, x, y), results = _three_run(m, data)
     model_order = (
         lambda g: g.reshape((S * V,) + g.shape[2:]),  # (S, V) -> chunk V s + c
         lambda g: g.reshape((S * V,) + g.shape[2:]),
@@ -267,6 +295,7 @@ def _table(n_stages, v, m):
 def test_the_interleaved_table_keeps_every_dependency_and_its_idle_slots_are_the_bubble(
     n_stages, v, m
 ):
+    schedule = parallel.Interleaved(m, virtual=v)
     table = _table(n_stages, v, m)
     fwd, bwd = {}, {}  # (stage, micro-batch, chunk) -> round
     for k, row in enumerate(table):
@@ -292,13 +321,14 @@ def test_the_interleaved_table_keeps_every_dependency_and_its_idle_slots_are_the
         else:
             src = (s + 1, i, c) if s < last else (0, i, c + 1)
             assert bwd[src] == bwd[s, i, c] - 1, (s, i, c)
-    # Inputs kept at once (a forward's before that round's backward frees one): the buffers.
+    # Inputs kept at once (a forward's before that round's backward frees one): the buffers
+    # the lowering allocates, and the value's kept_inputs.
     peak = max(
         sum(fwd[s, i, c] <= k <= bwd[s, i, c] for i in range(m) for c in range(v))
         for s in range(n_stages)
         for k in range(len(table))
     )
-    assert peak == _interleaved.buffers(n_stages, v, m)
+    assert peak == _interleaved.buffers(n_stages, v, m) == schedule.kept_inputs(n_stages)
     # Slots: the forward and backward halves in which some stage computes; every stage is idle
     # in the same number of them, the bubble.
     halves = [sum(any(r[s][h] for s in range(n_stages)) for r in table) for h in (0, 1)]
@@ -306,17 +336,14 @@ def test_the_interleaved_table_keeps_every_dependency_and_its_idle_slots_are_the
         busy = sum((r[s][0] is not None) + (r[s][1] is not None) for r in table)
         assert busy == 2 * m * v
         idle = (sum(halves) - busy) / sum(halves)
-        assert idle == parallel.bubble_fraction(n_stages, m, "interleaved", virtual_stages=v), (
-            s,
-            idle,
-        )
+        assert idle == schedule.bubble_fraction(n_stages), (s, idle)
 
 
 @functools.cache
-def _temp_bytes(schedule, m=16, v=1, rows=64, width=256):
+def _temp_bytes(schedule, rows=64, width=256):
     """Temp bytes of one compiled pipeline step whose activations dominate: micro-batches of
     (rows, width) float32 through a 16 x 16 block matmul per stage, or per chunk with
-    ``v`` virtual stages (1 KiB of params each)."""
+    ``Interleaved`` (1 KiB of params each)."""
 
     def block(w, h):
         return jnp.tanh((h.reshape(-1, 16, 16) @ w).reshape(h.shape))
@@ -324,19 +351,9 @@ def _temp_bytes(schedule, m=16, v=1, rows=64, width=256):
     def mse(h, y):
         return jnp.mean((h - y) ** 2)
 
-    chunks = {"virtual_stages": v} if schedule == "interleaved" else {}
-
     def body(w, x, y):
         loss, g = parallel.pipeline_value_and_grad(
-            block,
-            mse,
-            w[0],
-            x,
-            y,
-            stage_axis="stage",
-            num_microbatches=m,
-            schedule=schedule,
-            **chunks,
+            block, mse, w[0], x, y, stage_axis="stage", schedule=schedule
         )
         return loss, g[None]
 
@@ -344,57 +361,342 @@ def _temp_bytes(schedule, m=16, v=1, rows=64, width=256):
     f = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=(P(), P("stage")))
     )
-    w = jax.ShapeDtypeStruct((S,) + ((v,) if chunks else ()) + (16, 16), jnp.float32)
-    x = jax.ShapeDtypeStruct((m * rows, width), jnp.float32)
+    chunks = (schedule.virtual,) if isinstance(schedule, parallel.Interleaved) else ()
+    w = jax.ShapeDtypeStruct((S,) + chunks + (16, 16), jnp.float32)
+    x = jax.ShapeDtypeStruct((schedule.microbatches * rows, width), jnp.float32)
     return f.lower(w, x, x).compile().memory_analysis().temp_size_in_bytes
 
 
 def test_1f1b_keeps_under_half_of_gpipes_temp_memory_and_does_not_grow_with_m():
     # 4 stages, 16 micro-batches of 64 KiB: GPipe keeps all 16 stage inputs (and outputs),
     # 1F1B 4 stage inputs; measured 3211928 vs 1182248 bytes (jax 0.10, XLA:CPU).
-    gpipe, one_f_one_b = _temp_bytes("gpipe"), _temp_bytes("1f1b")
+    gpipe, one_f_one_b = _temp_bytes(parallel.GPipe(16)), _temp_bytes(parallel.OneFOneB(16))
     print(f"temp bytes, 4 stages x 16 micro-batches: gpipe {gpipe}, 1f1b {one_f_one_b}")
     assert one_f_one_b <= 0.5 * gpipe, (gpipe, one_f_one_b)
     # Twice the micro-batches: GPipe's buffers double, 1F1B's stay min(S, M) = 4 deep.
-    assert _temp_bytes("1f1b", m=32) <= 1.05 * one_f_one_b
+    assert parallel.OneFOneB(32).kept_inputs(S) == parallel.OneFOneB(16).kept_inputs(S) == 4
+    assert _temp_bytes(parallel.OneFOneB(32)) <= 1.05 * one_f_one_b
 
 
 def test_interleaved_temp_memory_is_bounded_as_m_grows():
     # 4 stages x 2 chunks keep min(2M, 11) chunk inputs: 8 at M = 4, then 11 from M = 8 on.
     # Measured (jax 0.10, XLA:CPU) at M = 4, 8, 16, 32: 1051944, 1248552, 1248616, 1248744
     # bytes; GPipe's 918488, 1639000, 3211928, 6357720.
-    inter = {m: _temp_bytes("interleaved", m=m, v=2) for m in (8, 16, 32)}
+    inter = {m: _temp_bytes(parallel.Interleaved(m, virtual=2)) for m in (8, 16, 32)}
     print(f"temp bytes, interleaved 4 stages x 2 chunks, M = 8, 16, 32: {inter}")
+    assert {parallel.Interleaved(m, virtual=2).kept_inputs(S) for m in inter} == {11}
     assert inter[32] <= 1.05 * inter[8], inter
-    assert inter[16] <= 0.5 * _temp_bytes("gpipe", m=16), inter
+    assert inter[16] <= 0.5 * _temp_bytes(parallel.GPipe(16)), inter
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_bubble_fraction_of_each_schedule(schedule):
+def test_a_schedule_is_a_frozen_value():
+    gpipe, one_f_one_b, inter = parallel.GPipe(8), parallel.OneFOneB(8), parallel.Interleaved(8)
+    assert [(s.name, s.microbatches, s.virtual) for s in (gpipe, one_f_one_b, inter)] == [
+        ("gpipe", 8, 1),
+        ("1f1b", 8, 1),
+        ("interleaved", 8, 2),  # two chunks per stage unless told
+    ]
+    assert all(isinstance(s, parallel.Schedule) for s in (gpipe, one_f_one_b, inter))
+    assert gpipe == parallel.GPipe(8) and hash(gpipe) == hash(parallel.GPipe(8))
+    assert gpipe != one_f_one_b  # the same M, another schedule
+    assert parallel.Interleaved(8, 2) == inter != parallel.Interleaved(8, virtual=4)
+    assert repr(inter) == "Interleaved(microbatches=8, virtual=2)"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        gpipe.microbatches = 4
+
+
+@pytest.mark.parametrize("schedule", [parallel.GPipe, parallel.OneFOneB], ids=["gpipe", "1f1b"])
+def test_bubble_fraction_of_gpipe_and_1f1b(schedule):
     # 2(M + S - 1) slots per stage, 2M busy: (S - 1) / (M + S - 1) for both schedules.
-    assert parallel.bubble_fraction(4, 8, schedule=schedule) == 3 / 11
-    assert parallel.bubble_fraction(4, 16, schedule) == 3 / 19
-    assert parallel.bubble_fraction(8, 8, schedule) == 7 / 15
-    assert parallel.bubble_fraction(1, 5, schedule) == 0.0
+    assert schedule(8).bubble_fraction(4) == 3 / 11
+    assert schedule(16).bubble_fraction(4) == 3 / 19
+    assert schedule(8).bubble_fraction(8) == 7 / 15
+    assert schedule(5).bubble_fraction(1) == 0.0
 
 
 def test_bubble_fraction_of_the_interleaved_schedule():
     # 2(vM + S - 1) chunk slots, 2vM busy: (S - 1) / (vM + S - 1), Megatron's bubble.
-    bubble = functools.partial(parallel.bubble_fraction, schedule="interleaved")
-    assert bubble(4, 8, virtual_stages=2) == 3 / 19 < parallel.bubble_fraction(4, 8, "1f1b")
-    assert bubble(4, 4, virtual_stages=2) == 3 / 11
-    assert bubble(4, 16, virtual_stages=4) == 3 / 67
-    assert bubble(8, 8, virtual_stages=2) == 7 / 23
-    assert bubble(4, 6) == bubble(4, 6, virtual_stages=1) == parallel.bubble_fraction(4, 6, "1f1b")
+    inter = parallel.Interleaved
+    assert (
+        inter(8, virtual=2).bubble_fraction(4) == 3 / 19 < parallel.OneFOneB(8).bubble_fraction(4)
+    )
+    assert inter(4, virtual=2).bubble_fraction(4) == 3 / 11
+    assert inter(16, virtual=4).bubble_fraction(4) == 3 / 67
+    assert inter(8, virtual=2).bubble_fraction(8) == 7 / 23
+    # One chunk per stage: any M, and 1F1B's bubble.
+    assert (
+        inter(6, virtual=1).bubble_fraction(4) == parallel.OneFOneB(6).bubble_fraction(4) == 1 / 3
+    )
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "Interleaved", "", None, 1])
-def test_a_bad_schedule_is_refused(schedule):
+@pytest.mark.parametrize(
+    "schedule, stages, kept",
+    [
+        (parallel.GPipe(8), 4, 8),  # all M
+        (parallel.GPipe(2), 4, 2),
+        (parallel.GPipe(16), 1, 16),
+        (parallel.OneFOneB(8), 4, 4),  # min(S, M)
+        (parallel.OneFOneB(2), 4, 2),
+        (parallel.OneFOneB(16), 1, 1),
+        (parallel.Interleaved(8, virtual=2), 4, 11),  # min(Mv, vS + S - 1) = min(16, 11)
+        (parallel.Interleaved(4, virtual=2), 4, 8),  # min(8, 11)
+        (parallel.Interleaved(16, virtual=4), 4, 19),  # min(64, 19)
+        (parallel.Interleaved(6, virtual=1), 4, 6),  # min(6, 7)
+        (parallel.Interleaved(2, virtual=3), 1, 3),  # min(6, 3)
+    ],
+    ids=str,
+)
+def test_kept_inputs_of_each_schedule(schedule, stages, kept):
+    assert schedule.kept_inputs(stages) == kept
+
+
+def test_a_stage_count_must_be_a_positive_int():
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "GPipe(microbatches=8).bubble_fraction: the number of stages=0 must be a positive "
+            "int (the size of the stage axis)."
+        ),
+    ):
+        parallel.GPipe(8).bubble_fraction(0)
+    with pytest.raises(
+        TypeError, match=r"OneFOneB\(microbatches=8\)\.kept_inputs: .* got 4\.0 instead\."
+    ):
+        parallel.OneFOneB(8).kept_inputs(4.0)
+
+
+@pytest.mark.parametrize(
+    "make, args, kwargs, error, message",
+    [
+        (
+            parallel.GPipe,
+            (0,),
+            {},
+            ValueError,
+            "GPipe: microbatches=0 must be a positive int (micro-batches per step).",
+        ),
+        (
+            parallel.GPipe,
+            (2.0,),
+            {},
+            TypeError,
+            "GPipe: microbatches must be an int (micro-batches per step), got 2.0 instead.",
+        ),
+        (
+            parallel.OneFOneB,
+            (-1,),
+            {},
+            ValueError,
+            "OneFOneB: microbatches=-1 must be a positive int (micro-batches per step).",
+        ),
+        (
+            parallel.OneFOneB,
+            (True,),
+            {},
+            TypeError,
+            "OneFOneB: microbatches must be an int (micro-batches per step), got True instead.",
+        ),
+        (
+            parallel.Interleaved,
+            ("8",),
+            {},
+            TypeError,
+            "Interleaved: microbatches must be an int (micro-batches per step), got '8' instead.",
+        ),
+        (
+            parallel.Interleaved,
+            (8,),
+            {"virtual": 0},
+            ValueError,
+            "Interleaved: virtual=0 must be a positive int (model chunks per stage).",
+        ),
+        (
+            parallel.Interleaved,
+            (8,),
+            {"virtual": -2},
+            ValueError,
+            "Interleaved: virtual=-2 must be a positive int (model chunks per stage).",
+        ),
+        (
+            parallel.Interleaved,
+            (8,),
+            {"virtual": 2.0},
+            TypeError,
+            "Interleaved: virtual must be an int (model chunks per stage), got 2.0 instead.",
+        ),
+        (
+            parallel.Interleaved,
+            (8,),
+            {"virtual": True},
+            TypeError,
+            "Interleaved: virtual must be an int (model chunks per stage), got True instead.",
+        ),
+        (
+            parallel.Interleaved,
+            (8,),
+            {"virtual": "2"},
+            TypeError,
+            "Interleaved: virtual must be an int (model chunks per stage), got '2' instead.",
+        ),
+        # Chunks belong to the interleaved schedule alone: the others have no such field.
+        (parallel.OneFOneB, (8,), {"virtual": 2}, TypeError, "unexpected keyword argument"),
+        (parallel.GPipe, (8,), {"virtual": 3}, TypeError, "unexpected keyword argument"),
+    ],
+)
+def test_a_bad_schedule_value_is_refused_when_made(make, args, kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        make(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "schedule, extra, dropped",
+    [
+        (parallel.GPipe(2), {"num_microbatches": 2}, "num_microbatches=2"),
+        (parallel.OneFOneB(2), {"virtual_stages": 1}, "virtual_stages=1"),
+        (
+            parallel.Interleaved(4, virtual=2),
+            {"num_microbatches": 4, "virtual_stages": 2},
+            "num_microbatches=4 and virtual_stages=2",
+        ),
+    ],
+    ids=["gpipe", "1f1b", "interleaved"],
+)
+def test_a_value_with_the_old_counts_too_is_refused(schedule, extra, dropped):
+    params, x, y = _problem(8)
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            f"pipeline_value_and_grad: schedule={schedule!r} carries its micro-batches (and "
+            f"chunks); drop {dropped}."
+        ),
+    ):
+        parallel.pipeline_value_and_grad(
+            stage_fn, loss_fn, params, x, y, stage_axis="stage", schedule=schedule, **extra
+        )
+
+
+def _trace_interleaved(params, **schedule):
+    mesh = mesh_1d(S, "stage")
+
+    def body(p, x):
+        mine = jax.tree.map(lambda t: t[0], p)
+        return parallel.pipeline_value_and_grad(
+            lambda p, h: jnp.tanh(h @ p["w"]),
+            lambda h, t: jnp.mean((h - t) ** 2),
+            mine,
+            x,
+            x,
+            stage_axis="stage",
+            **schedule,
+        )[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P()))
+    f.trace(params, jax.ShapeDtypeStruct((12, W), jnp.float32))
+
+
+CHUNKS = {"w": jax.ShapeDtypeStruct((S, V, W, W), jnp.float32)}
+GROUPS = (
+    "Interleaved(microbatches=6, virtual=2) runs the micro-batches in groups of one per "
+    "stage, so microbatches=6 must be a multiple of the 4 stages (Megatron's rule); pass "
+    "Interleaved(8, virtual=2) or another multiple of 4."
+)
+
+
+def test_interleaving_needs_micro_batches_in_groups_of_the_stages():
+    six = parallel.Interleaved(6, virtual=2)
+    with pytest.raises(ValueError, match=re.escape(f"pipeline_value_and_grad: {GROUPS}")):
+        _trace_interleaved(CHUNKS, schedule=six)
+    with pytest.raises(ValueError, match=re.escape(f"{six!r}.bubble_fraction: {GROUPS}")):
+        six.bubble_fraction(4)
+    with pytest.raises(ValueError, match=re.escape(f"{six!r}.kept_inputs: {GROUPS}")):
+        six.kept_inputs(4)
+    with pytest.raises(ValueError, match=r"api: .* pass Interleaved\(12, virtual=3\) or another"):
+        parallel.Interleaved(10, virtual=3).check("api", 4)  # the next multiple of 4
+    six.check("api", 3)  # 6 in groups of 3
+    assert six.bubble_fraction(3) == 2 / 14 and six.kept_inputs(3) == 8
+    parallel.Interleaved(6, virtual=1).check("api", 4)  # one chunk per stage: any M
+    _trace_interleaved(CHUNKS, schedule=parallel.Interleaved(4, virtual=2))  # a multiple of 4
+
+
+def test_interleaving_needs_the_chunks_on_a_leading_axis():
+    one_chunk = {"w": jax.ShapeDtypeStruct((S, W, W), jnp.float32)}  # leading axis W, not V
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline_value_and_grad: params\['w'\] has shape \(8, 8\), but "
+        r"Interleaved\(virtual=2\) needs a leading axis of 2 on every "
+        r"leaf: this stage's chunks, chunk c being model chunk c\*S \+ s\.",
+    ):
+        _trace_interleaved(one_chunk, schedule=parallel.Interleaved(4, virtual=V))
+
+
+# ------------------------------------------------- the old spelling: deprecated, still working
+def test_the_old_spelling_runs_the_same_program_and_names_the_value():
+    # GPipe by the default schedule, 1F1B and interleaved by their strings, all with
+    # num_microbatches=4: one DeprecationWarning each, at the caller's line, naming the value.
+    with pytest.warns(DeprecationWarning, match="is the old spelling; pass schedule=") as caught:
+        _, old = _three_run(4, False, old=True)
+    tail = " (a value that also gives the schedule's bubble_fraction and kept_inputs)."
+    assert [str(w.message) for w in caught] == [
+        f"pipeline_value_and_grad: {was} is the old spelling; pass schedule=parallel.{value}{tail}"
+        for was, value in [
+            ("schedule='gpipe', num_microbatches=4", "GPipe(4)"),
+            ("schedule='1f1b', num_microbatches=4", "OneFOneB(4)"),
+            (
+                "schedule='interleaved', num_microbatches=4, virtual_stages=2",
+                "Interleaved(4, virtual=2)",
+            ),
+        ]
+    ]
+    assert {w.filename for w in caught} == {__file__}
+    # Bit for bit the values' loss and grads (the program of
+    # test_interleaved_equals_gpipe_1f1b_and_the_dense_model[4-4-stages]).
+    _, new = _three_run(4, False)
+    for got, want in zip(jax.tree.leaves(old), jax.tree.leaves(new), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, value, bubble",
+    [
+        ((4, 8), {}, parallel.GPipe(8), 3 / 11),  # the default schedule
+        ((4, 16, "gpipe"), {}, parallel.GPipe(16), 3 / 19),
+        ((8, 8, "1f1b"), {}, parallel.OneFOneB(8), 7 / 15),
+        ((1, 5, "1f1b"), {}, parallel.OneFOneB(5), 0.0),
+        ((4, 8, "interleaved"), {"virtual_stages": 2}, parallel.Interleaved(8, virtual=2), 3 / 19),
+        (
+            (4, 16, "interleaved"),
+            {"virtual_stages": 4},
+            parallel.Interleaved(16, virtual=4),
+            3 / 67,
+        ),
+        ((4, 6, "interleaved"), {}, parallel.Interleaved(6, virtual=1), 1 / 3),
+    ],
+    ids=str,
+)
+def test_the_old_bubble_fraction_warns_and_equals_the_values(args, kwargs, value, bubble):
+    code = repr(value).replace("microbatches=", "")  # Interleaved(8, virtual=2)
+    with pytest.warns(
+        DeprecationWarning,
+        match=re.escape(
+            f"bubble_fraction({args[0]}, {args[1]}, {(args + ('gpipe',))[2]!r}) is the old "
+            f"spelling; pass parallel.{code}.bubble_fraction({args[0]}) (a schedule value, "
+            f"which pipeline_value_and_grad takes too)."
+        ),
+    ) as caught:
+        got = parallel.bubble_fraction(*args, **kwargs)
+    assert got == value.bubble_fraction(args[0]) == bubble
+    assert len(caught) == 1 and caught[0].filename == __file__
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "Interleaved", "", 1, parallel.GPipe])
+def test_an_unknown_schedule_is_refused(schedule):
     params, x, y = _problem(8)
     with pytest.raises(
         ValueError,
-        match=rf"pipeline_value_and_grad: schedule={schedule!r} is not a pipeline schedule; "
-        r"expected one of 'gpipe', '1f1b', 'interleaved'\.",
+        match=re.escape(
+            f"pipeline_value_and_grad: schedule={schedule!r} is not a pipeline schedule; "
+            "expected one of 'gpipe', '1f1b', 'interleaved'."
+        ),
     ):
         parallel.pipeline_value_and_grad(
             stage_fn,
@@ -406,7 +708,7 @@ def test_a_bad_schedule_is_refused(schedule):
             num_microbatches=2,
             schedule=schedule,
         )
-    with pytest.raises(ValueError, match=rf"bubble_fraction: schedule={schedule!r} is not"):
+    with pytest.raises(ValueError, match=re.escape(f"bubble_fraction: schedule={schedule!r} is")):
         parallel.bubble_fraction(4, 8, schedule)
 
 
@@ -428,7 +730,7 @@ def test_a_bad_schedule_is_refused(schedule):
         ("gpipe", 3, ValueError, r"virtual_stages=3 needs schedule='interleaved'"),
     ],
 )
-def test_bad_virtual_stages_are_refused(schedule, v, error, match):
+def test_the_old_spellings_bad_virtual_stages_are_refused(schedule, v, error, match):
     params, x, y = _problem(8)
     with pytest.raises(error, match=rf"pipeline_value_and_grad: {match}"):
         parallel.pipeline_value_and_grad(
@@ -446,49 +748,34 @@ def test_bad_virtual_stages_are_refused(schedule, v, error, match):
         parallel.bubble_fraction(4, 8, schedule, virtual_stages=v)
 
 
-def _trace_interleaved(m, params):
-    mesh = mesh_1d(S, "stage")
-
-    def body(p, x):
-        mine = jax.tree.map(lambda t: t[0], p)
-        return parallel.pipeline_value_and_grad(
-            lambda p, h: jnp.tanh(h @ p["w"]),
-            lambda h, t: jnp.mean((h - t) ** 2),
-            mine,
-            x,
-            x,
-            stage_axis="stage",
-            num_microbatches=m,
-            schedule="interleaved",
-            virtual_stages=V,
-        )[0]
-
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P()))
-    f.trace(params, jax.ShapeDtypeStruct((12, W), jnp.float32))
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"schedule": "1f1b"}, TypeError, "no micro-batch count: pass a schedule value"),
+        ({}, TypeError, "no micro-batch count: pass a schedule value, e.g. "),
+        ({"num_microbatches": 0}, ValueError, "num_microbatches=0 must be a positive int."),
+        ({"num_microbatches": 2.0}, ValueError, "num_microbatches=2.0 must be a positive int."),
+    ],
+    ids=["string-alone", "nothing", "zero", "float"],
+)
+def test_the_old_spellings_bad_counts_are_refused(kwargs, error, match):
+    params, x, y = _problem(8)
+    with pytest.raises(error, match=re.escape(f"pipeline_value_and_grad: {match}")):
+        parallel.pipeline_value_and_grad(
+            stage_fn, loss_fn, params, x, y, stage_axis="stage", **kwargs
+        )
 
 
-def test_interleaving_needs_micro_batches_in_groups_of_the_stages():
-    chunks = {"w": jax.ShapeDtypeStruct((S, V, W, W), jnp.float32)}
-    match = (
-        r"pipeline_value_and_grad: num_microbatches=6 is not a multiple of the 4 stages; "
-        r"schedule='interleaved' with virtual_stages=2 runs the micro-batches in groups of "
-        r"one per stage\. Pick num_microbatches a multiple of 4\."
-    )
-    with pytest.raises(ValueError, match=match):
-        _trace_interleaved(6, chunks)
-    with pytest.raises(
-        ValueError, match=match.replace("pipeline_value_and_grad", "bubble_fraction")
+def test_the_old_spellings_interleaving_needs_groups_of_the_stages():
+    with (
+        pytest.warns(DeprecationWarning, match=re.escape("pass schedule=parallel.Interleaved(6")),
+        pytest.raises(ValueError, match=re.escape(f"pipeline_value_and_grad: {GROUPS}")),
     ):
-        parallel.bubble_fraction(4, 6, "interleaved", virtual_stages=2)
-    _trace_interleaved(4, chunks)  # a multiple of 4 is fine
-
-
-def test_interleaving_needs_the_chunks_on_a_leading_axis():
-    one_chunk = {"w": jax.ShapeDtypeStruct((S, W, W), jnp.float32)}  # leading axis W, not V
+        _trace_interleaved(CHUNKS, schedule="interleaved", num_microbatches=6, virtual_stages=2)
     with pytest.raises(
         ValueError,
-        match=r"pipeline_value_and_grad: params\['w'\] has shape \(8, 8\), but "
-        r"schedule='interleaved' with virtual_stages=2 needs a leading axis of 2 on every "
-        r"leaf: this stage's chunks, chunk c being model chunk c\*S \+ s\.",
+        match=r"bubble_fraction: num_microbatches=6 is not a multiple of the 4 stages; "
+        r"schedule='interleaved' with virtual_stages=2 runs the micro-batches in groups of "
+        r"one per stage\. Pick num_microbatches a multiple of 4\.",
     ):
-        _trace_interleaved(4, one_chunk)
+        parallel.bubble_fraction(4, 6, "interleaved", virtual_stages=2)
