@@ -10,7 +10,11 @@ independent of it: no flax or optax is needed, and a ``data`` mesh axis composes
 them (the pipeline takes ``data_axis=`` and averages gradients over it exactly once).
 
 * :mod:`.pipeline`: :func:`pipeline_value_and_grad`, :func:`pipeline_apply`,
-  :func:`bubble_fraction`;
+  :func:`bubble_fraction` (the former spelling of the schedules' own);
+* :mod:`.staged`: :func:`pipeline_loss`, a schedule behind ``jax.custom_vjp``, for
+  a loss that ``jax.grad`` (a ``dp.Trainer``) differentiates;
+* :mod:`.schedules`: the schedules as values, :class:`GPipe`, :class:`OneFOneB`,
+  :class:`Interleaved` (:class:`Schedule`), with their bubble and kept inputs;
 * :mod:`.tensor`: :func:`column_parallel`, :func:`row_parallel`, :func:`mlp`,
   :func:`shard_mlp`, :func:`sequence_gather`, :func:`gelu` (torch's exact ``nn.GELU()``);
 * :mod:`.moe`: :func:`dispatch`, :func:`combine`;
@@ -23,6 +27,11 @@ from .moe import dispatch as dispatch
 from .pipeline import bubble_fraction as bubble_fraction
 from .pipeline import pipeline_apply as pipeline_apply
 from .pipeline import pipeline_value_and_grad as pipeline_value_and_grad
+from .staged import pipeline_loss as pipeline_loss
+from .schedules import GPipe as GPipe
+from .schedules import Interleaved as Interleaved
+from .schedules import OneFOneB as OneFOneB
+from .schedules import Schedule as Schedule
 from .tensor import column_parallel as column_parallel
 from .tensor import gelu as gelu
 from .tensor import mlp as mlp
@@ -31,6 +40,10 @@ from .tensor import sequence_gather as sequence_gather
 from .tensor import shard_mlp as shard_mlp
 
 __all__ = [
+    "GPipe",
+    "Interleaved",
+    "OneFOneB",
+    "Schedule",
     "bubble_fraction",
     "column_parallel",
     "combine",
@@ -39,6 +52,7 @@ __all__ = [
     "is_bound",
     "mlp",
     "pipeline_apply",
+    "pipeline_loss",
     "pipeline_value_and_grad",
     "row_parallel",
     "sequence_gather",

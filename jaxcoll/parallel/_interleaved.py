@@ -22,7 +22,7 @@ from jax import lax
 
 from .. import primitives
 from .._core.typing import PyTree
-from .._core.vma import cast_varying
+from .._core.vma import cast_varying, varying_axes
 
 
 def check_virtual_stages(api: str, virtual_stages: Any, schedule: str) -> int:
@@ -64,7 +64,7 @@ def check_chunks(api: str, params: PyTree, v: int) -> None:
         if not shape or shape[0] != v:
             raise ValueError(
                 f"{api}: params{jax.tree_util.keystr(path)} has shape {shape}, but "
-                f"schedule='interleaved' with virtual_stages={v} needs a leading axis of {v} "
+                f"Interleaved(virtual={v}) needs a leading axis of {v} "
                 f"on every leaf: this stage's chunks, chunk c being model chunk c*S + s. "
                 f"Stack them, e.g. params of shape (S, {v}, ...) with in_specs=P(stage_axis)."
             )
@@ -109,6 +109,11 @@ def buffers(num_stages: int, v: int, m: int) -> int:
     return min(m * v, (v + 1) * num_stages - 1)
 
 
+def _axes(x: Any) -> tuple:
+    """The mesh axes ``x`` varies over (shard_map's type), sorted."""
+    return tuple(sorted(varying_axes(x) or (), key=str))
+
+
 def _chunk(params: PyTree, c: jax.Array | int) -> PyTree:
     return jax.tree_util.tree_map(lambda p: p[c], params)
 
@@ -121,36 +126,46 @@ def interleaved(
     ys: PyTree,
     stage_axis: Hashable,
     v: int,
-    names: tuple,
-) -> tuple[jax.Array, PyTree]:
+    act: tuple,
+    head: PyTree = (),
+) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
     """The lowering: one ``lax.scan`` over :func:`rounds`; each round a ``lax.cond`` runs this
     stage's forward (or nothing), one ``sendrecv`` shifts activations one stage up the ring,
     a second ``lax.cond`` runs its backward (or nothing) and one ``sendrecv`` shifts
     cotangents one stage down. Stage inputs wait in :func:`buffers` slots, each holding the
     forward entry it keeps (-1: free); a forward takes the first free one, its backward
-    frees it. ``own`` has a leading axis of v (this stage's chunks), varying over ``names``.
-    Returns the last stage's mean loss (0 elsewhere) and this stage's gradient, summed over
-    micro-batches, of the mean loss."""
+    frees it. ``own`` has a leading axis of v (this stage's chunks).
+    ``loss_fn`` is ``(head, out, y) -> mean loss``; ``act``: the axes the activations vary
+    over (each value is typed as what it holds: activations over ``act``, gradients as their
+    params, the loss over the activations', targets' and head's axes).
+    Returns the last stage's mean loss (0 elsewhere), this stage's gradient, summed over
+    micro-batches, of the mean loss, the gradient of ``head`` (the last stage's; zero
+    elsewhere) and that of the inputs ``xs`` (stage 0's; zero elsewhere)."""
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     last = n_stages - 1
     m = xs.shape[0]
     mv = m * v
     keep = buffers(n_stages, v, m)
-    zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
-    loss0 = cast_varying(jnp.zeros((), jnp.float32), names)
-    saved0 = cast_varying(jnp.zeros((keep,) + xs.shape[1:], xs.dtype), names)
-    holder0 = cast_varying(jnp.full((keep,), -1, jnp.int32), names)
-    grads0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), names), own)
+    zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
+    saved0 = cast_varying(jnp.zeros((keep,) + xs.shape[1:], xs.dtype), act)
+    holder0 = cast_varying(jnp.full((keep,), -1, jnp.int32), act)
+    grads0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _axes(p)), own)
     chunk_zeros = _chunk(grads0, 0)
+    head0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _axes(p)), head)
+    leaves = jax.tree_util.tree_leaves((ys, head))
+    loss_axes = set(act).union(*(_axes(t) for t in leaves))
+    loss0 = cast_varying(jnp.zeros((), jnp.float32), tuple(sorted(loss_axes, key=str)))
+    d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
     up = [(i, (i + 1) % n_stages) for i in range(n_stages)]  # the last stage wraps to 0
     down = [((i + 1) % n_stages, i) for i in range(n_stages)]
 
-    def varying(tree: PyTree) -> PyTree:
-        return jax.tree_util.tree_map(lambda t: cast_varying(t, names), tree)
+    def typed(tree: PyTree, template: PyTree) -> PyTree:
+        """A cond branch's outputs typed as ``template`` (both branches alike)."""
+        return jax.tree_util.tree_map(lambda t, r: cast_varying(t, _axes(r)), tree, template)
 
     def one_round(carry, k):
-        act_in, ct_in, saved, holder, acc, loss = carry
+        act_in, ct_in, saved, holder, acc, loss, acc_head, d_xs = carry
         f, b = round_items(k, s, n_stages, v)
         fwd, bwd = (f >= 0) & (f < mv), (b >= 0) & (b < mv)
         fi, fc = item(jnp.clip(f, 0, mv - 1), n_stages, v, backward=False)
@@ -160,14 +175,25 @@ def interleaved(
             inp = jnp.where((s == 0) & (fc == 0), xs[fi], act_in)
             out = stage_fn(_chunk(own, fc), inp)
             y = jax.tree_util.tree_map(lambda t: t[fi], ys)
-            value, d_out = jax.value_and_grad(loss_fn)(out, y)  # used on the last chunk only
-            return varying((out, inp, d_out / m, value.astype(jnp.float32)))
+            # Used on the last chunk only.
+            value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
+            d_head = jax.tree_util.tree_map(lambda d: d / m, d_head)
+            return typed(
+                (out, inp, d_out / m, value.astype(jnp.float32), d_head),
+                (zero, zero, zero, loss0, head0),
+            )
 
-        out, inp, d_out, value = lax.cond(fwd, run_forward, lambda: (zero, zero, zero, loss0))
+        out, inp, d_out, value, d_head = lax.cond(
+            fwd, run_forward, lambda: (zero, zero, zero, loss0, head0)
+        )
         free = jnp.argmax(holder < 0)
         saved = saved.at[free].set(jnp.where(fwd, inp, saved[free]))
         holder = holder.at[free].set(jnp.where(fwd, f, holder[free]))
-        loss = loss + jnp.where(fwd & (s == last) & (fc == v - 1), value, 0.0)
+        at_loss = fwd & (s == last) & (fc == v - 1)
+        loss = loss + jnp.where(at_loss, value, 0.0)
+        acc_head = jax.tree_util.tree_map(
+            lambda a, d: a + jnp.where(at_loss, d, jnp.zeros_like(d)), acc_head, d_head
+        )
         # -> activations one stage up the ring (stage S - 1's go to stage 0's next chunk)
         act_in = primitives.sendrecv(out, stage_axis, up)
 
@@ -179,17 +205,21 @@ def interleaved(
             ct = jnp.where((s == last) & (bc == v - 1), d_out, ct_in)
             _, vjp = jax.vjp(stage_fn, _chunk(own, bc), kept)
             d_params, d_input = vjp(ct)
-            return varying((d_input, d_params))
+            return typed((d_input, d_params), (zero, chunk_zeros))
 
         d_input, d_params = lax.cond(bwd, run_backward, lambda: (zero, chunk_zeros))
         acc = jax.tree_util.tree_map(
             lambda a, d: a.at[bc].add(jnp.where(bwd, d, jnp.zeros_like(d))), acc, d_params
         )
         holder = holder.at[slot].set(jnp.where(bwd, -1, holder[slot]))
+        first = bwd & (s == 0) & (bc == 0)  # the model's first chunk: the inputs' gradient
+        d_xs = d_xs.at[bi].set(jnp.where(first, d_input, d_xs[bi]))
         # <- cotangents one stage down the ring (stage 0's go to stage S - 1's previous chunk)
         ct_in = primitives.sendrecv(d_input, stage_axis, down)
-        return (act_in, ct_in, saved, holder, acc, loss), None
+        return (act_in, ct_in, saved, holder, acc, loss, acc_head, d_xs), None
 
-    carry = (zero, zero, saved0, holder0, grads0, loss0)
-    (*_, grads, loss), _ = lax.scan(one_round, carry, jnp.arange(rounds(n_stages, v, m)))
-    return loss / m, grads
+    carry = (zero, zero, saved0, holder0, grads0, loss0, head0, d_xs0)
+    (*_, grads, loss, d_head, d_xs), _ = lax.scan(
+        one_round, carry, jnp.arange(rounds(n_stages, v, m))
+    )
+    return loss / m, grads, d_head, d_xs

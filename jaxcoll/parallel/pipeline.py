@@ -9,6 +9,7 @@ interleaved schedule's index formulas and lowering live in :mod:`._interleaved`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -21,15 +22,24 @@ from .._core.axis import bound
 from .._core.typing import PyTree
 from .._core.vma import cast_varying, varying_axes
 from . import _interleaved
+from .schedules import SCHEDULES, GPipe, Interleaved, Schedule
 
-_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+_SCHEDULES = tuple(SCHEDULES)
 
 
 def _check_schedule(api: str, schedule: Any) -> str:
     if not isinstance(schedule, str) or schedule not in _SCHEDULES:
+        hint = (
+            f" (the class: pass an instance with its micro-batches, "
+            f"parallel.{schedule.__name__}(8))"
+            if isinstance(schedule, type) and issubclass(schedule, Schedule)
+            else ""
+        )
         raise ValueError(
-            f"{api}: schedule={schedule!r} is not a pipeline schedule; expected one of "
-            f"{', '.join(repr(s) for s in _SCHEDULES)}."
+            f"{api}: schedule={schedule!r} is not a pipeline schedule{hint}; expected a "
+            f"schedule value, parallel.GPipe(M), parallel.OneFOneB(M) or "
+            f"parallel.Interleaved(M, virtual=v) (or, deprecated, one of "
+            f"{', '.join(repr(s) for s in _SCHEDULES)})."
         )
     return schedule
 
@@ -80,9 +90,79 @@ def bubble_fraction(
     _check_schedule(api, schedule)
     v = _interleaved.check_virtual_stages(api, virtual_stages, schedule)
     _interleaved.check_groups(api, num_stages, num_microbatches, v)
+    extra = f", virtual_stages={v}" if schedule == "interleaved" else ""
+    warnings.warn(
+        f"{api}({num_stages}, {num_microbatches}, {schedule!r}{extra}) is the old spelling; pass "
+        f"parallel.{_value_spelling(schedule, num_microbatches, v)}.bubble_fraction("
+        f"{num_stages}) (a schedule value, which pipeline_value_and_grad takes too).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     slots = 2 * (num_microbatches * v + num_stages - 1)
     busy = 2 * num_microbatches * v
     return (slots - busy) / slots
+
+
+def _value_spelling(schedule: str, m: Any, v: int) -> str:
+    """The schedule value that replaces a string spelling, as code: ``OneFOneB(8)``."""
+    cls = SCHEDULES[schedule].__name__
+    return f"{cls}({m}, virtual={v})" if schedule == "interleaved" else f"{cls}({m})"
+
+
+def _as_schedule(api: str, schedule: Any, num_microbatches: Any, virtual_stages: Any) -> Schedule:
+    """The schedule value of either spelling: a :class:`Schedule`, or (deprecated) a string
+    with ``num_microbatches`` and ``virtual_stages``."""
+    if isinstance(schedule, Schedule):
+        extra = [
+            f"{k}={v!r}"
+            for k, v in (("num_microbatches", num_microbatches), ("virtual_stages", virtual_stages))
+            if v is not None
+        ]
+        if extra:
+            raise TypeError(
+                f"{api}: schedule={schedule!r} carries its micro-batches (and chunks); "
+                f"drop {' and '.join(extra)}."
+            )
+        return schedule
+    omitted = schedule is None
+    if omitted:
+        schedule = "gpipe"
+    _check_schedule(api, schedule)
+    if num_microbatches is None:
+        raise TypeError(
+            f"{api}: no micro-batch count: pass a schedule value, e.g. "
+            f"schedule=parallel.OneFOneB(8) (or parallel.GPipe(8), parallel.Interleaved(8, "
+            f"virtual=2))."
+        )
+    v = _interleaved.check_virtual_stages(
+        api, 1 if virtual_stages is None else virtual_stages, schedule
+    )
+    _check_count(api, num_microbatches)
+    spelled = (
+        ("" if omitted else f"schedule={schedule!r}, ")
+        + (f"num_microbatches={num_microbatches}")
+        + (f", virtual_stages={v}" if virtual_stages is not None else "")
+    )
+    warnings.warn(
+        f"{api}: {spelled} is the old spelling; pass "
+        f"schedule=parallel.{_value_spelling(schedule, num_microbatches, v)} (a value that "
+        f"also gives the schedule's bubble_fraction and kept_inputs).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if schedule == "interleaved":
+        return Interleaved(num_microbatches, virtual=v)
+    return SCHEDULES[schedule](num_microbatches)
+
+
+def _headless(loss_fn: Callable) -> Callable:
+    """``(out, y) -> loss`` as the schedules call a loss: ``(head, out, y) -> loss``."""
+    return lambda head, out, y: loss_fn(out, y)
+
+
+def _check_count(api: str, m: Any) -> None:
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise ValueError(f"{api}: num_microbatches={m!r} must be a positive int.")
 
 
 def _names(*trees: Any) -> tuple:
@@ -93,13 +173,13 @@ def _names(*trees: Any) -> tuple:
     return tuple(sorted(out, key=str))
 
 
-def _microbatches(api: str, x: jax.Array, m: int) -> jax.Array:
-    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-        raise ValueError(f"{api}: num_microbatches={m!r} must be a positive int.")
+def _microbatches(api: str, x: jax.Array, m: int, schedule: Schedule | None = None) -> jax.Array:
+    _check_count(api, m)
     if x.ndim == 0 or x.shape[0] % m:
+        into = f"num_microbatches={m}" if schedule is None else f"the {m} of {schedule!r}"
         raise ValueError(
             f"{api}: the batch has {x.shape[0] if x.ndim else 0} examples, which "
-            f"do not split into num_microbatches={m} equal micro-batches. Pick a "
+            f"do not split into {into} equal micro-batches. Pick a "
             f"divisor of the per-replica batch size."
         )
     return x.reshape((m, x.shape[0] // m) + x.shape[1:])
@@ -247,22 +327,30 @@ def _gpipe(
     xs: jax.Array,
     ys: PyTree,
     stage_axis: Hashable,
-) -> tuple[jax.Array, PyTree]:
-    """GPipe: all forwards (saving M stage inputs), then all backwards. Returns the last
-    stage's mean loss (garbage elsewhere) and this stage's gradient summed over micro-batches
-    of the mean loss."""
+    head: PyTree = (),
+) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
+    """GPipe: all forwards (saving M stage inputs), then all backwards. ``loss_fn`` is
+    ``(head, out, y) -> mean loss``. Returns the last stage's mean loss (garbage elsewhere),
+    this stage's gradient summed over micro-batches of the mean loss, the gradient of
+    ``head`` (the last stage's; zero elsewhere) and that of the inputs ``xs`` (stage 0's;
+    zero elsewhere)."""
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     m = xs.shape[0]
     saved, outs = _forward(api, stage_fn, own, xs, stage_axis)
 
-    losses, grads_out = jax.vmap(jax.value_and_grad(loss_fn))(outs, ys)  # last stage's are real
+    # The last stage's are real.
+    grad = jax.value_and_grad(loss_fn, argnums=(0, 1))
+    losses, (d_heads, grads_out) = jax.vmap(grad, in_axes=(None, 0, 0))(head, outs, ys)
     grads_out = grads_out / m  # d(mean over micro-batches)/d(out)
+    d_head = jax.tree_util.tree_map(
+        lambda d: jnp.where(s == n_stages - 1, jnp.sum(d, 0) / m, jnp.zeros_like(d[0])), d_heads
+    )
     backward = [(i + 1, i) for i in range(n_stages - 1)]
-    names = _names(own, saved)
+    names = _names(saved)  # the activations' axes, so their cotangents' too
 
     def step(carry, t):
-        received, acc = carry
+        received, acc, d_xs = carry
         u = t - (n_stages - 1 - s)
         active = (u >= 0) & (u < m)
         k = jnp.clip(m - 1 - u, 0, m - 1)
@@ -272,15 +360,17 @@ def _gpipe(
         acc = jax.tree_util.tree_map(
             lambda a, d: a + jnp.where(active, d, jnp.zeros_like(d)), acc, d_params
         )
+        d_xs = d_xs.at[k].set(jnp.where(active & (s == 0), d_input, d_xs[k]))
         # <- the cotangent crosses back to the previous stage (send/recv: one ppermute)
-        return (primitives.sendrecv(d_input, stage_axis, backward), acc), None
+        return (primitives.sendrecv(d_input, stage_axis, backward), acc, d_xs), None
 
     zero_ct = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
     zeros = jax.tree_util.tree_map(
         lambda p: cast_varying(jnp.zeros(p.shape, p.dtype), _names(p)), own
     )
-    (_, grads), _ = lax.scan(step, (zero_ct, zeros), jnp.arange(m + n_stages - 1))
-    return jnp.mean(losses), grads
+    d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), names)
+    (_, grads, d_xs), _ = lax.scan(step, (zero_ct, zeros, d_xs0), jnp.arange(m + n_stages - 1))
+    return jnp.mean(losses), grads, d_head, d_xs
 
 
 def _one_f_one_b(
@@ -291,74 +381,94 @@ def _one_f_one_b(
     xs: jax.Array,
     ys: PyTree,
     stage_axis: Hashable,
-) -> tuple[jax.Array, PyTree]:
+    head: PyTree = (),
+) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
     """1F1B in lock-step slots: in slot t stage s runs the forward of micro-batch (t - s) / 2
     when t - s is even, the backward of micro-batch (t - 2S + 1 + s) / 2 when it is odd; after
     each slot one ``sendrecv`` moves every forward's activation to s + 1 and every backward's
     cotangent to s - 1. Stage inputs are kept in ``min(S, M)`` slots, micro-batch i in slot
     i mod min(S, M). Each slot a stage runs one branch of a ``lax.cond`` on its own
     predicate: a forward, or a recomputed forward and a backward, GPipe's work in another
-    order. Returns what :func:`_gpipe` returns."""
+    order. Returns what :func:`_gpipe` returns (``loss_fn`` as there)."""
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     last = n_stages - 1
     m = xs.shape[0]
     _check_stage(api, stage_fn, own, xs)
     keep = min(n_stages, m)
-    names = _names(own, xs, ys, s)
-    zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
-    saved0 = cast_varying(jnp.zeros((keep,) + xs.shape[1:], xs.dtype), names)
-    zeros = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros(p.shape, p.dtype), names), own)
-    loss0 = cast_varying(jnp.zeros((), jnp.float32), names)
+    # Each value typed as what it holds: activations (and their cotangents) over the axes
+    # the forward's do vary over (_carried), gradients as their params, the loss over those
+    # of the activations, targets and head.
+    act = _carried(stage_fn, own, xs, s)
+    zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
+    saved0 = cast_varying(jnp.zeros((keep,) + xs.shape[1:], xs.dtype), act)
+    zeros = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _names(p)), own)
+    loss0 = cast_varying(jnp.zeros((), jnp.float32), _names(zero, ys, head))
+    head0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _names(p)), head)
+    d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
+    template = (zero, saved0, zero, zeros, loss0, head0, d_xs0)
     # Slot t: stage s works forward iff t - s is even, so in an even slot the even stages send
     # forward and the odd ones back (pairs 0-1, 2-3, ...), in an odd slot the pairs 1-2, 3-4, ...
     even = [(i, i + 1) for i in range(0, last, 2)] + [(i, i - 1) for i in range(1, n_stages, 2)]
     odd = [(i, i + 1) for i in range(1, last, 2)] + [(i, i - 1) for i in range(2, n_stages, 2)]
 
-    def varying(tree: PyTree) -> PyTree:
-        return jax.tree_util.tree_map(lambda v: cast_varying(v, names), tree)
+    def typed(tree: PyTree) -> PyTree:
+        """A branch's outputs typed as ``template`` (every branch of the switch alike)."""
+        return jax.tree_util.tree_map(lambda v, r: cast_varying(v, _names(r)), tree, template)
 
     def slot(carry, t, pairs):
-        received, own_ct, saved, acc, loss = carry
+        received, own_ct, saved, acc, loss, acc_head, d_xs = carry
         forward = (t - s) % 2 == 0
         i = (t - s) // 2  # the forward's micro-batch
         j = (t - 2 * last - 1 + s) // 2  # the backward's micro-batch
         fi, bj = jnp.clip(i, 0, m - 1), jnp.clip(j, 0, m - 1)
-        kept = saved[bj % keep]
+        at_last = s == last
+
+        # Each branch updates the state itself (no zero trees, no masked sums; measured in a
+        # Trainer step, less memory than updating it after the switch): the idle slots of the
+        # warm-up and drain compute nothing.
+        def idle():
+            return typed((zero, saved, own_ct, acc, loss, acc_head, d_xs))
 
         def run_forward():
             inp = jnp.where(s == 0, xs[fi], received)
             out = stage_fn(own, inp)
             y = jax.tree_util.tree_map(lambda v: v[fi], ys)
-            value, d_out = jax.value_and_grad(loss_fn)(out, y)  # used on the last stage only
-            return varying((out, inp, d_out / m, value.astype(jnp.float32), zeros))
+            # Used on the last stage only.
+            value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
+            acc_head_new = jax.tree_util.tree_map(
+                lambda a, d: a + jnp.where(at_last, d / m, jnp.zeros_like(d)), acc_head, d_head
+            )
+            own_ct_new = jnp.where(at_last, d_out / m, own_ct)
+            loss_new = loss + jnp.where(at_last, value.astype(jnp.float32), 0.0)
+            saved_new = saved.at[fi % keep].set(inp)
+            return typed((out, saved_new, own_ct_new, acc, loss_new, acc_head_new, d_xs))
 
         def run_backward():
-            ct = jnp.where(s == last, own_ct, received)
-            _, vjp = jax.vjp(stage_fn, own, kept)
+            ct = jnp.where(at_last, own_ct, received)
+            _, vjp = jax.vjp(stage_fn, own, saved[bj % keep])
             d_params, d_input = vjp(ct)
-            return varying((d_input, zero, zero, loss0, d_params))
+            acc_new = jax.tree_util.tree_map(jnp.add, acc, d_params)
+            d_xs_new = d_xs.at[bj].set(jnp.where(s == 0, d_input, d_xs[bj]))
+            return typed((d_input, saved, own_ct, acc_new, loss, acc_head, d_xs_new))
 
-        message, inp, d_out, value, d_params = lax.cond(forward, run_forward, run_backward)
         fwd = forward & (i >= 0) & (i < m)
         bwd = ~forward & (j >= 0) & (j < m)
-        k = fi % keep
-        saved = saved.at[k].set(jnp.where(fwd, inp, saved[k]))
-        own_ct = jnp.where(fwd & (s == last), d_out, own_ct)
-        loss = loss + jnp.where(fwd & (s == last), value, 0.0)
-        acc = jax.tree_util.tree_map(
-            lambda a, d: a + jnp.where(bwd, d, jnp.zeros_like(d)), acc, d_params
+        branch = jnp.where(fwd, 1, jnp.where(bwd, 2, 0))
+        message, saved, own_ct, acc, loss, acc_head, d_xs = lax.switch(
+            branch, (idle, run_forward, run_backward)
         )
         # -> activations to s + 1, <- cotangents to s - 1: one sendrecv (one ppermute)
-        return primitives.sendrecv(message, stage_axis, pairs), own_ct, saved, acc, loss
+        sent = primitives.sendrecv(message, stage_axis, pairs)
+        return sent, own_ct, saved, acc, loss, acc_head, d_xs
 
     def step(carry, k):
         carry = slot(carry, 2 * k, even)
         return slot(carry, 2 * k + 1, odd), None
 
-    carry = (zero, zero, saved0, zeros, loss0)
-    (_, _, _, grads, loss), _ = lax.scan(step, carry, jnp.arange(m + n_stages - 1))
-    return loss / m, grads
+    carry = (zero, zero, saved0, zeros, loss0, head0, d_xs0)
+    (_, _, _, grads, loss, d_head, d_xs), _ = lax.scan(step, carry, jnp.arange(m + n_stages - 1))
+    return loss / m, grads, d_head, d_xs
 
 
 def pipeline_value_and_grad(
@@ -369,13 +479,14 @@ def pipeline_value_and_grad(
     y: PyTree,
     *,
     stage_axis: Hashable,
-    num_microbatches: int,
+    schedule: Schedule | str | None = None,
     data_axis: Hashable | None = None,
-    schedule: str = "gpipe",
-    virtual_stages: int = 1,
+    num_microbatches: int | None = None,
+    virtual_stages: int | None = None,
 ) -> tuple[jax.Array, PyTree]:
     """The loss of a staged model and this stage's gradient, by a GPipe, 1F1B or interleaved
-    1F1B schedule.
+    1F1B schedule (a :mod:`~jaxcoll.parallel.schedules` value:
+    ``schedule=parallel.OneFOneB(8)``).
 
     Call inside ``jax.shard_map`` over a mesh with a ``stage_axis`` (stage s holds the params
     of stage s, e.g. ``in_specs=P("stage")`` on params stacked by stage) and optionally a
@@ -388,7 +499,7 @@ def pipeline_value_and_grad(
         loss, grads = jax.value_and_grad(model_loss)(all_params, x_global, y_global)
         return loss, grads[stage]
 
-    and with ``schedule="interleaved"`` and v = ``virtual_stages``, for a model of S*v chunks
+    and with ``schedule=Interleaved(M, virtual=v)``, for a model of S*v chunks
     of which stage s holds chunks s, s + S, ..., s + (v - 1)S (``params`` stacks them on a
     leading axis of v: ``params[c]`` is model chunk ``c*S + s``)::
 
@@ -405,10 +516,10 @@ def pipeline_value_and_grad(
     kept), sends the input cotangent to stage s - 1 and adds the parameter gradient to the
     stage's sum over the M micro-batches. The last stage takes ``loss_fn`` of each micro-batch.
 
-    * ``schedule="gpipe"``: forward, at step t stage s runs micro-batch t - s and sends its
+    * ``schedule=GPipe(M)``: forward, at step t stage s runs micro-batch t - s and sends its
       activation to stage s + 1 (M + S - 1 steps); then backward, in reverse, M + S - 1 steps.
       Every stage keeps all M micro-batches' inputs: activation memory grows with M.
-    * ``schedule="1f1b"`` (one forward, one backward; PipeDream-flush, Megatron's
+    * ``schedule=OneFOneB(M)`` (one forward, one backward; PipeDream-flush, Megatron's
       non-interleaved schedule): 2(M + S - 1) slots; in slot t stage s runs
 
       - the forward of micro-batch ``i = (t - s) / 2`` when ``t - s`` is even,
@@ -425,9 +536,9 @@ def pipeline_value_and_grad(
       Activation memory is bounded by the number of stages, not M. Each slot a stage runs
       only its own branch (a ``lax.cond``), so the compute is GPipe's: M forwards and M
       recomputed forwards with their backwards.
-    * ``schedule="interleaved"`` (Megatron's interleaved 1F1B, virtual pipeline stages; M a
-      multiple of S when v > 1): a micro-batch goes round the ring of stages v times, from
-      stage S - 1 back to stage 0 between chunks. Each stage runs Mv forwards and Mv
+    * ``schedule=Interleaved(M, virtual=v)`` (Megatron's interleaved 1F1B, virtual pipeline
+      stages; M a multiple of S when v > 1): a micro-batch goes round the ring of stages v
+      times, from stage S - 1 back to stage 0 between chunks. Each stage runs Mv forwards and Mv
       backwards of one chunk each, in groups of S micro-batches: forward entry n is chunk
       ``(n mod Sv) div S`` of micro-batch ``(n div Sv)S + n mod S`` (chunk 0 of the group's
       S micro-batches, then chunk 1 of the same, ...), backward entry n the same with the
@@ -448,68 +559,71 @@ def pipeline_value_and_grad(
       free list. Activation memory is bounded by S and v, not M (more than 1F1B's S inputs;
       each is one chunk's input).
 
-    The bubble (:func:`bubble_fraction`) is ``(S - 1) / (M + S - 1)`` for GPipe and 1F1B and
-    ``(S - 1) / (vM + S - 1)`` for the interleaved schedule, in slots of one chunk (1/v of a
-    stage's work): Megatron's bubble, for v times the transfers. With ``data_axis`` the
+    The bubble (``schedule.bubble_fraction(S)``) is ``(S - 1) / (M + S - 1)`` for GPipe and
+    1F1B and ``(S - 1) / (vM + S - 1)`` for the interleaved schedule, in slots of one chunk
+    (1/v of a stage's work): Megatron's bubble, for v times the transfers. With ``data_axis`` the
     gradient is then averaged over the replicas by one all-reduce (exactly once: params are
     made varying over the axes first, so ``jax.vjp`` adds no hidden reduction; see the
     gradient trap in docs/dp.md).
 
     Args:
-        stage_fn: ``(stage_params, h) -> h`` (one chunk's params with ``"interleaved"``); every
-            stage keeps the activation's shape and dtype (one program runs every stage: pad
+        stage_fn: ``(stage_params, h) -> h`` (one chunk's params with :class:`Interleaved`);
+            every stage keeps the activation's shape and dtype (one program runs every stage: pad
             to one width if stages differ).
         loss_fn: ``(h_last, y_microbatch) -> scalar``, the MEAN loss over the micro-batch.
-        params: this stage's parameters (a pytree); with ``"interleaved"``, this stage's v
+        params: this stage's parameters (a pytree); with :class:`Interleaved`, this stage's v
             chunks stacked on a leading axis of v (also for v = 1).
         x: this replica's input batch ``(B, ...)``, read by stage 0 (the others may pass the
             same array; only its shape is used there).
         y: this replica's targets, leading axis B (a pytree, every leaf one row per example
             of ``x``), read by the last stage.
         stage_axis: the mesh axis of the stages.
-        num_microbatches: M; must divide B (and be a multiple of S for ``"interleaved"``
-            with v > 1).
+        schedule: a :class:`~jaxcoll.parallel.GPipe`, :class:`~jaxcoll.parallel.OneFOneB`
+            or :class:`~jaxcoll.parallel.Interleaved` value, with its M micro-batches (M
+            must divide B; a multiple of S for ``Interleaved`` with v > 1); the same loss and
+            gradients whichever it is.
         data_axis: the mesh axis of data-parallel replicas, or None.
-        schedule: ``"gpipe"`` (the default), ``"1f1b"`` or ``"interleaved"``; the same loss
-            and gradients.
-        virtual_stages: v, model chunks per stage (``"interleaved"`` only; default 1).
+        num_microbatches: the former spelling of M, with ``schedule`` a string
+            (``"gpipe"``, ``"1f1b"``, ``"interleaved"``) or omitted (GPipe): still accepted,
+            with a DeprecationWarning naming the value that replaces it.
+        virtual_stages: the former spelling of v, with ``schedule="interleaved"``.
 
     Returns:
         ``(loss, grads)``: the global mean loss (the same on every device) and this stage's
-        gradient averaged over the replicas (leading axis v with ``"interleaved"``).
+        gradient averaged over the replicas (leading axis v with :class:`Interleaved`).
 
     Raises:
-        ValueError: an unknown schedule, ``virtual_stages`` < 1 or > 1 without
-            ``"interleaved"``, M not dividing B or (interleaved, v > 1) not a multiple of S,
-            params without the leading axis of v, a stage that changes the activation's
-            shape.
-        TypeError: ``virtual_stages`` not an int.
+        ValueError: an unknown schedule, M not dividing B or (interleaved, v > 1) not a
+            multiple of S, params without the leading axis of v, a stage that changes the
+            activation's shape.
+        TypeError: a schedule value given ``num_microbatches`` or ``virtual_stages`` too, or
+            a string without ``num_microbatches``.
 
     Example (2 data x 4 stages): see ``examples/06_pipeline.py``.
     """
     api = "pipeline_value_and_grad"
-    _check_schedule(api, schedule)
-    v = _interleaved.check_virtual_stages(api, virtual_stages, schedule)
-    xs = _microbatches(api, x, num_microbatches)
+    sched = _as_schedule(api, schedule, num_microbatches, virtual_stages)
+    m, v = sched.microbatches, sched.virtual
+    xs = _microbatches(api, x, m, sched)
     _check_targets(api, x.shape[0], y)
-    ys = jax.tree_util.tree_map(lambda t: _microbatches(api, t, num_microbatches), y)
+    ys = jax.tree_util.tree_map(lambda t: _microbatches(api, t, m, sched), y)
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     # Varying over every axis first: jax.vjp then gives this device's own contribution, and
     # the one reduction over data below is the only one.
     axes = (stage_axis,) + ((data_axis,) if data_axis is not None else ())
     own = jax.tree_util.tree_map(lambda p: cast_varying(p, axes), params)
-    if schedule == "interleaved":
-        _interleaved.check_groups(api, n_stages, num_microbatches, v)
+    if isinstance(sched, Interleaved):
+        sched.check(api, n_stages)
         _interleaved.check_chunks(api, params, v)
         _check_stage(api, stage_fn, jax.tree_util.tree_map(lambda p: p[0], own), xs)
-        names = _names(own, xs, ys, s)
-        last_loss, grads = _interleaved.interleaved(
-            stage_fn, loss_fn, own, xs, ys, stage_axis, v, names
+        act = _carried(stage_fn, jax.tree_util.tree_map(lambda p: p[0], own), xs, s)
+        last_loss, grads, _, _ = _interleaved.interleaved(
+            stage_fn, _headless(loss_fn), own, xs, ys, stage_axis, v, act
         )
     else:
-        run = _gpipe if schedule == "gpipe" else _one_f_one_b
-        last_loss, grads = run(api, stage_fn, loss_fn, own, xs, ys, stage_axis)
+        run = _gpipe if isinstance(sched, GPipe) else _one_f_one_b
+        last_loss, grads, _, _ = run(api, stage_fn, _headless(loss_fn), own, xs, ys, stage_axis)
 
     loss = primitives.all_reduce(jnp.where(s == n_stages - 1, last_loss, 0.0), stage_axis)
     if data_axis is not None:

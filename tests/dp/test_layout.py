@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll import dp
+from jaxcoll import dp, parallel
 from jaxcoll._core.vma import varying_axes
 from tests.multihost.workers import nd_model
 from tests.multihost.workers.nd_model import SPECS, TWIN, D, F, data, loss_fn, optimizer, params0
@@ -62,10 +62,10 @@ LAYOUTS = {
 }
 
 
-def _trainer(name):
+def _trainer(name, loss=loss_fn):
     shape, names, axis, sync, layout = LAYOUTS[name]
     return dp.Trainer(
-        loss_fn,
+        loss,
         optimizer(),
         mesh=_mesh(shape, names),
         axis_name=axis,
@@ -108,6 +108,24 @@ def test_every_layout_equals_one_device(name, reference):
         want /= sizes[sync.shard_axis or axis]
     assert held == pytest.approx(want), (name, held, want)
     assert np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize(
+    "schedule", [parallel.GPipe(nd_model.MICRO), parallel.OneFOneB(nd_model.MICRO)], ids=repr
+)
+@pytest.mark.parametrize("name", ["dp2xtp2xpp2", "fsdp2xtp2xpp2"])
+def test_every_pipelined_layout_trains_with_each_schedule_equal_to_one_device(
+    name, schedule, reference
+):
+    # The schedule's own backward (parallel.pipeline_loss) inside the Trainer's
+    # value_and_grad, with tensor parallel stages, DDP or FSDP, and accumulation (fsdp2x...).
+    trainer = _trainer(name, nd_model.scheduled_loss(schedule))
+    state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
+    for batch in data():
+        state, metrics = trainer.step(state, batch)
+    got = trainer.host_params(state)
+    for k in TWIN:
+        assert _max_rel(got[k], reference[k]) <= TOL, (name, schedule, k)
 
 
 def test_a_tensor_split_leaf_keeps_its_split_and_fsdp_adds_the_data_split():

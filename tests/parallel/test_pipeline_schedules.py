@@ -454,8 +454,8 @@ def test_a_stage_count_must_be_a_positive_int():
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "GPipe(microbatches=8).bubble_fraction: the number of stages=0 must be a positive "
-            "int (the size of the stage axis)."
+            "GPipe(microbatches=8).bubble_fraction: stages=0 must be a positive int (the size "
+            "of the stage axis)."
         ),
     ):
         parallel.GPipe(8).bubble_fraction(0)
@@ -639,7 +639,7 @@ def test_the_old_spelling_runs_the_same_program_and_names_the_value():
     assert [str(w.message) for w in caught] == [
         f"pipeline_value_and_grad: {was} is the old spelling; pass schedule=parallel.{value}{tail}"
         for was, value in [
-            ("schedule='gpipe', num_microbatches=4", "GPipe(4)"),
+            ("num_microbatches=4", "GPipe(4)"),  # no schedule given: GPipe
             ("schedule='1f1b', num_microbatches=4", "OneFOneB(4)"),
             (
                 "schedule='interleaved', num_microbatches=4, virtual_stages=2",
@@ -675,10 +675,13 @@ def test_the_old_spelling_runs_the_same_program_and_names_the_value():
 )
 def test_the_old_bubble_fraction_warns_and_equals_the_values(args, kwargs, value, bubble):
     code = repr(value).replace("microbatches=", "")  # Interleaved(8, virtual=2)
+    was = f"{args[0]}, {args[1]}, {(args + ('gpipe',))[2]!r}"
+    if isinstance(value, parallel.Interleaved):  # the chunks the call gave, default 1
+        was += f", virtual_stages={value.virtual}"
     with pytest.warns(
         DeprecationWarning,
         match=re.escape(
-            f"bubble_fraction({args[0]}, {args[1]}, {(args + ('gpipe',))[2]!r}) is the old "
+            f"bubble_fraction({was}) is the old "
             f"spelling; pass parallel.{code}.bubble_fraction({args[0]}) (a schedule value, "
             f"which pipeline_value_and_grad takes too)."
         ),
@@ -691,11 +694,19 @@ def test_the_old_bubble_fraction_warns_and_equals_the_values(args, kwargs, value
 @pytest.mark.parametrize("schedule", ["GPipe", "Interleaved", "", 1, parallel.GPipe])
 def test_an_unknown_schedule_is_refused(schedule):
     params, x, y = _problem(8)
+    # The class itself is named as such, with the instance to pass.
+    hint = (
+        " (the class: pass an instance with its micro-batches, parallel.GPipe(8))"
+        if schedule is parallel.GPipe
+        else ""
+    )
     with pytest.raises(
         ValueError,
         match=re.escape(
-            f"pipeline_value_and_grad: schedule={schedule!r} is not a pipeline schedule; "
-            "expected one of 'gpipe', '1f1b', 'interleaved'."
+            f"pipeline_value_and_grad: schedule={schedule!r} is not a pipeline schedule{hint}; "
+            "expected a schedule value, parallel.GPipe(M), parallel.OneFOneB(M) or "
+            "parallel.Interleaved(M, virtual=v) (or, deprecated, one of 'gpipe', '1f1b', "
+            "'interleaved')."
         ),
     ):
         parallel.pipeline_value_and_grad(

@@ -85,6 +85,36 @@ def loss_fn(params, batch, rng):
     return losses["adam"] + losses["sgd"], {f"loss_{k}": v for k, v in losses.items()}
 
 
+def head_loss(head, h, y):
+    """The output projection and the loss of one micro-batch (the pipeline's last stage)."""
+    logp = jax.nn.log_softmax(h @ head["out"])
+    return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=-1))
+
+
+def scheduled_loss(schedule):
+    """``loss_fn`` with the blocks run by ``schedule`` (``parallel.pipeline_loss``: its own
+    backward inside the Trainer's ``jax.value_and_grad``); dense where no pipeline axis is."""
+
+    def loss(params, batch, rng):
+        losses = {}
+        for k in TWIN:
+            p = params[k]
+            h = jnp.tanh(batch["x"] @ p["inp"])
+            losses[k] = parallel.pipeline_loss(
+                stage,
+                head_loss,
+                p["blocks"],
+                {"out": p["out"]},
+                h,
+                batch["y"],
+                stage_axis="pipe",
+                schedule=schedule,
+            )
+        return losses["adam"] + losses["sgd"], {f"loss_{k}": v for k, v in losses.items()}
+
+    return loss
+
+
 def optimizer():
     labels = lambda p: {k: jax.tree_util.tree_map(lambda _, k=k: k, v) for k, v in p.items()}  # noqa: E731
     return optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(0.1)}, labels)

@@ -1,0 +1,183 @@
+"""A pipelined model's loss that ``jax.grad`` differentiates by the schedule's own backward.
+
+:func:`pipeline_value_and_grad` owns the step: it returns the loss and the stages' gradient,
+so a trainer built on ``jax.value_and_grad`` cannot call it. :func:`pipeline_loss` is the same
+schedule behind a ``jax.custom_vjp``: its forward runs the whole schedule (every forward and
+every backward, in the schedule's order, with its bounded activation memory) and keeps the
+gradients as residuals; its backward scales them by the incoming cotangent. So it goes inside
+any loss: the embedding before it and the Trainer's ``jax.value_and_grad`` around it get
+their gradients as usual, and 1F1B or interleaved 1F1B runs inside ``dp.Trainer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import primitives
+from .._core.axis import bound
+from .._core.typing import PyTree
+from .._core.vma import cast_varying, varying_axes
+from . import _interleaved
+from .pipeline import (
+    _carried,
+    _check_stage,
+    _check_targets,
+    _gpipe,
+    _microbatches,
+    _names,
+    _one_f_one_b,
+)
+from .schedules import GPipe, Interleaved, Schedule
+
+
+def pipeline_loss(
+    stage_fn: Callable[[PyTree, jax.Array], jax.Array],
+    head_fn: Callable[[PyTree, jax.Array, PyTree], jax.Array],
+    stage_params: PyTree,
+    head_params: PyTree,
+    x: jax.Array,
+    y: PyTree,
+    *,
+    stage_axis: Hashable,
+    schedule: Schedule,
+) -> jax.Array:
+    """The mean loss of a staged model over this replica's batch, differentiable (``jax.grad``)
+    with respect to ``stage_params``, ``head_params`` and ``x`` through ``schedule``'s own
+    backward.
+
+    Call inside ``jax.shard_map`` (e.g. inside a ``dp.Trainer`` loss) over a mesh with a
+    ``stage_axis``. Equivalent to (one device, stage s holding ``stage_params`` of stage s)::
+
+        def loss(all_stage_params, head_params, x, y):
+            for s in range(S):
+                x = stage_fn(all_stage_params[s], x)
+            return mean over micro-batches of head_fn(head_params, x_mb, y_mb)
+
+    with, for ``Interleaved(M, virtual=v)``, this stage's v chunks stacked on a leading axis
+    of ``stage_params`` (chunk c is model chunk ``c*S + s``). The value is the same on every
+    stage; the gradient of ``stage_params`` is this stage's, that of ``head_params`` the last
+    stage's and that of ``x`` stage 0's, each reaching the others through the reductions
+    ``jax.grad`` makes for values shared over the stage axis (an embedding before the
+    pipeline, a head tied to it). Nothing is reduced over other axes here: a data axis is
+    the caller's (the Trainer's) to average over, as for any loss.
+
+    **Dense mode**, as :func:`pipeline_apply`'s: where ``stage_axis`` is not bound (a
+    single-device run of the same model code), ``stage_fn(stage_params, x)`` with every
+    stage's params, then the head on each micro-batch, differentiated by ``jax.grad`` as
+    usual.
+
+    The forward runs every micro-batch's forward and backward, so the backward costs nothing
+    more; the residuals are the gradients (the params' size), not activations. Activation
+    memory is the schedule's: :meth:`Schedule.kept_inputs` stage inputs.
+
+    Args:
+        stage_fn: ``(stage_params, h) -> h``, keeping the activation's shape and dtype.
+        head_fn: ``(head_params, h_last, y_microbatch) -> scalar``, the MEAN loss over the
+            micro-batch (the output head and the loss: run on the last stage only).
+        stage_params: this stage's params (leading axis v with :class:`Interleaved`).
+        head_params: the head's params (a pytree; ``()`` for none).
+        x: this replica's stage-0 input ``(B, ...)`` (the embedding's output).
+        y: this replica's targets, leading axis B (a pytree).
+        stage_axis: the mesh axis of the stages.
+        schedule: :class:`GPipe`, :class:`OneFOneB` or :class:`Interleaved` with its M
+            micro-batches (M divides B).
+
+    Raises:
+        TypeError: ``schedule`` not a schedule value.
+        ValueError: M not dividing B, (interleaved, v > 1) M not a multiple of S, params
+            without the leading axis of v, a stage that changes the activation's shape.
+    """
+    api = "pipeline_loss"
+    if not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"{api}: schedule must be a schedule value (parallel.GPipe(M), "
+            f"parallel.OneFOneB(M), parallel.Interleaved(M, virtual=v)), got {schedule!r}."
+        )
+    m = schedule.microbatches
+    xs = _microbatches(api, x, m, schedule)
+    _check_targets(api, x.shape[0], y)
+    ys = jax.tree_util.tree_map(lambda t: _microbatches(api, t, m, schedule), y)
+    if not bound(api, stage_axis, "stage_axis"):  # dense: every stage, then the head
+        outs = _microbatches(api, stage_fn(stage_params, x), m, schedule)
+        return jnp.mean(jax.vmap(head_fn, in_axes=(None, 0, 0))(head_params, outs, ys))
+    n_stages = primitives.world_size(stage_axis)
+    if isinstance(schedule, Interleaved):
+        schedule.check(api, n_stages)
+        _interleaved.check_chunks(api, stage_params, schedule.virtual)
+
+    # Everything traced reaches the custom_vjp as an argument (a closed-over tracer would
+    # leak out of an enclosing scan, e.g. the Trainer's gradient accumulation).
+    def run(stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree) -> tuple:
+        s = primitives.rank(stage_axis)
+        # Varying over the stage axis and the batch's axes first: the schedule's gradients
+        # are then this device's own contributions, and the reductions in the backward the
+        # only ones. (Not over the params' other axes: a Megatron block whose output is the
+        # same across its tensor axis keeps it so.)
+        batch_axes = tuple(sorted(set(_names(xs, ys)) | {stage_axis}, key=str))
+        own = jax.tree_util.tree_map(lambda p: cast_varying(p, batch_axes), stage_params)
+        head = jax.tree_util.tree_map(lambda p: cast_varying(p, batch_axes), head_params)
+        if isinstance(schedule, Interleaved):
+            first = jax.tree_util.tree_map(lambda p: p[0], own)
+            _check_stage(api, stage_fn, first, xs)
+            act = _carried(stage_fn, first, xs, s)
+            out = _interleaved.interleaved(
+                stage_fn, head_fn, own, xs, ys, stage_axis, schedule.virtual, act, head
+            )
+        else:
+            run_schedule = _gpipe if isinstance(schedule, GPipe) else _one_f_one_b
+            out = run_schedule(api, stage_fn, head_fn, own, xs, ys, stage_axis, head)
+        last_loss, grads, d_head, d_xs = out
+        loss = primitives.all_reduce(jnp.where(s == n_stages - 1, last_loss, 0.0), stage_axis)
+        return loss, (grads, d_head, d_xs)
+
+    @jax.custom_vjp
+    def staged(stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree) -> jax.Array:
+        return run(stage_params, head_params, xs, ys)[0]
+
+    def forward(stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree) -> tuple:
+        return run(stage_params, head_params, xs, ys)
+
+    # The axes each primal varies over (static): the cotangents are typed as their primals.
+    axes = jax.tree_util.tree_map(_axes, (stage_params, head_params, xs))
+    targets = jax.tree_util.tree_map(lambda t: (t.shape, t.dtype, _axes(t)), ys)
+
+    def backward(grads: tuple, ct: jax.Array) -> tuple:
+        # Scaled by the loss's cotangent, then summed over the axes a gradient varies over and
+        # its primal does not (what jax.grad does for a value shared over an axis): the stage
+        # axis for the head's params (the last stage's) and the input (stage 0's), a data
+        # axis for params the caller did not make varying there.
+        d = jax.tree_util.tree_map(lambda g, a: _typed_as((g * ct).astype(g.dtype), a), grads, axes)
+        no_y = jax.tree_util.tree_map(
+            lambda t: _zero_cotangent(*t), targets, is_leaf=lambda t: isinstance(t, tuple)
+        )
+        return (*d, no_y)
+
+    staged.defvjp(forward, backward)
+    return staged(stage_params, head_params, xs, ys)
+
+
+def _axes(x: jax.Array) -> tuple:
+    """The mesh axes ``x`` varies over (shard_map's type), sorted."""
+    return tuple(sorted(varying_axes(x) or (), key=str))
+
+
+def _zero_cotangent(shape: tuple, dtype: Any, axes: tuple) -> Any:
+    """The zero cotangent of a target (not differentiated): float0 for integers."""
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return np.zeros(shape, jax.dtypes.float0)
+    return cast_varying(jnp.zeros(shape, dtype), axes)
+
+
+def _typed_as(g: jax.Array, axes: tuple) -> jax.Array:
+    """``g`` summed over the axes it varies over that are not in ``axes``, then varying over
+    every axis in ``axes``."""
+    extra = tuple(sorted(set(varying_axes(g) or ()) - set(axes), key=str))
+    if extra:
+        g = lax.psum(g, extra)
+    return cast_varying(g, axes)

@@ -1,0 +1,262 @@
+"""``parallel.pipeline_loss``: a schedule behind ``jax.custom_vjp``, inside a loss that
+``jax.grad`` differentiates (an embedding before it, a head with params after it, a data axis
+beside it). Every schedule's loss and gradients (the embedding's, the stages', the head's)
+equal the dense model's on one device; the dense mode is that model; in a ``dp.Trainer`` step
+1F1B keeps a fraction of the memory GPipe-by-autodiff (``pipeline_apply``) does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxcoll import dp, parallel
+
+S, V, D, W, E = 4, 2, 2, 8, 3  # stages, chunks per stage (interleaved), replicas, width, input
+
+
+def stage_fn(p, h):
+    return jnp.tanh(h @ p["w"] + p["b"])
+
+
+def chunks_fn(p, h):
+    """Several layers stacked on a leading axis, in order (a stage, or the dense model)."""
+    return jax.lax.scan(lambda h, q: (stage_fn(q, h), None), h, p)[0]
+
+
+def head_fn(head, h, y):
+    """The head's params and a pytree of targets: a weighted squared error (a mean)."""
+    return jnp.mean(y["weight"][:, None] * (h @ head["out"] - y["target"]) ** 2)
+
+
+def _problem(layers, batch=16 * D):
+    rng = np.random.default_rng(layers)
+    params = {
+        "emb": (rng.normal(size=(E, W)) * 0.5).astype(np.float32),
+        "blocks": {
+            "w": (rng.normal(size=(layers, W, W)) / np.sqrt(W)).astype(np.float32),
+            "b": (rng.normal(size=(layers, W)) * 0.1).astype(np.float32),
+        },
+        "head": {"out": (rng.normal(size=(W, 2)) * 0.5).astype(np.float32)},
+    }
+    x = rng.normal(size=(batch, E)).astype(np.float32)
+    y = {
+        "target": rng.normal(size=(batch, 2)).astype(np.float32),
+        "weight": rng.uniform(0.5, 1.5, size=batch).astype(np.float32),
+    }
+    return params, x, y
+
+
+def _dense_loss(params, x, y):
+    return head_fn(params["head"], chunks_fn(params["blocks"], x @ params["emb"]), y)
+
+
+def _interleaved_order(blocks, stages, v):
+    """Layers (S*v of them, in model order) as the interleaved schedule holds them: stage s's
+    chunks s, s + S, ... stacked, then the stages: shape (S, v, ...)."""
+    return jax.tree.map(lambda t: t.reshape((v, stages) + t.shape[1:]).swapaxes(0, 1), blocks)
+
+
+SCHEDULES = [
+    parallel.GPipe(4),
+    parallel.OneFOneB(4),
+    parallel.Interleaved(4, virtual=1),
+    parallel.Interleaved(4, virtual=V),
+]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Each schedule's (loss, grads) and the dense model's, on a data x stage mesh: one
+    compiled program for the four schedules."""
+    mesh = Mesh(np.array(jax.devices()[: D * S]).reshape(D, S), ("data", "stage"))
+    problems = [_problem(S * schedule.virtual) for schedule in SCHEDULES]
+
+    def body(*args):
+        out = []
+        for schedule, (params, x, y) in zip(SCHEDULES, zip(*[iter(args)] * 3), strict=True):
+
+            def loss(params, schedule=schedule, x=x, y=y):
+                h = x @ params["emb"]
+                blocks = jax.tree.map(lambda t: t[0], params["blocks"])  # this stage's
+                value = parallel.pipeline_loss(
+                    chunks_fn if isinstance(schedule, parallel.Interleaved) else stage_fn,
+                    head_fn,
+                    blocks,
+                    params["head"],
+                    h,
+                    y,
+                    stage_axis="stage",
+                    schedule=schedule,
+                )
+                return jax.lax.pmean(value, "data")
+
+            out.append(jax.value_and_grad(loss)(params))
+        return tuple(out)
+
+    args, in_specs, out_specs = [], [], []
+    for schedule, (params, x, y) in zip(SCHEDULES, problems, strict=True):
+        if isinstance(schedule, parallel.Interleaved):
+            # (S, v, 1, ...): stage s's v chunks of one layer each, in the schedule's order.
+            blocks = _interleaved_order(params["blocks"], S, schedule.virtual)
+            blocks = jax.tree.map(lambda t: t[:, :, None], blocks)
+        else:
+            blocks = params["blocks"]
+        placed = {**params, "blocks": blocks}
+        specs = {"emb": P(), "blocks": {"w": P("stage"), "b": P("stage")}, "head": {"out": P()}}
+        args += [placed, x, y]
+        in_specs += [specs, P("data"), P("data")]
+        out_specs.append((P(), specs))
+    f = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs))
+    )
+    got = f(*args)
+    want = [jax.value_and_grad(_dense_loss)(p, x, y) for p, x, y in problems]
+    return got, want
+
+
+@pytest.mark.parametrize("k", range(len(SCHEDULES)), ids=[repr(s) for s in SCHEDULES])
+def test_every_schedule_equals_the_dense_model(runs, k):
+    (loss, grads), (want_loss, want) = runs[0][k], runs[1][k]
+    schedule = SCHEDULES[k]
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    blocks = grads["blocks"]
+    if isinstance(schedule, parallel.Interleaved):  # back to model order
+        blocks = jax.tree.map(
+            lambda t: t[:, :, 0].swapaxes(0, 1).reshape((-1,) + t.shape[3:]), blocks
+        )
+    np.testing.assert_allclose(grads["emb"], want["emb"], rtol=1e-5, atol=1e-7)  # stage 0's
+    np.testing.assert_allclose(grads["head"]["out"], want["head"]["out"], rtol=1e-5, atol=1e-7)
+    for name in ("w", "b"):
+        np.testing.assert_allclose(blocks[name], want["blocks"][name], rtol=1e-5, atol=1e-7)
+
+
+def test_the_dense_mode_is_the_dense_model():
+    params, x, y = _problem(S)
+
+    def loss(params):
+        h = x @ params["emb"]
+        return parallel.pipeline_loss(
+            chunks_fn,
+            head_fn,
+            params["blocks"],
+            params["head"],
+            h,
+            y,
+            stage_axis="stage",
+            schedule=parallel.OneFOneB(4),
+        )
+
+    got_loss, got = jax.value_and_grad(loss)(params)
+    want_loss, want = jax.value_and_grad(_dense_loss)(params, x, y)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "schedule, error, match",
+    [
+        ("1f1b", TypeError, r"pipeline_loss: schedule must be a schedule value .* got '1f1b'"),
+        (4, TypeError, r"pipeline_loss: schedule must be a schedule value .* got 4"),
+        (
+            parallel.GPipe(5),
+            ValueError,
+            r"pipeline_loss: the batch has 8 examples, which do not split into the 5 of "
+            r"GPipe\(microbatches=5\) equal micro-batches",
+        ),
+    ],
+)
+def test_bad_schedules_are_named(schedule, error, match):
+    params, x, y = _problem(S, batch=8)
+    with pytest.raises(error, match=match):
+        parallel.pipeline_loss(
+            chunks_fn,
+            head_fn,
+            params["blocks"],
+            params["head"],
+            x @ params["emb"],
+            y,
+            stage_axis="stage",
+            schedule=schedule,
+        )
+
+
+def test_the_base_class_is_not_a_schedule():
+    with pytest.raises(TypeError, match=r"Schedule: not a schedule the pipeline lowers; use"):
+        parallel.Schedule(8)
+
+
+# ------------------------------------------------------------------ inside a dp.Trainer
+L, M, ROWS, WIDTH = 8, 16, 1024, 128  # layers, micro-batches, rows a replica, width
+
+
+def _block(h, w):
+    return h + jnp.tanh(h @ w["a"]) @ w["b"], None
+
+
+def _stage(ws, h):
+    return jax.lax.scan(_block, h, ws)[0]
+
+
+def _mse(head, h, y):
+    return jnp.mean((h @ head["out"] - y) ** 2)
+
+
+def _temp_mib(loss_fn):
+    """The temp bytes (MiB) of a Trainer step's compiled program on data 2 x pipeline 4."""
+    rng = np.random.default_rng(0)
+    params = {
+        "inp": rng.normal(size=(WIDTH, WIDTH)).astype(np.float32) * 0.05,
+        "blocks": {
+            "a": rng.normal(size=(L, WIDTH, 4 * WIDTH)).astype(np.float32) * 0.05,
+            "b": rng.normal(size=(L, 4 * WIDTH, WIDTH)).astype(np.float32) * 0.05,
+        },
+        "out": rng.normal(size=(WIDTH, 4)).astype(np.float32) * 0.05,
+    }
+    specs = {"inp": P(), "blocks": {"a": P("pipe"), "b": P("pipe")}, "out": P()}
+    batch = {
+        "x": np.ones((2 * ROWS, WIDTH), np.float32),
+        "y": np.ones((2 * ROWS, 4), np.float32),
+    }
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, S), ("data", "pipe"))
+    trainer = dp.Trainer(
+        loss_fn, optax.sgd(0.1), mesh=mesh, axis_name="data", layout=dp.Layout(pipeline="pipe")
+    )
+    state = trainer.init(params, jax.random.key(0), specs=specs)
+    step, args = trainer.step_program(state, batch)
+    return step.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
+
+
+def test_in_a_trainer_1f1b_keeps_under_half_of_gpipe_by_autodiff():
+    """4 stages x 16 micro-batches, a 2-layer MLP (4x hidden) per stage: the autodiff GPipe
+    keeps every micro-batch's hidden activations, 1F1B S stage inputs."""
+
+    def autodiff(params, batch, rng):
+        h = batch["x"] @ params["inp"]
+        h = parallel.pipeline_apply(
+            _stage, params["blocks"], h, stage_axis="pipe", num_microbatches=M
+        )
+        return _mse(params, h, batch["y"]), {}
+
+    def one_f_one_b(params, batch, rng):
+        h = batch["x"] @ params["inp"]
+        loss = parallel.pipeline_loss(
+            _stage,
+            _mse,
+            params["blocks"],
+            {"out": params["out"]},
+            h,
+            batch["y"],
+            stage_axis="pipe",
+            schedule=parallel.OneFOneB(M),
+        )
+        return loss, {}
+
+    gpipe, ofob = _temp_mib(autodiff), _temp_mib(one_f_one_b)
+    assert ofob <= 0.5 * gpipe, (ofob, gpipe)
