@@ -27,11 +27,11 @@ from .moe import dispatch as dispatch
 from .pipeline import bubble_fraction as bubble_fraction
 from .pipeline import pipeline_apply as pipeline_apply
 from .pipeline import pipeline_value_and_grad as pipeline_value_and_grad
-from .staged import pipeline_loss as pipeline_loss
 from .schedules import GPipe as GPipe
 from .schedules import Interleaved as Interleaved
 from .schedules import OneFOneB as OneFOneB
 from .schedules import Schedule as Schedule
+from .staged import pipeline_loss as pipeline_loss
 from .tensor import column_parallel as column_parallel
 from .tensor import gelu as gelu
 from .tensor import mlp as mlp

@@ -28,6 +28,7 @@ from .pipeline import (
     _carried,
     _check_stage,
     _check_targets,
+    _forward,
     _gpipe,
     _microbatches,
     _names,
@@ -72,9 +73,10 @@ def pipeline_loss(
     stage's params, then the head on each micro-batch, differentiated by ``jax.grad`` as
     usual.
 
-    The forward runs every micro-batch's forward and backward, so the backward costs nothing
-    more; the residuals are the gradients (the params' size), not activations. Activation
-    memory is the schedule's: :meth:`Schedule.kept_inputs` stage inputs.
+    Differentiated, the forward runs every micro-batch's forward and backward, so the backward
+    costs nothing more; the residuals are the gradients (the params' size), not activations.
+    Activation memory is the schedule's: :meth:`Schedule.kept_inputs` stage inputs. Not
+    differentiated (an evaluation), only the forwards run.
 
     Args:
         stage_fn: ``(stage_params, h) -> h``, keeping the activation's shape and dtype.
@@ -136,9 +138,26 @@ def pipeline_loss(
         loss = primitives.all_reduce(jnp.where(s == n_stages - 1, last_loss, 0.0), stage_axis)
         return loss, (grads, d_head, d_xs)
 
+    def loss_only(stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree) -> Any:
+        """Not differentiated (an evaluation): the forwards alone, as GPipe's forward
+        schedule, once per chunk (the last stage's outputs feed stage 0's next chunk)."""
+        s = primitives.rank(stage_axis)
+        last = n_stages - 1
+        h = xs
+        for c in range(schedule.virtual):
+            params = stage_params
+            if isinstance(schedule, Interleaved):
+                params = jax.tree_util.tree_map(lambda p, c=c: p[c], stage_params)
+            _, outs = _forward(api, stage_fn, params, h, stage_axis)
+            if c < schedule.virtual - 1:
+                h = primitives.broadcast(outs, stage_axis, last)
+        losses = jax.vmap(head_fn, in_axes=(None, 0, 0))(head_params, outs, ys)
+        value = jnp.where(s == last, jnp.mean(losses).astype(jnp.float32), 0.0)
+        return primitives.all_reduce(value, stage_axis)
+
     @jax.custom_vjp
     def staged(stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree) -> jax.Array:
-        return run(stage_params, head_params, xs, ys)[0]
+        return loss_only(stage_params, head_params, xs, ys)
 
     def forward(stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree) -> tuple:
         return run(stage_params, head_params, xs, ys)

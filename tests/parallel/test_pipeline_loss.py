@@ -1,7 +1,8 @@
 """``parallel.pipeline_loss``: a schedule behind ``jax.custom_vjp``, inside a loss that
 ``jax.grad`` differentiates (an embedding before it, a head with params after it, a data axis
 beside it). Every schedule's loss and gradients (the embedding's, the stages', the head's)
-equal the dense model's on one device; the dense mode is that model; in a ``dp.Trainer`` step
+equal the dense model's on one device, and so does its loss not differentiated (the forwards
+alone); the dense mode is that model; in a ``dp.Trainer`` step
 1F1B keeps a fraction of the memory GPipe-by-autodiff (``pipeline_apply``) does.
 """
 
@@ -96,7 +97,8 @@ def runs():
                 )
                 return jax.lax.pmean(value, "data")
 
-            out.append(jax.value_and_grad(loss)(params))
+            # Differentiated (the schedule's own backward), and not (the forwards alone).
+            out.append((jax.value_and_grad(loss)(params), loss(params)))
         return tuple(out)
 
     args, in_specs, out_specs = [], [], []
@@ -111,7 +113,7 @@ def runs():
         specs = {"emb": P(), "blocks": {"w": P("stage"), "b": P("stage")}, "head": {"out": P()}}
         args += [placed, x, y]
         in_specs += [specs, P("data"), P("data")]
-        out_specs.append((P(), specs))
+        out_specs.append(((P(), specs), P()))
     f = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs))
     )
@@ -122,9 +124,10 @@ def runs():
 
 @pytest.mark.parametrize("k", range(len(SCHEDULES)), ids=[repr(s) for s in SCHEDULES])
 def test_every_schedule_equals_the_dense_model(runs, k):
-    (loss, grads), (want_loss, want) = runs[0][k], runs[1][k]
+    ((loss, grads), loss_only), (want_loss, want) = runs[0][k], runs[1][k]
     schedule = SCHEDULES[k]
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    np.testing.assert_allclose(loss_only, want_loss, rtol=1e-6)
     blocks = grads["blocks"]
     if isinstance(schedule, parallel.Interleaved):  # back to model order
         blocks = jax.tree.map(
