@@ -3,6 +3,7 @@
     python examples/gpt.py                          # dp8: 8 simulated CPU devices, ~20 s
     python examples/gpt.py --layout fsdp4xtp2       # FSDP over 4 x tensor parallel over 2
     python examples/gpt.py --layout fsdp2xtp2xpp2   # ... x 2 pipeline stages
+    python examples/gpt.py --layout fsdp2xtp2xpp2 --schedule 1f1b  # ... by 1F1B
     python examples/gpt.py --layout single          # the same model on one device
     jaxcoll-run --nprocs 2 --devices-per-proc 4 examples/gpt.py --layout fsdp2xtp2xpp2
 
@@ -19,8 +20,9 @@ each batch; batch s is the same whatever the layout or the number of processes.
 A layout is the mesh's axes and their sizes: ``dp`` (data parallel, replicated), ``fsdp``
 (data parallel, params sharded: FSDP, or HSDP beside ``dp``), ``tp`` (tensor parallel: the
 attention heads and the MLP's hidden units split, jaxcoll.nn's layers) and ``pp`` (pipeline
-stages over the stacked blocks, parallel.pipeline_apply). The model is written once: on one
-device (or over data axes only) it runs dense. Every layout trains the same model to the same
+stages over the stacked blocks, run by parallel.pipeline_loss with the schedule that
+``--schedule`` picks: ``gpipe`` or ``1f1b``). The model is written once: on one device (or
+over data axes only) it runs dense. Every layout trains the same model to the same
 params as ``--layout single`` (tests/test_gpt.py checks it within 1e-5). The loop is
 ``Trainer.fit``, as nanoGPT's: every ``--eval-every`` steps it evaluates on train and val
 batches and prints both losses, the learning rate, tokens/s and (with ``--peak-flops``) MFU.
@@ -70,6 +72,8 @@ BIAS = False  # biases in the Linears and LayerNorms (nanoGPT's bias flag; False
 BATCH = 32  # global batch, in sequences, per optimizer step
 ACCUM = 2  # gradient accumulation: micro-batches per step (each rank's share split)
 MICRO = 2  # pipeline micro-batches per micro-batch (pp layouts)
+SCHEDULE = "gpipe"  # --schedule: the pipeline's schedule (pp layouts), a key of SCHEDULES
+SCHEDULES = {"gpipe": parallel.GPipe, "1f1b": parallel.OneFOneB}
 LR, MIN_LR, WARMUP = 3e-3, 3e-4, 20  # peak and final learning rate, warmup steps
 DECAY_STEPS = 300  # the cosine reaches MIN_LR here (nanoGPT's lr_decay_iters)
 WEIGHT_DECAY, CLIP = 0.1, 1.0
@@ -161,21 +165,33 @@ def stage(blocks, h):
     return jax.lax.scan(lambda h, p: (Block().apply({"params": p}, h), None), h, blocks)[0]
 
 
-def logits(params, x):
-    h = params["wte"][x] + params["wpe"][: x.shape[1]]
-    # The stacked blocks as stages over the pipeline axis (GPipe; every stage gets the last
-    # one's output); where no pipeline axis is bound, all of them in order.
-    h = parallel.pipeline_apply(
-        stage, params["blocks"], h, stage_axis="pipe", num_microbatches=MICRO
-    )
-    h = nn.LayerNorm(use_bias=BIAS).apply({"params": params["ln_f"]}, h)
-    return h @ params["wte"].T  # tied embeddings
+def head_loss(head, h, y):
+    """The final LayerNorm, the tied output head and the loss of one micro-batch (the last
+    pipeline stage runs it)."""
+    h = nn.LayerNorm(use_bias=BIAS).apply({"params": head["ln_f"]}, h)
+    logp = jax.nn.log_softmax(h @ head["wte"].T)  # tied embeddings
+    return -jnp.mean(jnp.take_along_axis(logp, y[..., None], axis=-1))
 
 
 def loss_fn(params, batch, rng):
-    logp = jax.nn.log_softmax(logits(params, batch["x"]))
-    nll = -jnp.take_along_axis(logp, batch["y"][..., None], axis=-1)
-    return jnp.mean(nll), {}
+    x = batch["x"]
+    h = params["wte"][x] + params["wpe"][: x.shape[1]]
+    # The stacked blocks as stages over the pipeline axis, by the schedule's own backward
+    # (--schedule), the head on the last stage; where no pipeline axis is bound, every block
+    # in order, then the head.
+    head = {"ln_f": params["ln_f"], "wte": params["wte"]}
+    schedule = SCHEDULES[SCHEDULE](MICRO)
+    loss = parallel.pipeline_loss(
+        stage,
+        head_loss,
+        params["blocks"],
+        head,
+        h,
+        batch["y"],
+        stage_axis="pipe",
+        schedule=schedule,
+    )
+    return loss, {}
 
 
 def init_params(seed: int = 0):
@@ -274,9 +290,15 @@ def trainer_for(name: str, devices=None) -> dp.Trainer:
 
 
 def main(argv=None) -> None:
-    global DATA
+    global DATA, SCHEDULE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layout", default="dp8")
+    parser.add_argument(
+        "--schedule",
+        default=SCHEDULE,
+        choices=sorted(SCHEDULES),
+        help="the pipeline schedule of a pp layout (1f1b: activation memory bounded by the stages)",
+    )
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument(
         "--ckpt", help="a directory: resume from its newest checkpoint, save the best and last"
@@ -298,6 +320,7 @@ def main(argv=None) -> None:
     if args.tiny:
         use_tiny()
     DATA = args.data
+    SCHEDULE = args.schedule
     me = jax.process_index()
     trainer = trainer_for(args.layout)
     state = trainer.init(init_params(), jax.random.key(0))

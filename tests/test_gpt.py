@@ -68,11 +68,24 @@ def test_a_layout_trains_the_single_device_params(name, single):
     assert abs(loss - single[1]) <= 1e-5
 
 
-def test_the_checkpoint_resumes_in_another_layout(tmp_path, single):
+def test_1f1b_trains_the_single_device_params(single, monkeypatch):
+    # The pipeline's own 1F1B backward (parallel.pipeline_loss) inside the Trainer, under
+    # FSDP x tensor x pipeline with gradient accumulation.
+    monkeypatch.setattr(gpt, "SCHEDULE", "1f1b")
+    params, loss = _train("fsdp2xtp2xpp2")
+    assert _max_rel(_flat(params), single[0]) <= TOL
+    assert abs(loss - single[1]) <= 1e-5
+
+
+def test_the_checkpoint_resumes_in_another_layout(tmp_path, single, monkeypatch):
+    monkeypatch.setattr(gpt, "SCHEDULE", gpt.SCHEDULE)  # main sets it from --schedule
     ckpt, out = tmp_path / "ckpt", tmp_path / "params.npz"
     common = ["--tiny", "--eval-every", "0", "--ckpt", str(ckpt)]
     gpt.main([*common, "--layout", "fsdp4xtp2", "--steps", "2"])
-    gpt.main([*common, "--layout", "dp2xtp2xpp2", "--steps", str(STEPS), "--out", str(out)])
+    gpt.main(
+        [*common, "--layout", "dp2xtp2xpp2", "--schedule", "1f1b", "--steps", str(STEPS)]
+        + ["--out", str(out)]
+    )
     assert _max_rel(dict(np.load(out)), single[0]) <= TOL
 
 
