@@ -148,13 +148,15 @@ def test_hsdp_with_replicas_across_processes_matches_1x8(tmp_path, single):
 
 @pytest.mark.timeout(200)
 def test_the_gpt_example_across_processes_equals_one_device(tmp_path):
-    # examples/gpt.py --tiny in the layout FSDP 2 x tensor 2 x pipeline 2 under jaxcoll-run,
-    # the data axis across the two processes and the tensor and pipeline axes inside each:
-    # the params equal the example's single-device run (in this process) after the same steps.
+    # examples/gpt.py --tiny in the layout FSDP 2 x tensor 2 x pipeline 2 by 1F1B under
+    # jaxcoll-run, the data axis across the two processes and the tensor and pipeline axes
+    # inside each: the params equal the example's single-device run (in this process) after
+    # the same steps.
     from tests.test_gpt import STEPS, TOL, _flat, _max_rel, _train
 
     out = tmp_path / "params.npz"
-    args = ["--tiny", "--layout", "fsdp2xtp2xpp2", "--steps", str(STEPS), "--out", str(out)]
+    args = ["--tiny", "--layout", "fsdp2xtp2xpp2", "--schedule", "1f1b"]
+    args += ["--steps", str(STEPS), "--out", str(out)]
     job = launch(
         ["--nprocs", "2", "--devices-per-proc", "4"],
         os.path.join(ROOT, "examples", "gpt.py"),
