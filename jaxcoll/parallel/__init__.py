@@ -14,7 +14,8 @@ them (the pipeline takes ``data_axis=`` and averages gradients over it exactly o
 * :mod:`.staged`: :func:`pipeline_loss`, a schedule behind ``jax.custom_vjp``, for
   a loss that ``jax.grad`` (a ``dp.Trainer``) differentiates;
 * :mod:`.schedules`: the schedules as values, :class:`GPipe`, :class:`OneFOneB`,
-  :class:`Interleaved` (:class:`Schedule`), with their bubble and kept inputs;
+  :class:`Interleaved`, :class:`ZeroBubble` (:class:`Schedule`), with their bubble and kept
+  inputs;
 * :mod:`.tensor`: :func:`column_parallel`, :func:`row_parallel`, :func:`mlp`,
   :func:`shard_mlp`, :func:`sequence_gather`, :func:`gelu` (torch's exact ``nn.GELU()``);
 * :mod:`.moe`: :func:`dispatch`, :func:`combine`;
@@ -31,6 +32,7 @@ from .schedules import GPipe as GPipe
 from .schedules import Interleaved as Interleaved
 from .schedules import OneFOneB as OneFOneB
 from .schedules import Schedule as Schedule
+from .schedules import ZeroBubble as ZeroBubble
 from .staged import pipeline_loss as pipeline_loss
 from .tensor import column_parallel as column_parallel
 from .tensor import gelu as gelu
@@ -44,6 +46,7 @@ __all__ = [
     "Interleaved",
     "OneFOneB",
     "Schedule",
+    "ZeroBubble",
     "bubble_fraction",
     "column_parallel",
     "combine",

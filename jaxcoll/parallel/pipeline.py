@@ -21,8 +21,8 @@ from .. import primitives
 from .._core.axis import bound
 from .._core.typing import PyTree
 from .._core.vma import cast_varying, varying_axes
-from . import _interleaved
-from .schedules import SCHEDULES, GPipe, Interleaved, Schedule
+from . import _interleaved, _zero_bubble
+from .schedules import SCHEDULES, GPipe, Interleaved, Schedule, ZeroBubble
 
 _SCHEDULES = tuple(SCHEDULES)
 
@@ -158,6 +158,30 @@ def _as_schedule(api: str, schedule: Any, num_microbatches: Any, virtual_stages:
 def _headless(loss_fn: Callable) -> Callable:
     """``(out, y) -> loss`` as the schedules call a loss: ``(head, out, y) -> loss``."""
     return lambda head, out, y: loss_fn(out, y)
+
+
+def lower(
+    api: str,
+    schedule: Schedule,
+    stage_fn: Callable,
+    loss_fn: Callable,
+    own: PyTree,
+    xs: jax.Array,
+    ys: PyTree,
+    stage_axis: Hashable,
+    head: PyTree = (),
+) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
+    """Run a one-chunk-per-stage ``schedule`` (GPipe, 1F1B, ZB-H1): ``loss_fn`` is
+    ``(head, out, y) -> mean loss``; returns the last stage's mean loss, this stage's
+    gradient, the head's and the inputs'."""
+    if isinstance(schedule, ZeroBubble):
+        _check_stage(api, stage_fn, own, xs)
+        s = primitives.rank(stage_axis)
+        act = _carried(stage_fn, own, xs, s)
+        rows = schedule.table(primitives.world_size(stage_axis))
+        return _zero_bubble.zero_bubble(stage_fn, loss_fn, own, xs, ys, stage_axis, rows, act, head)
+    run = _gpipe if isinstance(schedule, GPipe) else _one_f_one_b
+    return run(api, stage_fn, loss_fn, own, xs, ys, stage_axis, head)
 
 
 def _check_count(api: str, m: Any) -> None:
@@ -622,8 +646,9 @@ def pipeline_value_and_grad(
             stage_fn, _headless(loss_fn), own, xs, ys, stage_axis, v, act
         )
     else:
-        run = _gpipe if isinstance(sched, GPipe) else _one_f_one_b
-        last_loss, grads, _, _ = run(api, stage_fn, _headless(loss_fn), own, xs, ys, stage_axis)
+        last_loss, grads, _, _ = lower(
+            api, sched, stage_fn, _headless(loss_fn), own, xs, ys, stage_axis
+        )
 
     loss = primitives.all_reduce(jnp.where(s == n_stages - 1, last_loss, 0.0), stage_axis)
     if data_axis is not None:

@@ -34,7 +34,7 @@ class Schedule:
     """The lowering :func:`~jaxcoll.parallel.pipeline_value_and_grad` runs for it."""
 
     def __post_init__(self) -> None:
-        if type(self) not in SCHEDULES.values():
+        if type(self) not in (*SCHEDULES.values(), ZeroBubble):
             raise TypeError(
                 f"{type(self).__name__}: not a schedule the pipeline lowers; use "
                 f"GPipe(M), OneFOneB(M) or Interleaved(M, virtual=v) (Schedule is their base; "
@@ -135,6 +135,97 @@ class Interleaved(Schedule):
         self.check(f"{self!r}.kept_inputs", stages)
         m, v = self.microbatches, self.virtual
         return min(m * v, v * stages + stages - 1)
+
+
+@dataclass(frozen=True)
+class ZeroBubble(Schedule):
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): each backward split into
+    B, the input's gradient (the next stage down waits for it), and W, the params' gradient
+    (nobody waits for it), and W's postponed into what would be 1F1B's bubble. Stage s runs
+    S - s - 1 warm-up forwards, then s pairs of F and B (their W's deferred), then F, B, W
+    while forwards remain, then B, W, then the deferred W's: a stage holds at most S stage
+    inputs, as 1F1B's first stage does.
+
+    In units of one forward (a B and a W each as long), a step takes ``3M + S - 1`` units of
+    which each stage idles ``S - 1``, a third of 1F1B's ``3(S - 1)`` (whose backward is B and W
+    at once). :meth:`table` is the schedule, slot by slot, as lowered."""
+
+    name: ClassVar[str] = "zb-h1"
+
+    def order(self, stages: int, s: int) -> list[tuple[str, int]]:
+        """Stage ``s``'s operations in order: ``("F" | "B" | "W", micro-batch)``."""
+        m = self.microbatches
+        ops: list[tuple[str, int]] = []
+        f = b = w = 0
+        for _ in range(min(stages - s - 1, m)):
+            ops.append(("F", f))
+            f += 1
+        for _ in range(s):
+            if f < m:
+                ops += [("F", f), ("B", b)]
+                f, b = f + 1, b + 1
+        while f < m:
+            ops += [("F", f), ("B", b), ("W", w)]
+            f, b, w = f + 1, b + 1, w + 1
+        while b < m:
+            ops += [("B", b), ("W", w)]
+            b, w = b + 1, w + 1
+        ops += [("W", k) for k in range(w, m)]
+        return ops
+
+    def table(self, stages: int) -> list[list[tuple[str, int] | None]]:
+        """Each stage's operation in each slot (None: idle), every stage running its
+        :meth:`order` as soon as what it needs has arrived: a forward the previous stage's
+        output of the slot before, a backward its own forward and the next stage's B of the
+        slot before (the last stage: its own forward)."""
+        self.check(f"{self!r}.table", stages)
+        orders = [self.order(stages, s) for s in range(stages)]
+        at = [0] * stages
+        done: list[dict[tuple[str, int], int]] = [{} for _ in range(stages)]
+        rows: list[list[tuple[str, int] | None]] = [[] for _ in range(stages)]
+        t = 0
+        while any(at[s] < len(orders[s]) for s in range(stages)):
+            now: list[tuple[str, int] | None] = []
+            for s in range(stages):
+                op = orders[s][at[s]] if at[s] < len(orders[s]) else None
+                if op is not None:
+                    kind, k = op
+                    if kind == "F" and s > 0:
+                        ready = done[s - 1].get(("F", k), t) < t
+                    elif kind == "B":
+                        ready = ("F", k) in done[s] and (
+                            s == stages - 1 or done[s + 1].get(("B", k), t) < t
+                        )
+                    else:
+                        ready = True
+                    op = op if ready else None
+                now.append(op)
+            for s, op in enumerate(now):
+                rows[s].append(op)
+                if op is not None:
+                    done[s][op] = t
+                    at[s] += 1
+            t += 1
+        return rows
+
+    def bubble_fraction(self, stages: int) -> float:
+        """The idle share of a stage's slots in :meth:`table` (slots of one F, B or W):
+        ``(S - 1) / (3M + S - 1)``.
+
+        Example::
+
+            >>> ZeroBubble(8).bubble_fraction(4)
+            0.1111111111111111
+        """
+        rows = self.table(stages)
+        return sum(op is None for op in rows[0]) / len(rows[0])
+
+    def kept_inputs(self, stages: int) -> int:
+        """The most stage inputs a stage holds at once, from their arrival to their W (B and
+        W recompute the forward from them): the lowering's buffers."""
+        from ._zero_bubble import tables  # the lowering's own count
+
+        return tables(self.table(stages))[2]
 
 
 SCHEDULES: dict[str, type[Schedule]] = {s.name: s for s in (GPipe, OneFOneB, Interleaved)}

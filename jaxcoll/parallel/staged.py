@@ -29,12 +29,11 @@ from .pipeline import (
     _check_stage,
     _check_targets,
     _forward,
-    _gpipe,
     _microbatches,
     _names,
-    _one_f_one_b,
+    lower,
 )
-from .schedules import GPipe, Interleaved, Schedule
+from .schedules import Interleaved, Schedule
 
 
 def pipeline_loss(
@@ -132,8 +131,7 @@ def pipeline_loss(
                 stage_fn, head_fn, own, xs, ys, stage_axis, schedule.virtual, act, head
             )
         else:
-            run_schedule = _gpipe if isinstance(schedule, GPipe) else _one_f_one_b
-            out = run_schedule(api, stage_fn, head_fn, own, xs, ys, stage_axis, head)
+            out = lower(api, schedule, stage_fn, head_fn, own, xs, ys, stage_axis, head)
         last_loss, grads, d_head, d_xs = out
         loss = primitives.all_reduce(jnp.where(s == n_stages - 1, last_loss, 0.0), stage_axis)
         return loss, (grads, d_head, d_xs)

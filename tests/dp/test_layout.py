@@ -111,7 +111,13 @@ def test_every_layout_equals_one_device(name, reference):
 
 
 @pytest.mark.parametrize(
-    "schedule", [parallel.GPipe(nd_model.MICRO), parallel.OneFOneB(nd_model.MICRO)], ids=repr
+    "schedule",
+    [
+        parallel.GPipe(nd_model.MICRO),
+        parallel.OneFOneB(nd_model.MICRO),
+        parallel.ZeroBubble(nd_model.MICRO),
+    ],
+    ids=repr,
 )
 @pytest.mark.parametrize("name", ["dp2xtp2xpp2", "fsdp2xtp2xpp2"])
 def test_every_pipelined_layout_trains_with_each_schedule_equal_to_one_device(

@@ -68,6 +68,8 @@ SCHEDULES = [
     parallel.OneFOneB(4),
     parallel.Interleaved(4, virtual=1),
     parallel.Interleaved(4, virtual=V),
+    parallel.ZeroBubble(4),
+    parallel.ZeroBubble(2),  # fewer micro-batches than stages
 ]
 
 
@@ -188,6 +190,71 @@ def test_bad_schedules_are_named(schedule, error, match):
             stage_axis="stage",
             schedule=schedule,
         )
+
+
+def test_zb_h1_in_a_step_of_your_own_equals_the_dense_model():
+    # pipeline_value_and_grad (the step is the caller's) with ZB-H1 and a data axis: the loss
+    # and the stages' gradient, averaged over the replicas once.
+    params, x, y = _problem(S)
+    mesh = Mesh(np.array(jax.devices()[: D * S]).reshape(D, S), ("data", "stage"))
+
+    def body(blocks, h, y):
+        loss, grads = parallel.pipeline_value_and_grad(
+            stage_fn,
+            lambda out, y: head_fn(params["head"], out, y),
+            jax.tree.map(lambda t: t[0], blocks),
+            h,
+            y,
+            stage_axis="stage",
+            data_axis="data",
+            schedule=parallel.ZeroBubble(4),
+        )
+        return loss, jax.tree.map(lambda g: g[None], grads)
+
+    specs = {"w": P("stage"), "b": P("stage")}
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=(P(), specs)
+        )
+    )
+    h = x @ params["emb"]
+    loss, grads = f(params["blocks"], h, y)
+    want_loss, want = jax.value_and_grad(lambda b: head_fn(params["head"], chunks_fn(b, h), y))(
+        params["blocks"]
+    )
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for name in ("w", "b"):
+        np.testing.assert_allclose(grads[name], want[name], rtol=1e-5, atol=1e-7)
+
+
+def test_zb_h1_idles_a_third_of_1f1b_and_keeps_what_1f1b_s_first_stage_does():
+    """At 4 stages x 8 micro-batches, in units of one forward (B and W each as long, 1F1B's
+    backward both at once): 1F1B's stage idles 3(S - 1) = 9 units, ZB-H1's S - 1 = 3."""
+    zb = parallel.ZeroBubble(8)
+    rows = zb.table(4)
+    assert [len(row) for row in rows] == [3 * 8 + 3] * 4  # 3M + S - 1 slots
+    idle = [sum(op is None for op in row) for row in rows]
+    one_f_one_b_idle = 3 * (4 - 1)
+    assert max(idle) * 3 <= one_f_one_b_idle, idle
+    assert zb.bubble_fraction(4) == 3 / 27
+    # Every stage runs each micro-batch's F, B and W once, F before B before W.
+    for row in rows:
+        ops = [op for op in row if op is not None]
+        assert sorted(ops) == sorted((k, i) for k in "FBW" for i in range(8))
+        for i in range(8):
+            assert ops.index(("F", i)) < ops.index(("B", i)) < ops.index(("W", i))
+    # As many stage inputs as 1F1B's first stage keeps.
+    assert zb.kept_inputs(4) == parallel.OneFOneB(8).kept_inputs(4) == 4
+    # Stage 0's order: 3 warm-up forwards, then F, B, W, then B, W.
+    assert [op for op in rows[0] if op is not None][:7] == [
+        ("F", 0),
+        ("F", 1),
+        ("F", 2),
+        ("F", 3),
+        ("B", 0),
+        ("W", 0),
+        ("F", 4),
+    ]
 
 
 def test_the_base_class_is_not_a_schedule():

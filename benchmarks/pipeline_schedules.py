@@ -1,7 +1,7 @@
-"""Pipeline schedules inside a dp.Trainer step: compiled memory and bubble.
+"""Pipeline schedules inside a dp.Trainer step: compiled memory, bubble and step time.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/pipeline_memory.py            # ~1 min on 2 cores
-    PYTHONPATH=. .venv/bin/python benchmarks/pipeline_memory.py --rows 8192
+    PYTHONPATH=. .venv/bin/python benchmarks/pipeline_schedules.py          # ~2 min on 2 cores
+    PYTHONPATH=. .venv/bin/python benchmarks/pipeline_schedules.py --rows 8192 --rounds 0
 
 The model: an input projection, 8 residual MLP layers (width 128, 4x hidden) stacked and split
 into 4 stages over a ``pipe`` axis, an output projection and a squared error; 8 simulated
@@ -12,17 +12,22 @@ nothing run):
 * ``pipeline_apply``: the GPipe forward differentiated by jax (what a Trainer loss ran before
   schedules were values): every micro-batch's activations inside every stage are kept;
 * ``pipeline_loss(GPipe(M))``, ``pipeline_loss(OneFOneB(M))``,
-  ``pipeline_loss(Interleaved(M, virtual=2))``: the schedule's own backward behind a
-  ``jax.custom_vjp`` (stage inputs kept, each stage's forward recomputed in its backward).
+  ``pipeline_loss(Interleaved(M, virtual=2))``, ``pipeline_loss(ZeroBubble(M))``: the
+  schedule's own backward behind a ``jax.custom_vjp`` (stage inputs kept, each stage's
+  forward recomputed in its backward).
 
 Columns: the compiled step's temp and argument bytes per device (``memory_analysis()``), the
-schedule's bubble (``bubble_fraction``) and the stage inputs it keeps (``kept_inputs``).
+schedule's bubble (``bubble_fraction``, in its own slots: ZB-H1's are a third of a 1F1B
+backward slot), the stage inputs it keeps (``kept_inputs``) and, with ``--rounds`` > 0, the
+median time of a step over that many rounds of ``--steps`` steps, the rows interleaved
+(round r runs every row once, in turn), and its ratio to 1F1B's.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -90,6 +95,7 @@ def losses(micro: int) -> dict:
                 parallel.GPipe(micro),
                 parallel.OneFOneB(micro),
                 parallel.Interleaved(micro, virtual=2),
+                parallel.ZeroBubble(micro),
             )
         },
     }
@@ -99,6 +105,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1024, help="examples per replica a step")
     parser.add_argument("--micro", type=int, default=16, help="micro-batches a step")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (0: none)")
+    parser.add_argument("--steps", type=int, default=5, help="steps a round")
     a = parser.parse_args()
     rng = np.random.default_rng(0)
     params = {
@@ -119,8 +127,7 @@ def main() -> None:
         f"data 2 x pipe {STAGES}, {LAYERS} layers of width {WIDTH} (4x hidden), {a.rows} rows "
         f"a replica in {a.micro} micro-batches\n"
     )
-    print("| step's loss | temp MiB | argument MiB | bubble | kept inputs |")
-    print("|---|---:|---:|---:|---:|")
+    rows = {}
     for name, (loss, schedule) in losses(a.micro).items():
         trainer = dp.Trainer(
             loss, optax.sgd(0.1), mesh=mesh, axis_name="data", layout=dp.Layout(pipeline="pipe")
@@ -130,11 +137,41 @@ def main() -> None:
         m = step.lower(*args).compile().memory_analysis()
         autodiff = name.startswith("pipeline_apply")
         kept = f"{a.micro} and their activations" if autodiff else schedule.kept_inputs(STAGES)
-        print(
-            f"| `{name}` | {m.temp_size_in_bytes / 2**20:.2f} | "
+        rows[name] = {
+            "trainer": trainer,
+            "state": state,
+            "batch": trainer.shard_batch(batch),
+            "cells": f"| `{name}` | {m.temp_size_in_bytes / 2**20:.2f} | "
             f"{m.argument_size_in_bytes / 2**20:.2f} | {schedule.bubble_fraction(STAGES):.3f} | "
-            f"{kept} |"
-        )
+            f"{kept} |",
+            "times": [],
+        }
+    for _ in range(a.rounds):  # interleaved: every row once a round
+        for row in rows.values():
+            state, metrics = row["trainer"].step(row["state"], row["batch"])  # warm
+            jax.block_until_ready(metrics)
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                state, metrics = row["trainer"].step(state, row["batch"])
+            jax.block_until_ready(metrics)
+            row["times"].append((time.perf_counter() - t0) / a.steps)
+            row["state"] = state
+    timed = a.rounds > 0
+    base = next(r for n, r in rows.items() if "OneFOneB" in n)
+    print(
+        "| step's loss | temp MiB | argument MiB | bubble | kept inputs |"
+        + (" step ms | / 1F1B |" if timed else "")
+    )
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|" if timed else ""))
+    for row in rows.values():
+        line = row["cells"]
+        if timed:
+            ms = 1e3 * float(np.median(row["times"]))
+            ratio = float(np.median(row["times"])) / float(np.median(base["times"]))
+            line += f" {ms:.1f} | {ratio:.2f} |"
+        print(line)
+    if timed:
+        print(f"\n{a.rounds} rounds of {a.steps} steps per row, interleaved; medians")
 
 
 if __name__ == "__main__":
