@@ -3,7 +3,7 @@
     python examples/gpt.py                          # dp8: 8 simulated CPU devices, ~20 s
     python examples/gpt.py --layout fsdp4xtp2       # FSDP over 4 x tensor parallel over 2
     python examples/gpt.py --layout fsdp2xtp2xpp2   # ... x 2 pipeline stages
-    python examples/gpt.py --layout fsdp2xtp2xpp2 --schedule 1f1b  # ... by 1F1B
+    python examples/gpt.py --layout fsdp2xtp2xpp2 --schedule 1f1b  # ... by 1F1B (or zb-h1)
     python examples/gpt.py --layout single          # the same model on one device
     jaxcoll-run --nprocs 2 --devices-per-proc 4 examples/gpt.py --layout fsdp2xtp2xpp2
 
@@ -21,8 +21,8 @@ A layout is the mesh's axes and their sizes: ``dp`` (data parallel, replicated),
 (data parallel, params sharded: FSDP, or HSDP beside ``dp``), ``tp`` (tensor parallel: the
 attention heads and the MLP's hidden units split, jaxcoll.nn's layers) and ``pp`` (pipeline
 stages over the stacked blocks, run by parallel.pipeline_loss with the schedule that
-``--schedule`` picks: ``gpipe`` or ``1f1b``). The model is written once: on one device (or
-over data axes only) it runs dense. Every layout trains the same model to the same
+``--schedule`` picks: ``gpipe``, ``1f1b`` or ``zb-h1``). The model is written once: on one
+device (or over data axes only) it runs dense. Every layout trains the same model to the same
 params as ``--layout single`` (tests/test_gpt.py checks it within 1e-5). The loop is
 ``Trainer.fit``, as nanoGPT's: every ``--eval-every`` steps it evaluates on train and val
 batches and prints both losses, the learning rate, tokens/s and (with ``--peak-flops``) MFU.
@@ -73,7 +73,7 @@ BATCH = 32  # global batch, in sequences, per optimizer step
 ACCUM = 2  # gradient accumulation: micro-batches per step (each rank's share split)
 MICRO = 2  # pipeline micro-batches per micro-batch (pp layouts)
 SCHEDULE = "gpipe"  # --schedule: the pipeline's schedule (pp layouts), a key of SCHEDULES
-SCHEDULES = {"gpipe": parallel.GPipe, "1f1b": parallel.OneFOneB}
+SCHEDULES = {"gpipe": parallel.GPipe, "1f1b": parallel.OneFOneB, "zb-h1": parallel.ZeroBubble}
 LR, MIN_LR, WARMUP = 3e-3, 3e-4, 20  # peak and final learning rate, warmup steps
 DECAY_STEPS = 300  # the cosine reaches MIN_LR here (nanoGPT's lr_decay_iters)
 WEIGHT_DECAY, CLIP = 0.1, 1.0
