@@ -60,11 +60,14 @@ def pipeline_loss(
             return mean over micro-batches of head_fn(head_params, x_mb, y_mb)
 
     with, for ``Interleaved(M, virtual=v)``, this stage's v chunks stacked on a leading axis
-    of ``stage_params`` (chunk c is model chunk ``c*S + s``). The value is the same on every
-    stage; the gradient of ``stage_params`` is this stage's, that of ``head_params`` the last
-    stage's and that of ``x`` stage 0's, each reaching the others through the reductions
-    ``jax.grad`` makes for values shared over the stage axis (an embedding before the
-    pipeline, a head tied to it). Nothing is reduced over other axes here: a data axis is
+    of ``stage_params`` (chunk c is model chunk ``c*S + s``). Layers stacked ``(L, ...)`` in
+    the model's order and reshaped to ``(v, L // v, ...)`` with the spec
+    ``P(None, stage_axis, ...)`` are placed so (stage s gets the s-th slice of each of the v
+    parts), and in dense mode the two leading axes are read back in order. The value is the
+    same on every stage; the gradient of ``stage_params`` is this stage's, that of
+    ``head_params`` the last stage's and that of ``x`` stage 0's, each reaching the others
+    through the reductions ``jax.grad`` makes for values shared over the stage axis (an
+    embedding before the pipeline, a head tied to it). Nothing is reduced over other axes here: a data axis is
     the caller's (the Trainer's) to average over, as for any loss.
 
     **Dense mode**, as :func:`pipeline_apply`'s: where ``stage_axis`` is not bound (a
@@ -105,6 +108,11 @@ def pipeline_loss(
     _check_targets(api, x.shape[0], y)
     ys = jax.tree_util.tree_map(lambda t: _microbatches(api, t, m, schedule), y)
     if not bound(api, stage_axis, "stage_axis"):  # dense: every stage, then the head
+        if isinstance(schedule, Interleaved):  # (v, n, ...): the model's layers in order
+            _interleaved.check_chunks(api, stage_params, schedule.virtual)
+            stage_params = jax.tree_util.tree_map(
+                lambda p: p.reshape((-1,) + p.shape[2:]), stage_params
+            )
         outs = _microbatches(api, stage_fn(stage_params, x), m, schedule)
         return jnp.mean(jax.vmap(head_fn, in_axes=(None, 0, 0))(head_params, outs, ys))
     n_stages = primitives.world_size(stage_axis)

@@ -115,6 +115,7 @@ def test_every_layout_equals_one_device(name, reference):
     [
         parallel.GPipe(nd_model.MICRO),
         parallel.OneFOneB(nd_model.MICRO),
+        parallel.Interleaved(nd_model.MICRO, virtual=2),
         parallel.ZeroBubble(nd_model.MICRO),
     ],
     ids=repr,
@@ -125,13 +126,31 @@ def test_every_pipelined_layout_trains_with_each_schedule_equal_to_one_device(
 ):
     # The schedule's own backward (parallel.pipeline_loss) inside the Trainer's
     # value_and_grad, with tensor parallel stages, DDP or FSDP, and accumulation (fsdp2x...).
+    # Interleaved: the 4 stacked layers as (2, 2, ...), P(None, "pipe"): stage s holds model
+    # chunks s and s + 2, one layer each.
+    params, specs = params0(), SPECS
+    if isinstance(schedule, parallel.Interleaved):
+        v = schedule.virtual
+        params = {
+            k: {**p, "blocks": nd_model.interleave(p["blocks"], v)} for k, p in params.items()
+        }
+        specs = {
+            k: {**c, "blocks": jax.tree.map(lambda q: P(None, *q), c["blocks"], is_leaf=_is_spec)}
+            for k, c in SPECS.items()
+        }
     trainer = _trainer(name, nd_model.scheduled_loss(schedule))
-    state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
+    state = trainer.init(params, jax.random.key(1), specs=specs)
     for batch in data():
         state, metrics = trainer.step(state, batch)
     got = trainer.host_params(state)
     for k in TWIN:
+        if isinstance(schedule, parallel.Interleaved):
+            got[k]["blocks"] = nd_model.interleave(got[k]["blocks"], -1)
         assert _max_rel(got[k], reference[k]) <= TOL, (name, schedule, k)
+
+
+def _is_spec(x):
+    return isinstance(x, P)
 
 
 def test_a_tensor_split_leaf_keeps_its_split_and_fsdp_adds_the_data_split():

@@ -91,6 +91,15 @@ def head_loss(head, h, y):
     return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=-1))
 
 
+def interleave(tree, v):
+    """The stacked blocks ``(L, ...)`` as ``parallel.Interleaved(M, virtual=v)`` takes them,
+    ``(v, L // v, ...)`` (its specs: ``None`` before the pipeline axis); ``v=-1``: back."""
+    return jax.tree_util.tree_map(
+        lambda t: t.reshape((-1,) + t.shape[2:]) if v == -1 else t.reshape((v, -1) + t.shape[1:]),
+        tree,
+    )
+
+
 def scheduled_loss(schedule):
     """``loss_fn`` with the blocks run by ``schedule`` (``parallel.pipeline_loss``: its own
     backward inside the Trainer's ``jax.value_and_grad``); dense where no pipeline axis is."""
