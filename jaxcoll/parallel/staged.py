@@ -67,8 +67,8 @@ def pipeline_loss(
     same on every stage; the gradient of ``stage_params`` is this stage's, that of
     ``head_params`` the last stage's and that of ``x`` stage 0's, each reaching the others
     through the reductions ``jax.grad`` makes for values shared over the stage axis (an
-    embedding before the pipeline, a head tied to it). Nothing is reduced over other axes here: a data axis is
-    the caller's (the Trainer's) to average over, as for any loss.
+    embedding before the pipeline, a head tied to it). Nothing is reduced over other axes
+    here: a data axis is the caller's (the Trainer's) to average over, as for any loss.
 
     **Dense mode**, as :func:`pipeline_apply`'s: where ``stage_axis`` is not bound (a
     single-device run of the same model code), ``stage_fn(stage_params, x)`` with every
