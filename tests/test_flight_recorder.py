@@ -98,7 +98,7 @@ def test_a_pytree_step_records_its_first_leaves_and_the_leaf_count(recording):
 
 def test_two_timeouts_first_completion_then_steady(recording):
     _watch.configure(5, "off", 50)
-    assert (process.timeout, process.first_timeout) == (5, 50)
+    assert (process.settings.timeout, process.settings.first_timeout) == (5, 50)
     x = dist.per_rank(lambda r: np.ones((4,), np.float32))
     dist.all_reduce(x)
     dist.all_reduce(x)
@@ -127,13 +127,20 @@ def test_bad_settings_name_the_setting_and_the_fix(monkeypatch, args, env, match
 
 def test_defaults_steady_300_first_600_and_never_below_the_timeout():
     process.configure("env", "off", joined=True)
-    assert (process.timeout, process.first_timeout) == (300.0, 600.0) and process.on
+    assert (process.settings.timeout, process.settings.first_timeout) == (
+        300.0,
+        600.0,
+    ) and process.settings.on
     process.configure(900, "off", joined=True)
-    assert process.first_timeout == 900.0
+    assert process.settings.first_timeout == 900.0
     process.configure(0, "off", joined=True)  # the watchdog off: the recorder stays on
-    assert process.first_timeout is None and not process.watching and process.on
+    assert (
+        process.settings.first_timeout is None
+        and not process.settings.watching
+        and process.settings.on
+    )
     _watch.configure(0, "off")
-    assert not process.on
+    assert not process.settings.on
 
 
 def _call(seq, op="dist.all_reduce", args="float32[4,3]", done=1.0, site="t.py:1", group=(0, 1)):

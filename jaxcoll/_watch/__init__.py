@@ -85,8 +85,9 @@ def start(
 def _at_exit() -> None:
     """A normal exit: let this process's watched work finish (the watchdog fires on what is
     stuck), then record the exit for the peers' watchdogs."""
-    _watchdog.drain(process.first_timeout or process.timeout or 0.0)
-    if process.on and process.trace_buffer and os.environ.get("JAXCOLL_TRACE_DIR"):
+    now = process.settings
+    _watchdog.drain(now.first_timeout or now.timeout or 0.0)
+    if now.on and now.trace_buffer and os.environ.get("JAXCOLL_TRACE_DIR"):
         _recorder.dump("exit")  # for jaxcoll-run's comparison of the processes' records
     process.mark_exit()
     _monitor.stop()

@@ -173,10 +173,10 @@ def watch(fn: Callable[..., Any], name: str | None = None) -> Callable[..., Any]
 
     @functools.wraps(fn)
     def watched(*args: Any, **kwargs: Any) -> Any:
-        if process.detail:
+        if process.settings.detail:
             _check_first_call(fn, label, seen, args, kwargs)
         out = fn(*args, **kwargs)
-        if process.on:
+        if process.settings.on:
             watchdog.register(out, label, (args, kwargs))
         return out
 

@@ -2,12 +2,14 @@
 
 The settings: the two collective timeouts (``jaxcoll.init(timeout=, first_timeout=)``,
 ``JAXCOLL_TIMEOUT``, ``JAXCOLL_FIRST_TIMEOUT``) and detail mode
-(``jaxcoll.init(debug="detail")``, ``JAXCOLL_DEBUG=detail``). ``on`` and ``detail`` are the
-gates hot paths read before doing anything (a module attribute lookup).
+(``jaxcoll.init(debug="detail")``, ``JAXCOLL_DEBUG=detail``), one frozen :class:`Settings`
+value in :data:`settings`; its ``on`` and ``detail`` are the gates hot paths read before doing
+anything (two attribute lookups).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -45,22 +47,35 @@ DEFAULT_TRACE_BUFFER = 2000
 PREFIX = "jaxcoll/"  # every key jaxcoll puts in the job's key-value store starts with this
 KV_S = 2.0  # the longest a key-value call of a background thread may take before giving up
 
-on: bool = True
-"""Register each dispatched program with the watchdog and the flight recorder: a collective
-timeout is set (the default, in one process too), or this process is in a multi-process job,
-where the flight recorder is on even with the watchdog off. True until the first call settles
-the settings (:func:`configure`)."""
-watching: bool = False
-"""A collective timeout is set: the watchdog may end the process."""
-detail: bool = os.environ.get("JAXCOLL_DEBUG", "").strip().lower() == "detail"
-"""Mismatch detection is on: fingerprint each program at its first use."""
-timeout: float | None = None
-"""The collective timeout in seconds once a program has completed, None when off."""
-first_timeout: float | None = None
-"""The collective timeout in seconds before a program's first completion, None when off."""
-trace_buffer: int = DEFAULT_TRACE_BUFFER
-"""How many calls the flight recorder keeps (0: it records nothing)."""
-configured = False
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The watchdog's, the flight recorder's and mismatch detection's settings: one frozen
+    value that :func:`configure` replaces whole (as ``jax.config`` or c10d's ``Options``), so
+    a reader that takes :data:`settings` once sees one consistent set."""
+
+    on: bool = True
+    """Register each dispatched program with the watchdog and the flight recorder: a
+    collective timeout is set (the default, in one process too), or this process is in a
+    multi-process job, where the flight recorder is on even with the watchdog off. True until
+    the first call settles the settings (:func:`configure`)."""
+    watching: bool = False
+    """A collective timeout is set: the watchdog may end the process."""
+    detail: bool = False
+    """Mismatch detection is on: fingerprint each program at its first use."""
+    timeout: float | None = None
+    """The collective timeout in seconds once a program has completed, None when off."""
+    first_timeout: float | None = None
+    """The collective timeout in seconds before a program's first completion, None when
+    off."""
+    trace_buffer: int = DEFAULT_TRACE_BUFFER
+    """How many calls the flight recorder keeps (0: it records nothing)."""
+    configured: bool = False
+    """:func:`configure` has run."""
+
+
+settings = Settings(detail=os.environ.get("JAXCOLL_DEBUG", "").strip().lower() == "detail")
+"""The settings in force (replaced by :func:`configure`, never changed in place)."""
 lock = threading.Lock()
 _kv_broken = False
 
@@ -117,7 +132,7 @@ def configure(
     :data:`DEFAULT_FIRST_TIMEOUT` or the timeout if that is longer, and off when the timeout
     is off; it may not be shorter than the timeout.
     """
-    global on, watching, detail, timeout, first_timeout, trace_buffer, configured
+    global settings
     env = os.environ
     if joined is None:
         joined = client() is not None
@@ -159,19 +174,26 @@ def configure(
             f"{api}: JAXCOLL_TRACE_BUFFER={raw!r} is not a count of calls. Set it to e.g. "
             f"{DEFAULT_TRACE_BUFFER}, or 0 to turn the flight recorder off."
         )
+    watching = t is not None or first is not None
     with lock:
-        timeout, first_timeout, detail, configured = t, first, d, True
-        trace_buffer = buffer
-        watching = t is not None or first is not None
-        on = watching or (joined and buffer > 0)
+        settings = Settings(
+            on=watching or (joined and buffer > 0),
+            watching=watching,
+            detail=d,
+            timeout=t,
+            first_timeout=first,
+            trace_buffer=buffer,
+            configured=True,
+        )
 
 
 def collective_timeout(first: bool = False) -> float | None:
     """The collective timeout in seconds (``first``: before a program's first completion), or
     None when the watchdog is off."""
-    if not configured:
+    if not settings.configured:
         configure()
-    return first_timeout if first else timeout
+    now = settings
+    return now.first_timeout if first else now.timeout
 
 
 def client() -> Any:

@@ -4,7 +4,7 @@ Each ``dist`` call, ``dp.Trainer`` step and :func:`jaxcoll.watch`-ed call (every
 watchdog watches, :func:`record`) appends one :class:`Call`: its sequence number in this
 process and in its group of processes, the op or program name and options, its input shapes
 and dtypes, the user's call site (the first frame outside jaxcoll), when it was issued and
-when the watchdog saw it complete. The newest :data:`process.trace_buffer` calls are kept
+when the watchdog saw it complete. The newest :data:`process.settings.trace_buffer` calls are kept
 (2000; ``JAXCOLL_TRACE_BUFFER``).
 
 :func:`dump` writes them as JSON, with the main thread's Python stack, to
@@ -126,9 +126,9 @@ def record(leaf: Any, what: str, inputs: Any, options: str) -> Call:
         _seq += 1
         call.seq = _seq
         n = _group_seq[group] = _group_seq.get(group, 0) + 1
-        if _calls.maxlen != process.trace_buffer:
+        if _calls.maxlen != process.settings.trace_buffer:
             _resize()
-        if process.trace_buffer:
+        if process.settings.trace_buffer:
             _calls.append(call)
     call.group, call.group_seq = group, n
     return call
@@ -136,7 +136,7 @@ def record(leaf: Any, what: str, inputs: Any, options: str) -> Call:
 
 def _resize() -> None:
     global _calls
-    _calls = collections.deque(_calls, maxlen=process.trace_buffer)
+    _calls = collections.deque(_calls, maxlen=process.settings.trace_buffer)
 
 
 def describe(sig: Any) -> str:
@@ -196,8 +196,8 @@ def snapshot(reason: str) -> dict[str, Any]:
         "reason": reason,
         "time": time.time(),
         "calls_recorded": total,
-        "timeout": process.timeout,
-        "first_timeout": process.first_timeout,
+        "timeout": process.settings.timeout,
+        "first_timeout": process.settings.first_timeout,
         "calls": out,
         "stack": _frames(main) if main is not None else [],
     }
@@ -237,7 +237,7 @@ def dump(reason: str = "dump_trace", path: str | os.PathLike | None = None) -> s
 def dump_on_leave(reason: str) -> None:
     """The dump of a process that ends early (:data:`process.on_leave`); a line says where
     unless ``jaxcoll-run`` collects it."""
-    if not process.on or not process.trace_buffer:
+    if not process.settings.on or not process.settings.trace_buffer:
         return
     path = dump(reason)
     if not os.environ.get("JAXCOLL_TRACE_DIR"):

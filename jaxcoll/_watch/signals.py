@@ -83,7 +83,7 @@ def _handler(signum: int, frame: Any) -> None:
 
 def _sigusr1() -> None:
     """Write the flight record and go on (``kill -USR1``: where is a running job?)."""
-    if not process.on or not process.trace_buffer:
+    if not process.settings.on or not process.settings.trace_buffer:
         return
     path = recorder.dump("SIGUSR1")
     process.say(f"jaxcoll: process {process.me()[0]} wrote its flight record to {path}.")

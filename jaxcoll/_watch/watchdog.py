@@ -44,9 +44,9 @@ def register(outputs: Any, what: Any, inputs: Any = None, options: str = "") -> 
     Never blocks. ``inputs`` (optional) serves the messages and the record: their shapes are
     kept. ``options`` (the op's options, e.g. ``"src=0"``) goes into the record.
     """
-    if not process.configured:
+    if not process.settings.configured:
         configure()
-    if not process.on:
+    if not process.settings.on:
         return
     leaf = _first_leaf(outputs)
     call = recorder.record(leaf, what, outputs if inputs is None else inputs, options)
@@ -66,9 +66,9 @@ def run(program: Any, x: Any, what: str, options: str = "") -> Any:
     only after its dispatch returned would then hang unwatched. ``x`` (a pytree of
     ``jax.Array`` on the call's devices) gives the record its shapes and its processes.
     """
-    if not process.configured:
+    if not process.settings.configured:
         configure()
-    if not process.on:
+    if not process.settings.on:
         return program(x)
     call = recorder.record(_first_leaf(x), what, x, options)
     entry = [call, DISPATCHING, (what, options, call.sig)]
@@ -123,10 +123,10 @@ def configure(
 
 
 def ensure_thread() -> None:
-    """Start the watchdog thread if it watches or records (:data:`process.on`) and is not
+    """Start the watchdog thread if it watches or records (:data:`process.settings.on`) and is not
     running."""
     global _thread, _stop_hook
-    if not process.on:
+    if not process.settings.on:
         return
     with process.lock:
         if _thread is None or not _thread.is_alive():
@@ -169,7 +169,7 @@ def drain(wait_s: float) -> None:
     until every registered program has finished, stamping each completion in the flight
     record here rather than leaving it to the thread's next poll, so that a record written
     now never shows a finished call as unfinished (it would read as a stall)."""
-    deadline = time.monotonic() + (wait_s if process.watching else EXIT_WAIT_S)
+    deadline = time.monotonic() + (wait_s if process.settings.watching else EXIT_WAIT_S)
     while True:
         unfinished = False
         for call, leaf, _ in list(_pending):  # the thread pops them; only stamp here
@@ -211,7 +211,7 @@ def _run() -> None:
     left_seen_at: float | None = None
     next_probe = 0.0
     while not _stopping.wait(POLL_S):
-        if not process.on:
+        if not process.settings.on:
             continue
         while _pending:
             item = _pending[0]
@@ -222,7 +222,8 @@ def _run() -> None:
                 # input shapes) has completed here. Calls complete in order, so every call
                 # before this one has been seen by now.
                 item[0].first = item[2] not in _completed
-                item[0].limit = process.first_timeout if item[0].first else process.timeout
+                cfg = process.settings
+                item[0].limit = cfg.first_timeout if item[0].first else cfg.timeout
             if not _done(item[1]):  # read each time: run() sets it once dispatched
                 break
             _pending.popleft()
@@ -230,7 +231,7 @@ def _run() -> None:
                 item[0].done = time.monotonic()
             _completed.add(item[2])
             head = None
-        if head is None or not process.watching:
+        if head is None or not process.settings.watching:
             continue
         t = head[0].limit
         now = time.monotonic()
@@ -268,7 +269,7 @@ def _fire(call: recorder.Call, waited: float, t: float | None) -> None:
             "the other processes have not joined it (they are in another "
             "collective, or outside any)"
         )
-    first = call.first and process.first_timeout != process.timeout
+    first = call.first and process.settings.first_timeout != process.settings.timeout
     kind = "first-call timeout" if first else "timeout"
     verb = (
         f"timed out after {waited:.1f}s ({kind} {t:g}s)"

@@ -59,9 +59,10 @@ def _run(api: str, name: str, x: PyTree, group: Group, async_op: bool, **options
     check_per_rank(api, x, group)
     settings = tuple(sorted(options.items()))
     program = _program(api, name, group, settings)
-    if process.detail:  # JAXCOLL_DEBUG=detail: compare with the other processes at first use
+    now = process.settings
+    if now.detail:  # JAXCOLL_DEBUG=detail: compare with the other processes at first use
         _agree_first_use(api, name, program, x, group, options)
-    if process.on:  # watchdog and flight recorder, from before the dispatch (never waiting)
+    if now.on:  # watchdog and flight recorder, from before the dispatch (never waiting)
         out = watchdog.run(program, x, api, options_text(settings))
     else:
         out = program(x)

@@ -34,7 +34,7 @@ from ._work import Work
 def _watched(api: str, out: Any, x: PyTree) -> Any:
     """Hand ``out`` to the collective watchdog and the flight recorder, and count it in flight
     (as every dist call)."""
-    if process.on:
+    if process.settings.on:
         watchdog.register(out, api, x)
     _inflight.admit(out)
     return out

@@ -457,7 +457,7 @@ class Trainer:
         handed to the collective watchdog when a timeout is set (:mod:`jaxcoll._watch`)."""
         try:
             out = program(*args)
-            if process.on:  # watched (a peer hangs: one line, an exit) and recorded
+            if process.settings.on:  # watched (a peer hangs: one line, an exit) and recorded
                 watchdog.register(out[1] if isinstance(out, tuple) else out, api, args[-1])
             return out
         except LossOutputError as e:

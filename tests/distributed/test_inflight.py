@@ -147,10 +147,10 @@ def test_one_process_gets_the_watchdog_by_default(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     try:
         process.configure("env", "off", joined=False)
-        assert (process.timeout, process.first_timeout) == (300.0, 600.0)
-        assert process.watching and process.on
+        assert (process.settings.timeout, process.settings.first_timeout) == (300.0, 600.0)
+        assert process.settings.watching and process.settings.on
         process.configure(0, "off", joined=False)
-        assert not process.watching and not process.on
+        assert not process.settings.watching and not process.settings.on
     finally:
         jaxcoll._watch.configure(0, "off")
 

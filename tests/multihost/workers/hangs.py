@@ -25,6 +25,7 @@ Modes (process 0 / process 1):
   ``cost``: prints what mismatch detection costs (docs/benchmarks.md), not a test.
 """
 
+import dataclasses
 import os
 import sys
 import time
@@ -176,7 +177,8 @@ elif MODE == "cost":
         z = rows(8)
         times: dict[bool, list[float]] = {False: [], True: []}
         for i in range(2 * n):
-            _watch.process.detail = bool(i % 2)
+            now = _watch.process.settings
+            _watch.process.settings = dataclasses.replace(now, detail=bool(i % 2))
             t0 = time.perf_counter()
             out = dist.all_reduce(z)
             times[bool(i % 2)].append(time.perf_counter() - t0)
