@@ -171,9 +171,17 @@ def lower(
     stage_axis: Hashable,
     head: PyTree = (),
 ) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
-    """Run a one-chunk-per-stage ``schedule`` (GPipe, 1F1B, ZB-H1): ``loss_fn`` is
-    ``(head, out, y) -> mean loss``; returns the last stage's mean loss, this stage's
-    gradient, the head's and the inputs'."""
+    """Run ``schedule`` (its checks against the stages made): ``loss_fn`` is
+    ``(head, out, y) -> mean loss``; ``own``: this stage's params (leading axis v for
+    :class:`Interleaved`). Returns the last stage's mean loss, this stage's gradient, the
+    head's and the inputs'."""
+    if isinstance(schedule, Interleaved):
+        first = jax.tree_util.tree_map(lambda p: p[0], own)
+        _check_stage(api, stage_fn, first, xs)
+        act = _carried(stage_fn, first, xs, primitives.rank(stage_axis))
+        return _interleaved.interleaved(
+            stage_fn, loss_fn, own, xs, ys, stage_axis, schedule.virtual, act, head
+        )
     if isinstance(schedule, ZeroBubble):
         _check_stage(api, stage_fn, own, xs)
         s = primitives.rank(stage_axis)
@@ -640,15 +648,9 @@ def pipeline_value_and_grad(
     if isinstance(sched, Interleaved):
         sched.check(api, n_stages)
         _interleaved.check_chunks(api, params, v)
-        _check_stage(api, stage_fn, jax.tree_util.tree_map(lambda p: p[0], own), xs)
-        act = _carried(stage_fn, jax.tree_util.tree_map(lambda p: p[0], own), xs, s)
-        last_loss, grads, _, _ = _interleaved.interleaved(
-            stage_fn, _headless(loss_fn), own, xs, ys, stage_axis, v, act
-        )
-    else:
-        last_loss, grads, _, _ = lower(
-            api, sched, stage_fn, _headless(loss_fn), own, xs, ys, stage_axis
-        )
+    last_loss, grads, _, _ = lower(
+        api, sched, stage_fn, _headless(loss_fn), own, xs, ys, stage_axis
+    )
 
     loss = primitives.all_reduce(jnp.where(s == n_stages - 1, last_loss, 0.0), stage_axis)
     if data_axis is not None:

@@ -6,7 +6,7 @@ schedule behind a ``jax.custom_vjp``: its forward runs the whole schedule (every
 every backward, in the schedule's order, with its bounded activation memory) and keeps the
 gradients as residuals; its backward scales them by the incoming cotangent. So it goes inside
 any loss: the embedding before it and the Trainer's ``jax.value_and_grad`` around it get
-their gradients as usual, and 1F1B or interleaved 1F1B runs inside ``dp.Trainer``.
+their gradients as usual, and 1F1B, interleaved 1F1B or ZB-H1 runs inside ``dp.Trainer``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from .._core.typing import PyTree
 from .._core.vma import cast_varying, varying_axes
 from . import _interleaved
 from .pipeline import (
-    _carried,
-    _check_stage,
     _check_targets,
     _forward,
     _microbatches,
@@ -89,8 +87,8 @@ def pipeline_loss(
         x: this replica's stage-0 input ``(B, ...)`` (the embedding's output).
         y: this replica's targets, leading axis B (a pytree).
         stage_axis: the mesh axis of the stages.
-        schedule: :class:`GPipe`, :class:`OneFOneB` or :class:`Interleaved` with its M
-            micro-batches (M divides B).
+        schedule: :class:`GPipe`, :class:`OneFOneB`, :class:`Interleaved` or
+            :class:`ZeroBubble` with its M micro-batches (M divides B).
 
     Raises:
         TypeError: ``schedule`` not a schedule value.
@@ -101,7 +99,8 @@ def pipeline_loss(
     if not isinstance(schedule, Schedule):
         raise TypeError(
             f"{api}: schedule must be a schedule value (parallel.GPipe(M), "
-            f"parallel.OneFOneB(M), parallel.Interleaved(M, virtual=v)), got {schedule!r}."
+            f"parallel.OneFOneB(M), parallel.Interleaved(M, virtual=v), "
+            f"parallel.ZeroBubble(M)), got {schedule!r}."
         )
     m = schedule.microbatches
     xs = _microbatches(api, x, m, schedule)
@@ -131,15 +130,7 @@ def pipeline_loss(
         batch_axes = tuple(sorted(set(_names(xs, ys)) | {stage_axis}, key=str))
         own = jax.tree_util.tree_map(lambda p: cast_varying(p, batch_axes), stage_params)
         head = jax.tree_util.tree_map(lambda p: cast_varying(p, batch_axes), head_params)
-        if isinstance(schedule, Interleaved):
-            first = jax.tree_util.tree_map(lambda p: p[0], own)
-            _check_stage(api, stage_fn, first, xs)
-            act = _carried(stage_fn, first, xs, s)
-            out = _interleaved.interleaved(
-                stage_fn, head_fn, own, xs, ys, stage_axis, schedule.virtual, act, head
-            )
-        else:
-            out = lower(api, schedule, stage_fn, head_fn, own, xs, ys, stage_axis, head)
+        out = lower(api, schedule, stage_fn, head_fn, own, xs, ys, stage_axis, head)
         last_loss, grads, d_head, d_xs = out
         loss = primitives.all_reduce(jnp.where(s == n_stages - 1, last_loss, 0.0), stage_axis)
         return loss, (grads, d_head, d_xs)
@@ -170,7 +161,7 @@ def pipeline_loss(
 
     # The axes each primal varies over (static): the cotangents are typed as their primals.
     axes = jax.tree_util.tree_map(_axes, (stage_params, head_params, xs))
-    targets = jax.tree_util.tree_map(lambda t: (t.shape, t.dtype, _axes(t)), ys)
+    targets = jax.tree_util.tree_map(lambda t: _Target(t.shape, t.dtype, _axes(t)), ys)
 
     def backward(grads: tuple, ct: jax.Array) -> tuple:
         # Scaled by the loss's cotangent, then summed over the axes a gradient varies over and
@@ -178,9 +169,7 @@ def pipeline_loss(
         # axis for the head's params (the last stage's) and the input (stage 0's), a data
         # axis for params the caller did not make varying there.
         d = jax.tree_util.tree_map(lambda g, a: _typed_as((g * ct).astype(g.dtype), a), grads, axes)
-        no_y = jax.tree_util.tree_map(
-            lambda t: _zero_cotangent(*t), targets, is_leaf=lambda t: isinstance(t, tuple)
-        )
+        no_y = jax.tree_util.tree_map(lambda t: t.zero(), targets)
         return (*d, no_y)
 
     staged.defvjp(forward, backward)
@@ -192,11 +181,17 @@ def _axes(x: jax.Array) -> tuple:
     return tuple(sorted(varying_axes(x) or (), key=str))
 
 
-def _zero_cotangent(shape: tuple, dtype: Any, axes: tuple) -> Any:
-    """The zero cotangent of a target (not differentiated): float0 for integers."""
-    if not jnp.issubdtype(dtype, jnp.inexact):
-        return np.zeros(shape, jax.dtypes.float0)
-    return cast_varying(jnp.zeros(shape, dtype), axes)
+class _Target:
+    """A target leaf's shape, dtype and axes (not a pytree: a leaf of one)."""
+
+    def __init__(self, shape: tuple, dtype: Any, axes: tuple) -> None:
+        self.shape, self.dtype, self.axes = shape, dtype, axes
+
+    def zero(self) -> Any:
+        """Its zero cotangent (targets are not differentiated): float0 for integers."""
+        if not jnp.issubdtype(self.dtype, jnp.inexact):
+            return np.zeros(self.shape, jax.dtypes.float0)
+        return cast_varying(jnp.zeros(self.shape, self.dtype), self.axes)
 
 
 def _typed_as(g: jax.Array, axes: tuple) -> jax.Array:

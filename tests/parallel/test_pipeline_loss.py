@@ -141,6 +141,71 @@ def test_every_schedule_equals_the_dense_model(runs, k):
         np.testing.assert_allclose(blocks[name], want["blocks"][name], rtol=1e-5, atol=1e-7)
 
 
+def test_targets_in_a_tuple_and_integer_labels():
+    # A tuple of targets, one of them integers (no cotangent: float0), under 1F1B and
+    # accumulated over a scan (the Trainer's accumulation closes over no tracer).
+    params, x, _ = _problem(S)
+    rng = np.random.default_rng(1)
+    labels = rng.integers(0, 2, size=x.shape[0]).astype(np.int32)
+    weight = rng.uniform(0.5, 1.5, size=x.shape[0]).astype(np.float32)
+
+    def head(head, h, y):
+        labels, weight = y
+        logp = jax.nn.log_softmax(h @ head["out"])
+        return -jnp.mean(weight * jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0])
+
+    def loss(params, x, y, schedule):
+        h = x @ params["emb"]
+        blocks = (
+            params["blocks"] if schedule is None else jax.tree.map(lambda t: t[0], params["blocks"])
+        )
+        return parallel.pipeline_loss(
+            stage_fn if schedule is not None else chunks_fn,
+            head,
+            blocks,
+            params["head"],
+            h,
+            y,
+            stage_axis="stage",
+            schedule=schedule or parallel.OneFOneB(4),
+        )
+
+    mesh = Mesh(np.array(jax.devices()[:S]), ("stage",))
+    specs = {"emb": P(), "blocks": {"w": P("stage"), "b": P("stage")}, "head": {"out": P()}}
+
+    def body(params, x, y):
+        def two_halves(total, k):  # accumulation over a scan, as the Trainer's
+            part = jax.tree.map(lambda t: t.reshape((2, -1) + t.shape[1:])[k], (x, y))
+            return total + loss(params, *part, parallel.OneFOneB(4)) / 2, None
+
+        value = jax.lax.scan(two_halves, jnp.float32(0), jnp.arange(2))[0]
+        return value
+
+    f = jax.jit(
+        jax.shard_map(
+            jax.value_and_grad(body), mesh=mesh, in_specs=(specs, P(), P()), out_specs=(P(), specs)
+        )
+    )
+    got_loss, got = f(params, x, (labels, weight))
+
+    def dense(params):
+        halves = [
+            loss(
+                params,
+                x.reshape(2, -1, x.shape[1])[k],
+                (labels.reshape(2, -1)[k], weight.reshape(2, -1)[k]),
+                None,
+            )
+            for k in range(2)
+        ]
+        return (halves[0] + halves[1]) / 2
+
+    want_loss, want = jax.value_and_grad(dense)(params)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_the_dense_mode_is_the_dense_model():
     params, x, y = _problem(S)
 
