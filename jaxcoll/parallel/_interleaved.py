@@ -13,7 +13,6 @@ moves every cotangent to the previous stage (both around the ring).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -22,7 +21,8 @@ from jax import lax
 
 from .. import primitives
 from .._core.typing import PyTree
-from .._core.vma import cast_varying, varying_axes
+from .._core.vma import cast_varying
+from ._lowering import Staged, axes_of
 
 
 def check_virtual_stages(api: str, virtual_stages: Any, schedule: str) -> int:
@@ -109,26 +109,11 @@ def buffers(num_stages: int, v: int, m: int) -> int:
     return min(m * v, (v + 1) * num_stages - 1)
 
 
-def _axes(x: Any) -> tuple:
-    """The mesh axes ``x`` varies over (shard_map's type), sorted."""
-    return tuple(sorted(varying_axes(x) or (), key=str))
-
-
 def _chunk(params: PyTree, c: jax.Array | int) -> PyTree:
     return jax.tree_util.tree_map(lambda p: p[c], params)
 
 
-def interleaved(
-    stage_fn: Callable,
-    loss_fn: Callable,
-    own: PyTree,
-    xs: jax.Array,
-    ys: PyTree,
-    stage_axis: Hashable,
-    v: int,
-    act: tuple,
-    head: PyTree = (),
-) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
+def interleaved(p: Staged, v: int, act: tuple) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
     """The lowering: one ``lax.scan`` over :func:`rounds`; each round a ``lax.cond`` runs this
     stage's forward (or nothing), one ``sendrecv`` shifts activations one stage up the ring,
     a second ``lax.cond`` runs its backward (or nothing) and one ``sendrecv`` shifts
@@ -141,6 +126,15 @@ def interleaved(
     Returns the last stage's mean loss (0 elsewhere), this stage's gradient, summed over
     micro-batches, of the mean loss, the gradient of ``head`` (the last stage's; zero
     elsewhere) and that of the inputs ``xs`` (stage 0's; zero elsewhere)."""
+    stage_fn, loss_fn, own, xs, ys, stage_axis, head = (
+        p.stage_fn,
+        p.loss_fn,
+        p.own,
+        p.xs,
+        p.ys,
+        p.stage_axis,
+        p.head,
+    )
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     last = n_stages - 1
@@ -150,11 +144,11 @@ def interleaved(
     zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
     saved0 = cast_varying(jnp.zeros((keep,) + xs.shape[1:], xs.dtype), act)
     holder0 = cast_varying(jnp.full((keep,), -1, jnp.int32), act)
-    grads0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _axes(p)), own)
+    grads0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), axes_of(p)), own)
     chunk_zeros = _chunk(grads0, 0)
-    head0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _axes(p)), head)
+    head0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), axes_of(p)), head)
     leaves = jax.tree_util.tree_leaves((ys, head))
-    loss_axes = set(act).union(*(_axes(t) for t in leaves))
+    loss_axes = set(act).union(*(axes_of(t) for t in leaves))
     loss0 = cast_varying(jnp.zeros((), jnp.float32), tuple(sorted(loss_axes, key=str)))
     d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
     up = [(i, (i + 1) % n_stages) for i in range(n_stages)]  # the last stage wraps to 0
@@ -162,7 +156,7 @@ def interleaved(
 
     def typed(tree: PyTree, template: PyTree) -> PyTree:
         """A cond branch's outputs typed as ``template`` (both branches alike)."""
-        return jax.tree_util.tree_map(lambda t, r: cast_varying(t, _axes(r)), tree, template)
+        return jax.tree_util.tree_map(lambda t, r: cast_varying(t, axes_of(r)), tree, template)
 
     def one_round(carry, k):
         act_in, ct_in, saved, holder, acc, loss, acc_head, d_xs = carry

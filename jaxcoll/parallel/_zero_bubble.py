@@ -12,9 +12,6 @@ with respect to its params only, each recomputing the forward from the kept inpu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +19,8 @@ from jax import lax
 
 from .. import primitives
 from .._core.typing import PyTree
-from .._core.vma import cast_varying, varying_axes
+from .._core.vma import cast_varying
+from ._lowering import Staged, axes_of
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 _KINDS = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT}
@@ -52,26 +50,21 @@ def tables(rows: list) -> tuple[np.ndarray, np.ndarray, int]:
     return kind, mb, most
 
 
-def _axes(x: Any) -> tuple:
-    return tuple(sorted(varying_axes(x) or (), key=str))
-
-
-def zero_bubble(
-    stage_fn: Callable,
-    loss_fn: Callable,
-    own: PyTree,
-    xs: jax.Array,
-    ys: PyTree,
-    stage_axis: Hashable,
-    rows: list,
-    act: tuple,
-    head: PyTree = (),
-) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
+def zero_bubble(p: Staged, rows: list, act: tuple) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
     """Run the table ``rows`` (:meth:`ZeroBubble.table`). ``loss_fn`` is ``(head, out, y) ->
     mean loss``; ``act``: the axes the activations vary over. Returns what the other
     lowerings return: the last stage's mean loss (0 elsewhere), this stage's gradient summed
     over micro-batches of the mean loss, the head's gradient (the last stage's) and the
     inputs' (stage 0's)."""
+    stage_fn, loss_fn, own, xs, ys, stage_axis, head = (
+        p.stage_fn,
+        p.loss_fn,
+        p.own,
+        p.xs,
+        p.ys,
+        p.stage_axis,
+        p.head,
+    )
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     last = n_stages - 1
@@ -80,11 +73,11 @@ def zero_bubble(
     kinds, mbs = jnp.asarray(kind_np), jnp.asarray(mb_np)
     zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
     inputs0 = cast_varying(jnp.zeros((keep,) + xs.shape[1:], xs.dtype), act)
-    zeros = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _axes(p)), own)
-    head0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _axes(p)), head)
+    zeros = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), axes_of(p)), own)
+    head0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), axes_of(p)), head)
     leaves = jax.tree_util.tree_leaves((ys, head))
     loss0 = cast_varying(
-        jnp.zeros((), jnp.float32), tuple(sorted(set(act).union(*map(_axes, leaves)), key=str))
+        jnp.zeros((), jnp.float32), tuple(sorted(set(act).union(*map(axes_of, leaves)), key=str))
     )
     d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
     template = (zero, zero, inputs0, inputs0, zeros, head0, loss0, d_xs0)
@@ -92,7 +85,7 @@ def zero_bubble(
     down = [(i + 1, i) for i in range(last)]
 
     def typed(tree: PyTree) -> PyTree:
-        return jax.tree_util.tree_map(lambda v, r: cast_varying(v, _axes(r)), tree, template)
+        return jax.tree_util.tree_map(lambda v, r: cast_varying(v, axes_of(r)), tree, template)
 
     def one_slot(carry, t):
         inputs, cts, acc, acc_head, loss, d_xs = carry

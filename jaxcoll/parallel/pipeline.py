@@ -22,6 +22,7 @@ from .._core.axis import bound
 from .._core.typing import PyTree
 from .._core.vma import cast_varying, varying_axes
 from . import _interleaved, _zero_bubble
+from ._lowering import Staged
 from .schedules import SCHEDULES, GPipe, Interleaved, Schedule, ZeroBubble
 
 _SCHEDULES = tuple(SCHEDULES)
@@ -175,21 +176,22 @@ def lower(
     ``(head, out, y) -> mean loss``; ``own``: this stage's params (leading axis v for
     :class:`Interleaved`). Returns the last stage's mean loss, this stage's gradient, the
     head's and the inputs'."""
+    p = Staged(stage_fn, loss_fn, own, xs, ys, stage_axis, head)
+    s = primitives.rank(stage_axis)
     if isinstance(schedule, Interleaved):
-        first = jax.tree_util.tree_map(lambda p: p[0], own)
+        first = jax.tree_util.tree_map(lambda q: q[0], own)
         _check_stage(api, stage_fn, first, xs)
-        act = _carried(stage_fn, first, xs, primitives.rank(stage_axis))
-        return _interleaved.interleaved(
-            stage_fn, loss_fn, own, xs, ys, stage_axis, schedule.virtual, act, head
-        )
+        act = _carried(stage_fn, first, xs, s)
+        return _interleaved.interleaved(p, schedule.virtual, act)
     if isinstance(schedule, ZeroBubble):
         _check_stage(api, stage_fn, own, xs)
-        s = primitives.rank(stage_axis)
-        act = _carried(stage_fn, own, xs, s)
         rows = schedule.table(primitives.world_size(stage_axis))
-        return _zero_bubble.zero_bubble(stage_fn, loss_fn, own, xs, ys, stage_axis, rows, act, head)
-    run = _gpipe if isinstance(schedule, GPipe) else _one_f_one_b
-    return run(api, stage_fn, loss_fn, own, xs, ys, stage_axis, head)
+        return _zero_bubble.zero_bubble(p, rows, _carried(stage_fn, own, xs, s))
+    return (_gpipe if isinstance(schedule, GPipe) else _one_f_one_b)(api, p)
+
+
+def _unpack(p: Staged) -> tuple:
+    return p.stage_fn, p.loss_fn, p.own, p.xs, p.ys, p.stage_axis, p.head
 
 
 def _check_count(api: str, m: Any) -> None:
@@ -351,21 +353,13 @@ def pipeline_apply(
     return primitives.broadcast(outs.reshape(x.shape), stage_axis, last)
 
 
-def _gpipe(
-    api: str,
-    stage_fn: Callable,
-    loss_fn: Callable,
-    own: PyTree,
-    xs: jax.Array,
-    ys: PyTree,
-    stage_axis: Hashable,
-    head: PyTree = (),
-) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
+def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
     """GPipe: all forwards (saving M stage inputs), then all backwards. ``loss_fn`` is
     ``(head, out, y) -> mean loss``. Returns the last stage's mean loss (garbage elsewhere),
     this stage's gradient summed over micro-batches of the mean loss, the gradient of
     ``head`` (the last stage's; zero elsewhere) and that of the inputs ``xs`` (stage 0's;
     zero elsewhere)."""
+    stage_fn, loss_fn, own, xs, ys, stage_axis, head = _unpack(p)
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     m = xs.shape[0]
@@ -405,16 +399,7 @@ def _gpipe(
     return jnp.mean(losses), grads, d_head, d_xs
 
 
-def _one_f_one_b(
-    api: str,
-    stage_fn: Callable,
-    loss_fn: Callable,
-    own: PyTree,
-    xs: jax.Array,
-    ys: PyTree,
-    stage_axis: Hashable,
-    head: PyTree = (),
-) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
+def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
     """1F1B in lock-step slots: in slot t stage s runs the forward of micro-batch (t - s) / 2
     when t - s is even, the backward of micro-batch (t - 2S + 1 + s) / 2 when it is odd; after
     each slot one ``sendrecv`` moves every forward's activation to s + 1 and every backward's
@@ -422,6 +407,7 @@ def _one_f_one_b(
     i mod min(S, M). Each slot a stage runs one branch of a ``lax.cond`` on its own
     predicate: a forward, or a recomputed forward and a backward, GPipe's work in another
     order. Returns what :func:`_gpipe` returns (``loss_fn`` as there)."""
+    stage_fn, loss_fn, own, xs, ys, stage_axis, head = _unpack(p)
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     last = n_stages - 1

@@ -22,8 +22,9 @@ from jax import lax
 from .. import primitives
 from .._core.axis import bound
 from .._core.typing import PyTree
-from .._core.vma import cast_varying, varying_axes
+from .._core.vma import cast_varying
 from . import _interleaved
+from ._lowering import axes_of
 from .pipeline import (
     _check_targets,
     _forward,
@@ -160,8 +161,8 @@ def pipeline_loss(
         return run(stage_params, head_params, xs, ys)
 
     # The axes each primal varies over (static): the cotangents are typed as their primals.
-    axes = jax.tree_util.tree_map(_axes, (stage_params, head_params, xs))
-    targets = jax.tree_util.tree_map(lambda t: _Target(t.shape, t.dtype, _axes(t)), ys)
+    axes = jax.tree_util.tree_map(axes_of, (stage_params, head_params, xs))
+    targets = jax.tree_util.tree_map(lambda t: _Target(t.shape, t.dtype, axes_of(t)), ys)
 
     def backward(grads: tuple, ct: jax.Array) -> tuple:
         # Scaled by the loss's cotangent, then summed over the axes a gradient varies over and
@@ -174,11 +175,6 @@ def pipeline_loss(
 
     staged.defvjp(forward, backward)
     return staged(stage_params, head_params, xs, ys)
-
-
-def _axes(x: jax.Array) -> tuple:
-    """The mesh axes ``x`` varies over (shard_map's type), sorted."""
-    return tuple(sorted(varying_axes(x) or (), key=str))
 
 
 class _Target:
@@ -197,7 +193,7 @@ class _Target:
 def _typed_as(g: jax.Array, axes: tuple) -> jax.Array:
     """``g`` summed over the axes it varies over that are not in ``axes``, then varying over
     every axis in ``axes``."""
-    extra = tuple(sorted(set(varying_axes(g) or ()) - set(axes), key=str))
+    extra = tuple(sorted(set(axes_of(g)) - set(axes), key=str))
     if extra:
         g = lax.psum(g, extra)
     return cast_varying(g, axes)

@@ -1,0 +1,39 @@
+"""What every pipeline schedule's lowering takes: the staged model and its data on one stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from .._core.typing import PyTree
+from .._core.vma import varying_axes
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A stage's part of a pipelined model, as the lowerings (GPipe, 1F1B, interleaved,
+    ZB-H1) run it. Each returns ``(loss, grads, d_head, d_xs)``: the last stage's mean loss (0
+    or garbage elsewhere), this stage's gradient summed over micro-batches of the mean loss,
+    the head's gradient (the last stage's, zero elsewhere) and the inputs' (stage 0's)."""
+
+    stage_fn: Callable
+    """``(stage params, h) -> h``."""
+    loss_fn: Callable
+    """``(head, out, y) -> mean loss`` of one micro-batch (run on the last stage)."""
+    own: PyTree
+    """This stage's params (leading axis v for the interleaved schedule)."""
+    xs: jax.Array
+    """The inputs, ``(M, micro-batch, ...)`` (read by stage 0)."""
+    ys: PyTree
+    """The targets, every leaf ``(M, micro-batch, ...)`` (read by the last stage)."""
+    stage_axis: Hashable
+    head: PyTree = ()
+    """The head's params (``()``: none)."""
+
+
+def axes_of(x: Any) -> tuple:
+    """The mesh axes ``x`` varies over (shard_map's type), sorted."""
+    return tuple(sorted(varying_axes(x) or (), key=str))
