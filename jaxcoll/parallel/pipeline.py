@@ -1,10 +1,13 @@
-"""Pipeline parallelism on send/recv, GPipe, 1F1B and interleaved 1F1B schedules:
+"""Pipeline parallelism on send/recv, GPipe, 1F1B, interleaved 1F1B and ZB-H1 schedules:
 micro-batches flow forward through the stages of a ``stage`` mesh axis, cotangents flow back,
 gradients accumulate over micro-batches.
 
 Seed 003 names pipelines as what send/recv are for; here every transfer is one
-:func:`jaxcoll.primitives.sendrecv` (one ``lax.ppermute``) between neighbouring stages. The
-interleaved schedule's index formulas and lowering live in :mod:`._interleaved`.
+:func:`jaxcoll.primitives.sendrecv` (one ``lax.ppermute``) between neighbouring stages. This
+module holds the public calls and :func:`lower`, which picks a schedule's lowering: GPipe's
+and 1F1B's in :mod:`._lockstep`, the interleaved schedule's in :mod:`._interleaved`, ZB-H1's
+in :mod:`._zero_bubble`; what they share (micro-batches, a stage's checks and types, GPipe's
+forward) is in :mod:`._stages`.
 """
 
 from __future__ import annotations
@@ -15,14 +18,22 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from .. import primitives
 from .._core.axis import bound
 from .._core.typing import PyTree
-from .._core.vma import cast_varying, varying_axes
+from .._core.vma import cast_varying
 from . import _interleaved, _zero_bubble
+from ._lockstep import _gpipe, _one_f_one_b
 from ._lowering import Staged
+from ._stages import (
+    _carried,
+    _check_count,
+    _check_stage,
+    _check_targets,
+    _forward,
+    _microbatches,
+)
 from .schedules import SCHEDULES, GPipe, Interleaved, Schedule, ZeroBubble
 
 _SCHEDULES = tuple(SCHEDULES)
@@ -190,107 +201,6 @@ def lower(
     return (_gpipe if isinstance(schedule, GPipe) else _one_f_one_b)(api, p)
 
 
-def _unpack(p: Staged) -> tuple:
-    return p.stage_fn, p.loss_fn, p.own, p.xs, p.ys, p.stage_axis, p.head
-
-
-def _check_count(api: str, m: Any) -> None:
-    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-        raise ValueError(f"{api}: num_microbatches={m!r} must be a positive int.")
-
-
-def _names(*trees: Any) -> tuple:
-    """Every mesh axis any leaf of ``trees`` varies over (shard_map's types), sorted."""
-    out: set = set()
-    for leaf in jax.tree_util.tree_leaves(trees):
-        out |= set(varying_axes(leaf) or ())
-    return tuple(sorted(out, key=str))
-
-
-def _microbatches(api: str, x: jax.Array, m: int, schedule: Schedule | None = None) -> jax.Array:
-    _check_count(api, m)
-    if x.ndim == 0 or x.shape[0] % m:
-        into = f"num_microbatches={m}" if schedule is None else f"the {m} of {schedule!r}"
-        raise ValueError(
-            f"{api}: the batch has {x.shape[0] if x.ndim else 0} examples, which "
-            f"do not split into {into} equal micro-batches. Pick a "
-            f"divisor of the per-replica batch size."
-        )
-    return x.reshape((m, x.shape[0] // m) + x.shape[1:])
-
-
-def _check_targets(api: str, examples: int, y: PyTree) -> None:
-    """Every leaf of ``y`` has one row per example of ``x``: micro-batch i of ``x`` is scored
-    against rows of ``y`` cut the same way, so other counts would pair the wrong rows."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(y)[0]:
-        shape = jnp.shape(leaf)
-        if not shape or shape[0] != examples:
-            got = f"{shape[0]} examples" if shape else "no leading axis (a scalar)"
-            raise ValueError(
-                f"{api}: y{jax.tree_util.keystr(path)} has {got} but x has "
-                f"{examples}; the last stage scores micro-batch i of x against "
-                f"the same rows of y, so y needs one target per example of x. "
-                f"Pass the targets of exactly this replica's rows of x (a leading "
-                f"axis of {examples})."
-            )
-
-
-def _check_stage(api: str, stage_fn: Callable, params: PyTree, xs: jax.Array) -> None:
-    # Typed as the schedule calls it: varying over every axis the params or inputs vary over.
-    probe = jax.eval_shape(stage_fn, params, cast_varying(xs[0], _names(params, xs)))
-    if (probe.shape, probe.dtype) != (xs.shape[1:], xs.dtype):
-        raise ValueError(
-            f"{api}: stage_fn maps a micro-batch of shape {xs.shape[1:]} "
-            f"{xs.dtype} to {probe.shape} {probe.dtype}; every stage must keep the "
-            f"activation's shape and dtype (one SPMD program runs every stage). "
-            f"Pad or project the activations to one width."
-        )
-
-
-def _carried(stage_fn: Callable, params: PyTree, xs: jax.Array, s: jax.Array) -> tuple:
-    """The axes the forward's activations vary over: the inputs' and the stage's, and those
-    ``stage_fn``'s output varies over given such an input (a fixed point). A stage whose
-    output is the same across a tensor axis (a Megatron block ends with its all-reduce)
-    keeps it invariant there, so the model's output is too."""
-    names = set(_names(xs, s))
-    while True:
-        probe = jax.eval_shape(stage_fn, params, cast_varying(xs[0], tuple(sorted(names, key=str))))
-        grown = names | set(varying_axes(probe) or ())
-        if grown == names:
-            return tuple(sorted(names, key=str))
-        names = grown
-
-
-def _forward(
-    api: str, stage_fn: Callable, params: PyTree, xs: jax.Array, stage_axis: Hashable
-) -> tuple[jax.Array, jax.Array]:
-    """The forward schedule: at step t stage s runs micro-batch t - s. Returns each stage's
-    saved inputs ``(M, mb, ...)`` and, on the last stage, the outputs."""
-    n_stages = primitives.world_size(stage_axis)
-    m = xs.shape[0]
-    s = primitives.rank(stage_axis)
-    _check_stage(api, stage_fn, params, xs)
-    names = _carried(stage_fn, params, xs, s)
-    zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
-    buffers = cast_varying(jnp.zeros(xs.shape, xs.dtype), names)
-    forward = [(i, i + 1) for i in range(n_stages - 1)]
-
-    def step(carry, t):
-        received, saved, outs = carry
-        mb = t - s
-        active = (mb >= 0) & (mb < m)
-        k = jnp.clip(mb, 0, m - 1)
-        inp = jnp.where(s == 0, xs[jnp.clip(t, 0, m - 1)], received)
-        out = stage_fn(params, inp)
-        saved = saved.at[k].set(jnp.where(active, inp, saved[k]))
-        outs = outs.at[k].set(jnp.where(active & (s == n_stages - 1), out, outs[k]))
-        # -> the activation crosses to the next stage (send/recv: one ppermute)
-        return (primitives.sendrecv(out, stage_axis, forward), saved, outs), None
-
-    (_, saved, outs), _ = lax.scan(step, (zero, buffers, buffers), jnp.arange(m + n_stages - 1))
-    return saved, outs
-
-
 def pipeline_apply(
     stage_fn: Callable[[PyTree, jax.Array], jax.Array],
     params: PyTree,
@@ -351,142 +261,6 @@ def pipeline_apply(
     _, outs = _forward(api, stage_fn, params, xs, stage_axis)
     last = primitives.world_size(stage_axis) - 1
     return primitives.broadcast(outs.reshape(x.shape), stage_axis, last)
-
-
-def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
-    """GPipe: all forwards (saving M stage inputs), then all backwards. ``loss_fn`` is
-    ``(head, out, y) -> mean loss``. Returns the last stage's mean loss (garbage elsewhere),
-    this stage's gradient summed over micro-batches of the mean loss, the gradient of
-    ``head`` (the last stage's; zero elsewhere) and that of the inputs ``xs`` (stage 0's;
-    zero elsewhere)."""
-    stage_fn, loss_fn, own, xs, ys, stage_axis, head = _unpack(p)
-    n_stages = primitives.world_size(stage_axis)
-    s = primitives.rank(stage_axis)
-    m = xs.shape[0]
-    saved, outs = _forward(api, stage_fn, own, xs, stage_axis)
-
-    # The last stage's are real.
-    grad = jax.value_and_grad(loss_fn, argnums=(0, 1))
-    losses, (d_heads, grads_out) = jax.vmap(grad, in_axes=(None, 0, 0))(head, outs, ys)
-    grads_out = grads_out / m  # d(mean over micro-batches)/d(out)
-    d_head = jax.tree_util.tree_map(
-        lambda d: jnp.where(s == n_stages - 1, jnp.sum(d, 0) / m, jnp.zeros_like(d[0])), d_heads
-    )
-    backward = [(i + 1, i) for i in range(n_stages - 1)]
-    names = _names(saved)  # the activations' axes, so their cotangents' too
-
-    def step(carry, t):
-        received, acc, d_xs = carry
-        u = t - (n_stages - 1 - s)
-        active = (u >= 0) & (u < m)
-        k = jnp.clip(m - 1 - u, 0, m - 1)
-        ct = jnp.where(s == n_stages - 1, grads_out[k], received)
-        _, vjp = jax.vjp(stage_fn, own, saved[k])
-        d_params, d_input = vjp(ct)
-        acc = jax.tree_util.tree_map(
-            lambda a, d: a + jnp.where(active, d, jnp.zeros_like(d)), acc, d_params
-        )
-        d_xs = d_xs.at[k].set(jnp.where(active & (s == 0), d_input, d_xs[k]))
-        # <- the cotangent crosses back to the previous stage (send/recv: one ppermute)
-        return (primitives.sendrecv(d_input, stage_axis, backward), acc, d_xs), None
-
-    zero_ct = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
-    zeros = jax.tree_util.tree_map(
-        lambda p: cast_varying(jnp.zeros(p.shape, p.dtype), _names(p)), own
-    )
-    d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), names)
-    (_, grads, d_xs), _ = lax.scan(step, (zero_ct, zeros, d_xs0), jnp.arange(m + n_stages - 1))
-    return jnp.mean(losses), grads, d_head, d_xs
-
-
-def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
-    """1F1B in lock-step slots: in slot t stage s runs the forward of micro-batch (t - s) / 2
-    when t - s is even, the backward of micro-batch (t - 2S + 1 + s) / 2 when it is odd; after
-    each slot one ``sendrecv`` moves every forward's activation to s + 1 and every backward's
-    cotangent to s - 1. Stage inputs are kept in ``min(S, M)`` slots, micro-batch i in slot
-    i mod min(S, M). Each slot a stage runs one branch of a ``lax.cond`` on its own
-    predicate: a forward, or a recomputed forward and a backward, GPipe's work in another
-    order. Returns what :func:`_gpipe` returns (``loss_fn`` as there)."""
-    stage_fn, loss_fn, own, xs, ys, stage_axis, head = _unpack(p)
-    n_stages = primitives.world_size(stage_axis)
-    s = primitives.rank(stage_axis)
-    last = n_stages - 1
-    m = xs.shape[0]
-    _check_stage(api, stage_fn, own, xs)
-    keep = min(n_stages, m)
-    # Each value typed as what it holds: activations (and their cotangents) over the axes
-    # the forward's do vary over (_carried), gradients as their params, the loss over those
-    # of the activations, targets and head.
-    act = _carried(stage_fn, own, xs, s)
-    zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
-    saved0 = cast_varying(jnp.zeros((keep,) + xs.shape[1:], xs.dtype), act)
-    zeros = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _names(p)), own)
-    loss0 = cast_varying(jnp.zeros((), jnp.float32), _names(zero, ys, head))
-    head0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _names(p)), head)
-    d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
-    template = (zero, saved0, zero, zeros, loss0, head0, d_xs0)
-    # Slot t: stage s works forward iff t - s is even, so in an even slot the even stages send
-    # forward and the odd ones back (pairs 0-1, 2-3, ...), in an odd slot the pairs 1-2, 3-4, ...
-    even = [(i, i + 1) for i in range(0, last, 2)] + [(i, i - 1) for i in range(1, n_stages, 2)]
-    odd = [(i, i + 1) for i in range(1, last, 2)] + [(i, i - 1) for i in range(2, n_stages, 2)]
-
-    def typed(tree: PyTree) -> PyTree:
-        """A branch's outputs typed as ``template`` (every branch of the switch alike)."""
-        return jax.tree_util.tree_map(lambda v, r: cast_varying(v, _names(r)), tree, template)
-
-    def slot(carry, t, pairs):
-        received, own_ct, saved, acc, loss, acc_head, d_xs = carry
-        forward = (t - s) % 2 == 0
-        i = (t - s) // 2  # the forward's micro-batch
-        j = (t - 2 * last - 1 + s) // 2  # the backward's micro-batch
-        fi, bj = jnp.clip(i, 0, m - 1), jnp.clip(j, 0, m - 1)
-        at_last = s == last
-
-        # Each branch updates the state itself (no zero trees, no masked sums; measured in a
-        # Trainer step, less memory than updating it after the switch): the idle slots of the
-        # warm-up and drain compute nothing.
-        def idle():
-            return typed((zero, saved, own_ct, acc, loss, acc_head, d_xs))
-
-        def run_forward():
-            inp = jnp.where(s == 0, xs[fi], received)
-            out = stage_fn(own, inp)
-            y = jax.tree_util.tree_map(lambda v: v[fi], ys)
-            # Used on the last stage only.
-            value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
-            acc_head_new = jax.tree_util.tree_map(
-                lambda a, d: a + jnp.where(at_last, d / m, jnp.zeros_like(d)), acc_head, d_head
-            )
-            own_ct_new = jnp.where(at_last, d_out / m, own_ct)
-            loss_new = loss + jnp.where(at_last, value.astype(jnp.float32), 0.0)
-            saved_new = saved.at[fi % keep].set(inp)
-            return typed((out, saved_new, own_ct_new, acc, loss_new, acc_head_new, d_xs))
-
-        def run_backward():
-            ct = jnp.where(at_last, own_ct, received)
-            _, vjp = jax.vjp(stage_fn, own, saved[bj % keep])
-            d_params, d_input = vjp(ct)
-            acc_new = jax.tree_util.tree_map(jnp.add, acc, d_params)
-            d_xs_new = d_xs.at[bj].set(jnp.where(s == 0, d_input, d_xs[bj]))
-            return typed((d_input, saved, own_ct, acc_new, loss, acc_head, d_xs_new))
-
-        fwd = forward & (i >= 0) & (i < m)
-        bwd = ~forward & (j >= 0) & (j < m)
-        branch = jnp.where(fwd, 1, jnp.where(bwd, 2, 0))
-        message, saved, own_ct, acc, loss, acc_head, d_xs = lax.switch(
-            branch, (idle, run_forward, run_backward)
-        )
-        # -> activations to s + 1, <- cotangents to s - 1: one sendrecv (one ppermute)
-        sent = primitives.sendrecv(message, stage_axis, pairs)
-        return sent, own_ct, saved, acc, loss, acc_head, d_xs
-
-    def step(carry, k):
-        carry = slot(carry, 2 * k, even)
-        return slot(carry, 2 * k + 1, odd), None
-
-    carry = (zero, zero, saved0, zeros, loss0, head0, d_xs0)
-    (_, _, _, grads, loss, d_head, d_xs), _ = lax.scan(step, carry, jnp.arange(m + n_stages - 1))
-    return loss / m, grads, d_head, d_xs
 
 
 def pipeline_value_and_grad(

@@ -25,13 +25,8 @@ from .._core.typing import PyTree
 from .._core.vma import cast_varying
 from . import _interleaved
 from ._lowering import axes_of
-from .pipeline import (
-    _check_targets,
-    _forward,
-    _microbatches,
-    _names,
-    lower,
-)
+from ._stages import _check_targets, _forward, _microbatches, _names
+from .pipeline import lower
 from .schedules import Interleaved, Schedule
 
 

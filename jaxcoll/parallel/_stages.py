@@ -1,0 +1,113 @@
+"""What the pipeline's lowerings share: splitting into micro-batches, the checks of a stage,
+the axes values vary over, and GPipe's forward schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .. import primitives
+from .._core.typing import PyTree
+from .._core.vma import cast_varying, varying_axes
+from .schedules import Schedule
+
+
+def _check_count(api: str, m: Any) -> None:
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise ValueError(f"{api}: num_microbatches={m!r} must be a positive int.")
+
+
+def _names(*trees: Any) -> tuple:
+    """Every mesh axis any leaf of ``trees`` varies over (shard_map's types), sorted."""
+    out: set = set()
+    for leaf in jax.tree_util.tree_leaves(trees):
+        out |= set(varying_axes(leaf) or ())
+    return tuple(sorted(out, key=str))
+
+
+def _microbatches(api: str, x: jax.Array, m: int, schedule: Schedule | None = None) -> jax.Array:
+    _check_count(api, m)
+    if x.ndim == 0 or x.shape[0] % m:
+        into = f"num_microbatches={m}" if schedule is None else f"the {m} of {schedule!r}"
+        raise ValueError(
+            f"{api}: the batch has {x.shape[0] if x.ndim else 0} examples, which "
+            f"do not split into {into} equal micro-batches. Pick a "
+            f"divisor of the per-replica batch size."
+        )
+    return x.reshape((m, x.shape[0] // m) + x.shape[1:])
+
+
+def _check_targets(api: str, examples: int, y: PyTree) -> None:
+    """Every leaf of ``y`` has one row per example of ``x``: micro-batch i of ``x`` is scored
+    against rows of ``y`` cut the same way, so other counts would pair the wrong rows."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(y)[0]:
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] != examples:
+            got = f"{shape[0]} examples" if shape else "no leading axis (a scalar)"
+            raise ValueError(
+                f"{api}: y{jax.tree_util.keystr(path)} has {got} but x has "
+                f"{examples}; the last stage scores micro-batch i of x against "
+                f"the same rows of y, so y needs one target per example of x. "
+                f"Pass the targets of exactly this replica's rows of x (a leading "
+                f"axis of {examples})."
+            )
+
+
+def _check_stage(api: str, stage_fn: Callable, params: PyTree, xs: jax.Array) -> None:
+    # Typed as the schedule calls it: varying over every axis the params or inputs vary over.
+    probe = jax.eval_shape(stage_fn, params, cast_varying(xs[0], _names(params, xs)))
+    if (probe.shape, probe.dtype) != (xs.shape[1:], xs.dtype):
+        raise ValueError(
+            f"{api}: stage_fn maps a micro-batch of shape {xs.shape[1:]} "
+            f"{xs.dtype} to {probe.shape} {probe.dtype}; every stage must keep the "
+            f"activation's shape and dtype (one SPMD program runs every stage). "
+            f"Pad or project the activations to one width."
+        )
+
+
+def _carried(stage_fn: Callable, params: PyTree, xs: jax.Array, s: jax.Array) -> tuple:
+    """The axes the forward's activations vary over: the inputs' and the stage's, and those
+    ``stage_fn``'s output varies over given such an input (a fixed point). A stage whose
+    output is the same across a tensor axis (a Megatron block ends with its all-reduce)
+    keeps it invariant there, so the model's output is too."""
+    names = set(_names(xs, s))
+    while True:
+        probe = jax.eval_shape(stage_fn, params, cast_varying(xs[0], tuple(sorted(names, key=str))))
+        grown = names | set(varying_axes(probe) or ())
+        if grown == names:
+            return tuple(sorted(names, key=str))
+        names = grown
+
+
+def _forward(
+    api: str, stage_fn: Callable, params: PyTree, xs: jax.Array, stage_axis: Hashable
+) -> tuple[jax.Array, jax.Array]:
+    """The forward schedule: at step t stage s runs micro-batch t - s. Returns each stage's
+    saved inputs ``(M, mb, ...)`` and, on the last stage, the outputs."""
+    n_stages = primitives.world_size(stage_axis)
+    m = xs.shape[0]
+    s = primitives.rank(stage_axis)
+    _check_stage(api, stage_fn, params, xs)
+    names = _carried(stage_fn, params, xs, s)
+    zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
+    buffers = cast_varying(jnp.zeros(xs.shape, xs.dtype), names)
+    forward = [(i, i + 1) for i in range(n_stages - 1)]
+
+    def step(carry, t):
+        received, saved, outs = carry
+        mb = t - s
+        active = (mb >= 0) & (mb < m)
+        k = jnp.clip(mb, 0, m - 1)
+        inp = jnp.where(s == 0, xs[jnp.clip(t, 0, m - 1)], received)
+        out = stage_fn(params, inp)
+        saved = saved.at[k].set(jnp.where(active, inp, saved[k]))
+        outs = outs.at[k].set(jnp.where(active & (s == n_stages - 1), out, outs[k]))
+        # -> the activation crosses to the next stage (send/recv: one ppermute)
+        return (primitives.sendrecv(out, stage_axis, forward), saved, outs), None
+
+    (_, saved, outs), _ = lax.scan(step, (zero, buffers, buffers), jnp.arange(m + n_stages - 1))
+    return saved, outs
