@@ -26,10 +26,8 @@ IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 _KINDS = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT}
 
 
-def tables(rows: list) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(kind, micro-batch, buffers)``: the table as arrays (stage x slot) and how many
-    micro-batches' inputs a stage holds at once, from their arrival to their W (the ring of
-    buffers they are kept in, micro-batch i in buffer i mod that)."""
+def tables(rows: list) -> tuple[np.ndarray, np.ndarray]:
+    """``(kind, micro-batch)``: the table as arrays (stage x slot)."""
     stages, slots = len(rows), len(rows[0])
     kind = np.zeros((stages, slots), np.int32)
     mb = np.zeros((stages, slots), np.int32)
@@ -37,21 +35,15 @@ def tables(rows: list) -> tuple[np.ndarray, np.ndarray, int]:
         for t, op in enumerate(row):
             if op is not None:
                 kind[s, t], mb[s, t] = _KINDS[op[0]], op[1]
-    most = 1
-    for s in range(stages):
-        live = 0
-        for t in range(slots):
-            # Stage 0's input is there when its forward runs; a later stage's arrives the
-            # slot after the previous stage's forward.
-            arrived = kind[s, t] == FORWARD if s == 0 else t > 0 and kind[s - 1, t - 1] == FORWARD
-            live += int(arrived)
-            most = max(most, live)
-            live -= int(kind[s, t] == WEIGHT)
-    return kind, mb, most
+    return kind, mb
 
 
-def zero_bubble(p: Staged, rows: list, act: tuple) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
-    """Run the table ``rows`` (:meth:`ZeroBubble.table`). ``loss_fn`` is ``(head, out, y) ->
+def zero_bubble(
+    p: Staged, rows: list, keep: int, act: tuple
+) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
+    """Run the table ``rows`` (:meth:`ZeroBubble.table`), keeping stage inputs and output
+    cotangents in ``keep`` buffers (:meth:`ZeroBubble.kept_inputs`: micro-batch i in buffer
+    i mod ``keep``). ``loss_fn`` is ``(head, out, y) ->
     mean loss``; ``act``: the axes the activations vary over. Returns what the other
     lowerings return: the last stage's mean loss (0 elsewhere), this stage's gradient summed
     over micro-batches of the mean loss, the head's gradient (the last stage's) and the
@@ -69,7 +61,7 @@ def zero_bubble(p: Staged, rows: list, act: tuple) -> tuple[jax.Array, PyTree, P
     s = primitives.rank(stage_axis)
     last = n_stages - 1
     m = xs.shape[0]
-    kind_np, mb_np, keep = tables(rows)
+    kind_np, mb_np = tables(rows)
     kinds, mbs = jnp.asarray(kind_np), jnp.asarray(mb_np)
     zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
     inputs0 = cast_varying(jnp.zeros((keep,) + xs.shape[1:], xs.dtype), act)

@@ -196,8 +196,9 @@ def lower(
         return _interleaved.interleaved(p, schedule.virtual, act)
     if isinstance(schedule, ZeroBubble):
         _check_stage(api, stage_fn, own, xs)
-        rows = schedule.table(primitives.world_size(stage_axis))
-        return _zero_bubble.zero_bubble(p, rows, _carried(stage_fn, own, xs, s))
+        n_stages = primitives.world_size(stage_axis)
+        rows, keep = schedule.table(n_stages), schedule.kept_inputs(n_stages)
+        return _zero_bubble.zero_bubble(p, rows, keep, _carried(stage_fn, own, xs, s))
     return (_gpipe if isinstance(schedule, GPipe) else _one_f_one_b)(api, p)
 
 

@@ -223,9 +223,23 @@ class ZeroBubble(Schedule):
     def kept_inputs(self, stages: int) -> int:
         """The most stage inputs a stage holds at once, from their arrival to their W (B and
         W recompute the forward from them): the lowering's buffers."""
-        from ._zero_bubble import tables  # the lowering's own count
-
-        return tables(self.table(stages))[2]
+        rows = self.table(stages)
+        most = 1
+        for s, row in enumerate(rows):
+            live = 0
+            for t, op in enumerate(row):
+                # Stage 0's input is there when its forward runs; a later stage's arrives
+                # the slot after the previous stage's forward.
+                before = rows[s - 1][t - 1] if s > 0 and t > 0 else None
+                arrived = (
+                    (op is not None and op[0] == "F")
+                    if s == 0
+                    else (before is not None and before[0] == "F")
+                )
+                live += int(arrived)
+                most = max(most, live)
+                live -= int(op is not None and op[0] == "W")
+        return most
 
 
 SCHEDULES: dict[str, type[Schedule]] = {s.name: s for s in (GPipe, OneFOneB, Interleaved)}
