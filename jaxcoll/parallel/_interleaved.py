@@ -126,15 +126,7 @@ def interleaved(p: Staged, v: int, act: tuple) -> tuple[jax.Array, PyTree, PyTre
     Returns the last stage's mean loss (0 elsewhere), this stage's gradient, summed over
     micro-batches, of the mean loss, the gradient of ``head`` (the last stage's; zero
     elsewhere) and that of the inputs ``xs`` (stage 0's; zero elsewhere)."""
-    stage_fn, loss_fn, own, xs, ys, stage_axis, head = (
-        p.stage_fn,
-        p.loss_fn,
-        p.own,
-        p.xs,
-        p.ys,
-        p.stage_axis,
-        p.head,
-    )
+    stage_fn, loss_fn, own, xs, ys, stage_axis, head = p.parts()
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     last = n_stages - 1

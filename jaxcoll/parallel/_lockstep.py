@@ -13,17 +13,13 @@ from ._lowering import Staged
 from ._stages import _carried, _check_stage, _forward, _names
 
 
-def _unpack(p: Staged) -> tuple:
-    return p.stage_fn, p.loss_fn, p.own, p.xs, p.ys, p.stage_axis, p.head
-
-
 def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
     """GPipe: all forwards (saving M stage inputs), then all backwards. ``loss_fn`` is
     ``(head, out, y) -> mean loss``. Returns the last stage's mean loss (garbage elsewhere),
     this stage's gradient summed over micro-batches of the mean loss, the gradient of
     ``head`` (the last stage's; zero elsewhere) and that of the inputs ``xs`` (stage 0's;
     zero elsewhere)."""
-    stage_fn, loss_fn, own, xs, ys, stage_axis, head = _unpack(p)
+    stage_fn, loss_fn, own, xs, ys, stage_axis, head = p.parts()
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     m = xs.shape[0]
@@ -71,7 +67,7 @@ def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Ar
     i mod min(S, M). Each slot a stage runs one branch of a ``lax.cond`` on its own
     predicate: a forward, or a recomputed forward and a backward, GPipe's work in another
     order. Returns what :func:`_gpipe` returns (``loss_fn`` as there)."""
-    stage_fn, loss_fn, own, xs, ys, stage_axis, head = _unpack(p)
+    stage_fn, loss_fn, own, xs, ys, stage_axis, head = p.parts()
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     last = n_stages - 1

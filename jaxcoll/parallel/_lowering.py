@@ -33,6 +33,10 @@ class Staged:
     head: PyTree = ()
     """The head's params (``()``: none)."""
 
+    def parts(self) -> tuple:
+        """``(stage_fn, loss_fn, own, xs, ys, stage_axis, head)``, for a lowering's locals."""
+        return self.stage_fn, self.loss_fn, self.own, self.xs, self.ys, self.stage_axis, self.head
+
 
 def axes_of(x: Any) -> tuple:
     """The mesh axes ``x`` varies over (shard_map's type), sorted."""

@@ -48,15 +48,7 @@ def zero_bubble(
     lowerings return: the last stage's mean loss (0 elsewhere), this stage's gradient summed
     over micro-batches of the mean loss, the head's gradient (the last stage's) and the
     inputs' (stage 0's)."""
-    stage_fn, loss_fn, own, xs, ys, stage_axis, head = (
-        p.stage_fn,
-        p.loss_fn,
-        p.own,
-        p.xs,
-        p.ys,
-        p.stage_axis,
-        p.head,
-    )
+    stage_fn, loss_fn, own, xs, ys, stage_axis, head = p.parts()
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     last = n_stages - 1
