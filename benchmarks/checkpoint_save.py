@@ -69,7 +69,7 @@ def measure(
 
     from jaxcoll import dp
 
-    trainer = gpt.trainer_for("dp8", jax.devices())
+    trainer = gpt.trainer_for("dp8")
     params = gpt.init_params()
     rng = np.random.default_rng(0)
     vocab = len(gpt.VOCAB)

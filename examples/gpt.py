@@ -2,8 +2,8 @@
 
     python examples/gpt.py                          # dp8: 8 simulated CPU devices, ~20 s
     python examples/gpt.py --layout fsdp4xtp2       # FSDP over 4 x tensor parallel over 2
-    python examples/gpt.py --layout fsdp2xtp2xpp2   # ... x 2 pipeline stages
-    python examples/gpt.py --layout fsdp2xtp2xpp2 --schedule 1f1b  # ... by 1F1B (or zb-h1)
+    python examples/gpt.py --layout fsdp2xtp2xpp2   # ... x 2 pipeline stages (GPipe)
+    python examples/gpt.py --layout fsdp2xtp2xpp2:1f1b   # ... by 1F1B (or :zb-h1)
     python examples/gpt.py --layout single          # the same model on one device
     jaxcoll-run --nprocs 2 --devices-per-proc 4 examples/gpt.py --layout fsdp2xtp2xpp2
 
@@ -17,20 +17,21 @@ in ``--data DIR``. Training reads them through ``dp.TokenBatches`` (grain): ever
 ``BLOCK + 1`` characters, a new order each epoch, each process reading only its own rows of
 each batch; batch s is the same whatever the layout or the number of processes.
 
-A layout is the mesh's axes and their sizes: ``dp`` (data parallel, replicated), ``fsdp``
-(data parallel, params sharded: FSDP, or HSDP beside ``dp``), ``tp`` (tensor parallel: the
+``--layout`` picks the roles' degrees and the schedule, one ``dp.Layout``: ``dp`` (data
+replicas), ``fsdp`` (data shards: FSDP, or HSDP beside ``dp``), ``tp`` (tensor parallel: the
 attention heads and the MLP's hidden units split, jaxcoll.nn's layers) and ``pp`` (pipeline
-stages over the stacked blocks, run by parallel.pipeline_loss with the schedule that
-``--schedule`` picks: ``gpipe``, ``1f1b`` or ``zb-h1``). The model is written once: on one
-device (or over data axes only) it runs dense. Every layout trains the same model to the same
-params as ``--layout single`` (tests/test_gpt.py checks it within 1e-5). The loop is
-``Trainer.fit``, as nanoGPT's: every ``--eval-every`` steps it evaluates on train and val
-batches and prints both losses, the learning rate, tokens/s and (with ``--peak-flops``) MFU.
-With ``--ckpt DIR`` a run resumes from the newest checkpoint in DIR, in its own layout
-whatever layout wrote it, and saves there when the validation loss improves and at the last
-step. Logs come from process 0 only. Expect the
-validation loss to fall from about 3.4 (a uniform guess over the 31 characters) to about 0.5
-in 300 steps (dp8: 1.20 at step 100, 0.48 at step 300).
+stages over the stacked blocks, run by parallel.pipeline_loss), then ``:gpipe`` (the
+default), ``:1f1b`` or ``:zb-h1``. The model is written once and names no mesh axis: its
+layers split over the role "tensor", its stacked blocks carry the logical axis "layers", and
+the layout maps both to its mesh (or to none: on one device it runs dense). Every layout
+trains the same model to the same params as ``--layout single`` (tests/test_gpt.py checks it
+within 1e-5). The loop is ``Trainer.fit``, as nanoGPT's: every ``--eval-every`` steps it
+evaluates on train and val batches and prints both losses, the learning rate, tokens/s and
+(with ``--peak-flops``) MFU. With ``--ckpt DIR`` a run resumes from the newest checkpoint in
+DIR, in its own layout whatever layout wrote it, and saves there when the validation loss
+improves and at the last step. Logs come from process 0 only. Expect the validation loss
+to fall from about 3.4 (a uniform guess over the 31 characters) to about 0.5 in 300 steps
+(dp8: 1.20 at step 100, 0.48 at step 300).
 """
 
 from __future__ import annotations
@@ -72,7 +73,6 @@ BIAS = False  # biases in the Linears and LayerNorms (nanoGPT's bias flag; False
 BATCH = 32  # global batch, in sequences, per optimizer step
 ACCUM = 2  # gradient accumulation: micro-batches per step (each rank's share split)
 MICRO = 2  # pipeline micro-batches per micro-batch (pp layouts)
-SCHEDULE = "gpipe"  # --schedule: the pipeline's schedule (pp layouts), a key of SCHEDULES
 SCHEDULES = {"gpipe": parallel.GPipe, "1f1b": parallel.OneFOneB, "zb-h1": parallel.ZeroBubble}
 LR, MIN_LR, WARMUP = 3e-3, 3e-4, 20  # peak and final learning rate, warmup steps
 DECAY_STEPS = 300  # the cosine reaches MIN_LR here (nanoGPT's lr_decay_iters)
@@ -149,14 +149,14 @@ def batches(split: str, count: int, seed: int):
 
 # ------------------------------------------------------------------------------ model
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block; its attention and MLP split over ``tensor`` when a
-    layout has that axis (jaxcoll.nn), dense otherwise."""
+    """Pre-LayerNorm transformer block; its attention and MLP split over the layout's tensor
+    axis where it has one (jaxcoll.nn), dense otherwise."""
 
     @nn.compact
     def __call__(self, h):
-        attn = pnn.ParallelSelfAttention(HEADS, axis="tensor", use_bias=BIAS, causal=True)
+        attn = pnn.ParallelSelfAttention(HEADS, use_bias=BIAS, causal=True)
         h = h + attn(nn.LayerNorm(use_bias=BIAS)(h))
-        mlp = pnn.ParallelMLP(features=WIDTH, hidden=4 * WIDTH, axis="tensor", use_bias=BIAS)
+        mlp = pnn.ParallelMLP(features=WIDTH, hidden=4 * WIDTH, use_bias=BIAS)
         return h + mlp(nn.LayerNorm(use_bias=BIAS)(h))
 
 
@@ -176,37 +176,26 @@ def head_loss(head, h, y):
 def loss_fn(params, batch, rng):
     x = batch["x"]
     h = params["wte"][x] + params["wpe"][: x.shape[1]]
-    # The stacked blocks as stages over the pipeline axis, by the schedule's own backward
-    # (--schedule), the head on the last stage; where no pipeline axis is bound, every block
-    # in order, then the head.
+    # The stacked blocks as stages over the layout's pipeline axis, by its schedule's own
+    # backward, the head on the last stage; with no pipeline axis, every block in order, then
+    # the head.
     head = {"ln_f": params["ln_f"], "wte": params["wte"]}
-    schedule = SCHEDULES[SCHEDULE](MICRO)
-    loss = parallel.pipeline_loss(
-        stage,
-        head_loss,
-        params["blocks"],
-        head,
-        h,
-        batch["y"],
-        stage_axis="pipe",
-        schedule=schedule,
-    )
-    return loss, {}
+    return parallel.pipeline_loss(stage, head_loss, params["blocks"], head, h, batch["y"]), {}
 
 
 def init_params(seed: int = 0):
-    """The params, each boxed with its split over the model axes (``nn.Partitioned``): the
-    tensor splits jaxcoll.nn's layers declare, and the stacked blocks' leading axis over the
-    pipeline axis. A Trainer reads the boxes; names absent from its mesh are dropped."""
+    """The params, each boxed with its logical axes (``nn.Partitioned``): the tensor splits
+    jaxcoll.nn's layers declare, and the stacked blocks' leading axis, ``"layers"``. A
+    Trainer's layout maps them to its mesh axes (to none where it has no such role)."""
     k = jax.random.split(jax.random.key(seed), LAYERS + 2)
     h = jnp.zeros((1, BLOCK, WIDTH))
     per_layer = [Block().init(key, h)["params"] for key in k[:LAYERS]]
     is_box = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
     blocks = jax.tree_util.tree_map(
         lambda *xs: (
-            nn.Partitioned(jnp.stack([x.value for x in xs]), ("pipe",) + xs[0].names)
+            nn.Partitioned(jnp.stack([x.value for x in xs]), ("layers",) + xs[0].names)
             if is_box(xs[0])
-            else nn.Partitioned(jnp.stack(xs), ("pipe",) + (None,) * xs[0].ndim)
+            else nn.Partitioned(jnp.stack(xs), ("layers",) + (None,) * xs[0].ndim)
         ),
         *per_layer,
         is_leaf=is_box,
@@ -242,62 +231,50 @@ def schedule():
 
 
 # ---------------------------------------------------------------------------- layouts
-def layout(name: str, devices=None):
-    """``(mesh, data axes, sync, dp.Layout)`` for a layout name such as ``fsdp4xtp2``."""
-    devices = jax.devices() if devices is None else devices
-    if name == "single":
-        return jax.make_mesh((1,), ("dp",), devices=devices[:1]), "dp", dp.sync.DDP(), None
-    parts = re.fullmatch(r"(dp\d+)?x?(fsdp\d+)?x?(tp\d+)?x?(pp\d+)?", name)
-    if not parts or not any(parts.groups()):
-        raise SystemExit(f"--layout {name!r}: expected e.g. dp8, fsdp4xtp2, dp2xtp2xpp2")
+def layout(name: str) -> dp.Layout:
+    """The ``dp.Layout`` a ``--layout`` names: ``fsdp4xtp2``, ``dp2xtp2xpp2:1f1b``, ..."""
+    parts = re.fullmatch(r"(dp\d+)?x?(fsdp\d+)?x?(tp\d+)?x?(pp\d+)?(?::([a-z0-9-]+))?", name)
+    if not parts or not any(parts.groups()[:4]):
+        raise SystemExit(f"--layout {name!r}: expected e.g. dp8, fsdp4xtp2, dp2xtp2xpp2:1f1b")
     sizes = {
-        m.group(1): int(m.group(2))
-        for p in parts.groups()
+        m[1]: int(m[2])
+        for p in parts.groups()[:4]
         if p and (m := re.fullmatch(r"([a-z]+)(\d+)", p))
     }
-    names = {"dp": "dp", "fsdp": "fsdp", "tp": "tensor", "pp": "pipe"}
-    axes = tuple(names[k] for k in sizes)
-    shape = tuple(sizes.values())
-    if int(np.prod(shape)) != len(devices):
+    if "dp" not in sizes and "fsdp" not in sizes:
+        raise SystemExit(f"--layout {name!r}: name a data role too (dp1 for none)")
+    if int(np.prod(list(sizes.values()))) != jax.device_count():
         raise SystemExit(
-            f"--layout {name!r} needs {int(np.prod(shape))} devices, not {len(devices)}"
+            f"--layout {name!r} needs {int(np.prod(list(sizes.values())))} devices, not "
+            f"{jax.device_count()}"
         )
-    mesh = jax.make_mesh(shape, axes, devices=devices)
-    data = tuple(a for a in ("dp", "fsdp") if a in axes) or None
-    if data is None:  # no data axis: one replica, the batch whole on every device
-        raise SystemExit(f"--layout {name!r}: name a data axis too (dp1 for none)")
-    if "fsdp" in data:
-        sync = dp.sync.FSDP(shard_axis="fsdp" if len(data) > 1 else None)
-    else:
-        sync = dp.sync.DDP()
-    model = dp.Layout(
-        tensor="tensor" if "tensor" in axes else None, pipeline="pipe" if "pipe" in axes else None
+    schedule = parts[5] or "gpipe"
+    if schedule not in SCHEDULES:
+        raise SystemExit(f"--layout {name!r}: the schedule is one of {sorted(SCHEDULES)}")
+    return dp.Layout(
+        replicate=sizes.get("dp"),
+        shard=sizes.get("fsdp"),
+        tensor=sizes.get("tp"),
+        pipeline=sizes.get("pp"),
+        schedule=SCHEDULES[schedule](MICRO) if "pp" in sizes else None,
     )
-    return mesh, data if len(data) > 1 else data[0], sync, model
 
 
-def trainer_for(name: str, devices=None) -> dp.Trainer:
-    mesh, data, sync, model = layout(name, devices)
-    return dp.Trainer(
-        loss_fn,
-        optimizer(),
-        mesh=mesh,
-        axis_name=data,
-        sync=sync,
-        layout=model,
-        accum_steps=ACCUM,
-    )
+def trainer_for(name: str) -> dp.Trainer:
+    """The Trainer of a ``--layout``; ``single``: the same model on one device."""
+    if name == "single":
+        mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+        return dp.Trainer(loss_fn, optimizer(), mesh=mesh, accum_steps=ACCUM)
+    return dp.Trainer(loss_fn, optimizer(), layout=layout(name), accum_steps=ACCUM)
 
 
 def main(argv=None) -> None:
-    global DATA, SCHEDULE
+    global DATA
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layout", default="dp8")
     parser.add_argument(
-        "--schedule",
-        default=SCHEDULE,
-        choices=sorted(SCHEDULES),
-        help="the pipeline schedule of a pp layout (1f1b: activation memory bounded by the stages)",
+        "--layout",
+        default="dp8",
+        help="degrees and schedule, e.g. fsdp4xtp2 or fsdp2xtp2xpp2:1f1b (single: one device)",
     )
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument(
@@ -320,7 +297,6 @@ def main(argv=None) -> None:
     if args.tiny:
         use_tiny()
     DATA = args.data
-    SCHEDULE = args.schedule
     me = jax.process_index()
     trainer = trainer_for(args.layout)
     state = trainer.init(init_params(), jax.random.key(0))

@@ -68,24 +68,19 @@ def test_a_layout_trains_the_single_device_params(name, single):
     assert abs(loss - single[1]) <= 1e-5
 
 
-def test_1f1b_trains_the_single_device_params(single, monkeypatch):
+def test_1f1b_trains_the_single_device_params(single):
     # The pipeline's own 1F1B backward (parallel.pipeline_loss) inside the Trainer, under
-    # FSDP x tensor x pipeline with gradient accumulation.
-    monkeypatch.setattr(gpt, "SCHEDULE", "1f1b")
-    params, loss = _train("fsdp2xtp2xpp2")
+    # FSDP x tensor x pipeline with gradient accumulation; the layout's schedule.
+    params, loss = _train("fsdp2xtp2xpp2:1f1b")
     assert _max_rel(_flat(params), single[0]) <= TOL
     assert abs(loss - single[1]) <= 1e-5
 
 
-def test_the_checkpoint_resumes_in_another_layout(tmp_path, single, monkeypatch):
-    monkeypatch.setattr(gpt, "SCHEDULE", gpt.SCHEDULE)  # main sets it from --schedule
+def test_the_checkpoint_resumes_in_another_layout(tmp_path, single):
     ckpt, out = tmp_path / "ckpt", tmp_path / "params.npz"
     common = ["--tiny", "--eval-every", "0", "--ckpt", str(ckpt)]
     gpt.main([*common, "--layout", "fsdp4xtp2", "--steps", "2"])
-    gpt.main(
-        [*common, "--layout", "dp2xtp2xpp2", "--schedule", "1f1b", "--steps", str(STEPS)]
-        + ["--out", str(out)]
-    )
+    gpt.main([*common, "--layout", "dp2xtp2xpp2:1f1b", "--steps", str(STEPS)] + ["--out", str(out)])
     assert _max_rel(dict(np.load(out)), single[0]) <= TOL
 
 
@@ -94,3 +89,8 @@ def test_a_bad_layout_is_named():
         gpt.layout("tp2x3")
     with pytest.raises(SystemExit, match=r"needs 4 devices, not 8"):
         gpt.layout("dp2xtp2")
+    with pytest.raises(SystemExit, match=r"the schedule is one of"):
+        gpt.layout("dp2xtp2xpp2:2f2b")
+    assert gpt.layout("fsdp2xtp2xpp2:zb-h1") == gpt.dp.Layout(
+        shard=2, tensor=2, pipeline=2, schedule=gpt.parallel.ZeroBubble(gpt.MICRO)
+    )

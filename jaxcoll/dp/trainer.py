@@ -15,15 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import primitives
+from .._core import roles
 from .._core.checks import check_static_int
 from .._core.typing import AxisName, PyTree
 from .._core.vma import axis_names
 from .._watch import process, watchdog
-from . import loop
+from . import layout_sync, loop
 from .adapters import Model, name_of
 from .checks import (
     LossOutputError,
@@ -40,10 +41,7 @@ from .host import to_host
 from .layout import Layout, model_specs, unbox
 from .state import TrainState
 from .step import build_eval, build_step
-from .sync import DDP, Strategy
-
-# The default strategy: a frozen value, safe to share between Trainers.
-_DDP = DDP()
+from .sync import Strategy
 
 # loss_fn(params, batch, rng) -> (loss, metrics); it may take a keyword argument ``step``.
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
@@ -83,17 +81,25 @@ class Trainer:
             ``apply_if_finite``, ...), or an ``optax.MultiSteps``, whose accumulation over
             successive *steps* (one update every k calls) is kept; ``accum_steps=k`` is the
             cheaper way when the k micro-batches come in one global batch.
-        mesh: the device mesh; default: every device on one axis named ``axis_name``. A
-            mesh with Explicit axes (``jax.make_mesh``'s default) is used with Auto axes
-            over the same devices (``trainer.mesh``): the Trainer places its arrays itself.
-        axis_name: the mesh axis (or tuple of axes) the batch is split over.
-        sync: the gradient-sync strategy, a value that carries its own options:
+        mesh: the device mesh, for a ``layout`` that names its axes' roles (or none);
+            default: the layout's own mesh when it gives degrees
+            (``dp.Layout(shard=4, tensor=2)``), else every device on one axis ``"data"``. A
+            mesh with Explicit axes (``jax.make_mesh``'s default) is used with Auto axes over
+            the same devices (``trainer.mesh``): the Trainer places its arrays itself.
+        axis_name: the data axis (or tuple of axes) the batch is split over, for a layout
+            without data roles (the spelling before :class:`~jaxcoll.dp.Layout` named them;
+            it still works): ``Trainer(..., mesh=m, axis_name="data")`` is
+            ``layout=dp.Layout(replicate="data")``. Beside a layout's ``replicate=`` or
+            ``shard=`` it is refused.
+        sync: the gradient-sync strategy: *how* the data axes hold the state (the layout
+            says *which* they are), a value that carries its own options:
             ``dp.sync.DDP(bucket_mb=25.0, algorithm="auto", hook=None)`` (torch's
             ``DistributedDataParallel``; ``hook`` is ``register_comm_hook``: e.g.
             ``dp.hooks.Compress(jnp.bfloat16)``, ``dp.hooks.PowerSGD(rank=4)``),
             ``dp.sync.ZeRO1()`` (``ZeroRedundancyOptimizer``) or ``dp.sync.FSDP()``
-            (``FullyShardedDataParallel``). The Trainer binds it to ``optimizer``, the mesh
-            and ``axis_name`` (``trainer.sync`` is the bound copy).
+            (``FullyShardedDataParallel``). Default: the layout's (FSDP over its ``shard``
+            role, HSDP with ``replicate`` beside it; DDP without one). The Trainer binds it
+            to ``optimizer``, the mesh and the data axes (``trainer.sync`` is the bound copy).
         accum_steps: split each rank's share of the batch into this many micro-batches whose
             gradients are averaged locally and synchronised once (DDP's ``no_sync``), with
             ``accum_steps`` times smaller activations. Without batch-dependent layers this is
@@ -112,11 +118,14 @@ class Trainer:
             ``optax.apply_if_finite`` works too; it guards only the params and the optimizer
             state.
         donate: donate the state's buffers to the step (the caller's old state is consumed).
-        layout: the model's mesh axes (:class:`~jaxcoll.dp.Layout`): a tensor axis its
-            tensor-parallel layers split over and a pipeline axis of stages. Each param keeps
-            its split over them (its *model spec*, given to :meth:`init`) and the strategy
-            splits it further over the data axes; the batch is replicated over them. Default:
-            no model axes (data parallelism alone).
+        layout: every role of the mesh (:class:`~jaxcoll.dp.Layout`): data replicas and
+            shards, a tensor axis the model's tensor-parallel layers split over, a pipeline
+            axis of stages and its schedule. Each param keeps its split over the model axes
+            (its *model spec*, given to :meth:`init`) and the strategy splits it further over
+            the data axes; the batch is replicated over the model axes. While the step is
+            traced, the names model code uses (the roles ``"tensor"``, ``"pipeline"``; the
+            logical axes ``"heads"``, ``"mlp"``, ``"layers"``, ...) stand for the layout's
+            axes. Default: every device a data replica (data parallelism alone).
 
     Example (8 devices)::
 
@@ -134,8 +143,8 @@ class Trainer:
         optimizer: optax.GradientTransformation | optax.MultiSteps,
         *,
         mesh: Mesh | None = None,
-        axis_name: AxisName = "data",
-        sync: Strategy = _DDP,
+        axis_name: AxisName | None = None,
+        sync: Strategy | None = None,
         accum_steps: int = 1,
         extra: Extra | None = None,
         skip_nonfinite: bool = False,
@@ -155,41 +164,12 @@ class Trainer:
                 f"dp.Model adapter, got {type(loss_fn).__name__} instead."
             )
         optimizer = _check_optimizer(api, optimizer)
-        sync = _check_sync(api, sync)
         if extra is not None and not isinstance(extra, Extra):
             raise TypeError(
                 f"{api}: extra must be a dp.Extra(init, update) (e.g. dp.ema(0.999)), "
                 f"got {type(extra).__name__} instead."
             )
-        if mesh is None:
-            if isinstance(axis_name, (tuple, list)):
-                raise ValueError(
-                    f"{api}: axis_name={axis_name!r} names several axes; pass the "
-                    f"mesh that has them."
-                )
-            mesh = Mesh(np.array(jax.devices()), (axis_name,))
-        if any(t != AxisType.Auto for t in mesh.axis_types):
-            # jax.make_mesh's axes are Explicit (shardings in the types); the Trainer places
-            # every array itself, with sharding constraints, which need Auto axes: the same
-            # devices and names, Auto.
-            mesh = Mesh(
-                mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
-            )
-        names = axis_names(axis_name)
-        missing = [a for a in names if a not in mesh.axis_names]
-        if missing:
-            raise ValueError(
-                f"{api}: axis_name={axis_name!r} is not an axis of the mesh "
-                f"(axes {mesh.axis_names}). Pass one of them."
-            )
-        if layout is None:
-            layout = Layout()
-        if not isinstance(layout, Layout):
-            raise TypeError(
-                f"{api}: layout must be a dp.Layout(tensor=..., pipeline=...) naming the "
-                f"model's mesh axes, or None, got {type(layout).__name__} instead."
-            )
-        layout.check(api, mesh, names)
+        layout, mesh, names, sync = layout_sync.resolve(api, layout, mesh, axis_name, sync)
         accum_steps = check_static_int(api, "accum_steps", accum_steps)
         if accum_steps < 1:
             raise ValueError(f"{api}: accum_steps={accum_steps} must be at least 1.")
@@ -198,9 +178,11 @@ class Trainer:
         self.axis_name = names[0] if len(names) == 1 else names
         self.n = int(np.prod([mesh.shape[a] for a in names]))
         self.layout = layout
+        self._loss = _in_layout(self._loss, layout.binding())
         self.sync = sync.bind(optimizer, mesh, self.axis_name)
         self._model_specs: tuple[P, ...] | None = None  # known at init (dp.layout)
         self._specs_known = False  # init (or a state's placement) has set them
+        self._placed: Any = None  # the params the last step returned (their specs checked)
         self.accum_steps = accum_steps
         self.extra = extra
         self.skip_nonfinite = bool(skip_nonfinite)
@@ -350,7 +332,7 @@ class Trainer:
         if specs != self._model_specs:
             self._model_specs = specs
             self.sync = self.sync.with_model_specs(specs)
-            self._step_fns, self._eval_fn = {}, None
+            self._step_fns, self._eval_fn, self._placed = {}, None, None
 
     def _check_model_specs(self, api: str, params: PyTree) -> None:
         """Raise if a leaf of ``params`` is placed over the mesh's model axes otherwise than
@@ -414,13 +396,15 @@ class Trainer:
         """
         api = "Trainer.step"
         check_state(api, state)
-        self._check_model_specs(api, state.params)
+        if state.params is not self._placed:  # a state this Trainer did not just return
+            self._check_model_specs(api, state.params)
         batch = self.shard_batch(batch)
         phased = self.sync.phased
         host = self._host_step(state) if phased else None
         new, metrics = self._run(api, self._step_program(state, host), state, batch)
         if host is not None:  # phased
             self._known_step = (new.step, host + 1)
+        self._placed = new.params  # placed by the step itself: its model specs are known
         return new, metrics
 
     def _step_program(self, state: TrainState, host_step: int | None = None):
@@ -610,19 +594,15 @@ def _check_optimizer(api: str, optimizer: Any) -> optax.GradientTransformation:
     )
 
 
-def _check_sync(api: str, sync: Any) -> Strategy:
-    if isinstance(sync, Strategy):
-        return sync
-    if isinstance(sync, type) and issubclass(sync, Strategy):
-        raise TypeError(
-            f"{api}: sync=dp.sync.{sync.__name__} is a class: pass a value, e.g. "
-            f"sync=dp.sync.{sync.__name__}()."
-        )
-    raise TypeError(
-        f"{api}: sync must be a gradient-sync strategy (dp.sync.DDP(), "
-        f"dp.sync.ZeRO1() or dp.sync.FSDP()), got {sync!r} of type "
-        f"{type(sync).__name__} instead."
-    )
+def _in_layout(loss: Callable, binding: roles.Binding) -> Callable:
+    """``loss`` traced with the layout's roles and logical axes bound: model code's
+    ``"tensor"``, ``"heads"``, ``"layers"`` resolve to its mesh axes (:mod:`.._core.roles`)."""
+
+    def bound_loss(*args: Any) -> Any:
+        with roles.bound(binding):
+            return loss(*args)
+
+    return bound_loss
 
 
 def _stateless(loss_fn: LossFn):

@@ -29,6 +29,7 @@ from flax.typing import Dtype, Initializer
 from jax import lax
 
 from .. import parallel
+from .._core import roles
 from .._core.checks import check_static_int
 from .._core.vma import cast_varying
 
@@ -223,7 +224,7 @@ def _linear(
         fan_in_dims=fan_in_dims,
         bias_shape=bias_shape if layer.use_bias else None,
         bias_split=bias_split,
-        axis=layer.axis,
+        axis=roles.axis(layer.axis),
         ranks=ranks,
         kernel_init=layer.kernel_init,
         bias_init=layer.bias_init,
@@ -326,13 +327,14 @@ class ParallelMLP(linen.Module):
 
     @linen.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        axis = roles.axis(self.axis)  # the layout's tensor axis, where one binds
         api = _where(self)
         features = _positive_int(api, "features", self.features)
         hidden = _positive_int(api, "hidden", self.hidden)
-        ranks = _bound_size(self.axis)
+        ranks = _bound_size(axis)
         # split here, or (initialising dense under jax.set_mesh) to be placed split
-        n = ranks if ranks is not None or not self.is_initializing() else _mesh_size(self.axis)
-        _divides(api, "hidden", hidden, n, self.axis)
+        n = ranks if ranks is not None or not self.is_initializing() else _mesh_size(axis)
+        _divides(api, "hidden", hidden, n, axis)
         sp = self.sequence_parallel and ranks is not None
         if jnp.ndim(x) < (2 if sp else 1):
             raise ValueError(
@@ -353,12 +355,12 @@ class ParallelMLP(linen.Module):
             params = {"w1": w1, "w2": w2}
             if self.use_bias:
                 params |= {"b1": b1, "b2": b2}
-            return parallel.mlp(params, x, self.axis, activation=self.activation)
+            return parallel.mlp(params, x, axis, activation=self.activation)
         # sequence parallel: gather the rows, the two halves of parallel.mlp, scatter the rows
         h = self.activation(
-            parallel.column_parallel(parallel.sequence_gather(x, self.axis, axis=-2), w1, b1)
+            parallel.column_parallel(parallel.sequence_gather(x, axis, axis=-2), w1, b1)
         )
-        y = parallel.row_parallel(_to_front(h), w2, self.axis, b2, scatter=True)
+        y = parallel.row_parallel(_to_front(h), w2, axis, b2, scatter=True)
         return _to_front(y)
 
 
@@ -460,6 +462,7 @@ class ParallelSelfAttention(linen.Module):
 
     @linen.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        axis = roles.axis(self.axis)  # the layout's tensor axis, where one binds
         api = _where(self)
         heads = _positive_int(api, "num_heads", self.num_heads)
         if not 0.0 <= self.dropout_rate < 1.0:
@@ -485,10 +488,10 @@ class ParallelSelfAttention(linen.Module):
                 f"{heads}."
             )
         head_dim = qkv // heads
-        ranks = _bound_size(self.axis)
+        ranks = _bound_size(axis)
         # split here, or (initialising dense under jax.set_mesh) to be placed split
-        n = ranks if ranks is not None or not self.is_initializing() else _mesh_size(self.axis)
-        _divides(api, "num_heads", heads, n, self.axis)
+        n = ranks if ranks is not None or not self.is_initializing() else _mesh_size(axis)
+        _divides(api, "num_heads", heads, n, axis)
         sp = self.sequence_parallel and ranks is not None
         q_shape, bias_shape = (d, heads, head_dim), (heads, head_dim)
         params = [
@@ -511,11 +514,11 @@ class ParallelSelfAttention(linen.Module):
         local_heads = heads // (ranks or 1)
 
         if sp:  # this rank's rows of the sequence -> the whole sequence
-            x = parallel.sequence_gather(x, self.axis, axis=-2)
+            x = parallel.sequence_gather(x, axis, axis=-2)
         elif ranks is not None:
             # Megatron's "f", once for q, k and v: the backward sums their three cotangents
             # of x here and then over the ranks in ONE all-reduce, not one per projection.
-            x = cast_varying(x, (self.axis,))
+            x = cast_varying(x, (axis,))
 
         def project(w: jax.Array, b: jax.Array | None) -> jax.Array:
             y = parallel.column_parallel(x, w.reshape(d, -1), None if b is None else b.reshape(-1))
@@ -529,7 +532,7 @@ class ParallelSelfAttention(linen.Module):
             logits = jnp.where(allowed, logits, jnp.finfo(logits.dtype).min)
         probs = jax.nn.softmax(logits, axis=-1)
         if self.dropout_rate > 0.0 and not deterministic:
-            first = 0 if ranks is None else lax.axis_index(self.axis) * local_heads
+            first = 0 if ranks is None else lax.axis_index(axis) * local_heads
             probs = _dropout_heads(
                 probs,
                 self.make_rng("dropout"),
@@ -543,8 +546,8 @@ class ParallelSelfAttention(linen.Module):
             y = o @ wo
             return y if bo is None else y + bo
         if not sp:
-            return parallel.row_parallel(o, wo, self.axis, bo)
-        return _to_front(parallel.row_parallel(_to_front(o), wo, self.axis, bo, scatter=True))
+            return parallel.row_parallel(o, wo, axis, bo)
+        return _to_front(parallel.row_parallel(_to_front(o), wo, axis, bo, scatter=True))
 
 
 def _dropout_heads(weights: jax.Array, rng: jax.Array, heads: jax.Array, rate: float) -> jax.Array:

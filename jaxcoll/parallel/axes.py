@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .._core import roles
 from .._core.axis import bound
 from .._core.typing import AxisName
 
@@ -15,7 +16,9 @@ def is_bound(axis_name: AxisName) -> bool:
     Trainer's step binds the tensor or pipeline axis, dense elsewhere (a single-device run, a
     mesh without that axis, ``jax.jit`` with ``NamedSharding``). :mod:`jaxcoll.nn`'s layers
     and :func:`~jaxcoll.parallel.pipeline_apply` do it themselves. A tuple bound only in part
-    raises ValueError.
+    raises ValueError. A role (``"tensor"``, ``"pipeline"``) is, inside a ``dp.Trainer``, the
+    mesh axis its layout gives that role (not bound where the layout gives it none), as it is
+    for every axis argument of :mod:`jaxcoll.parallel` and :mod:`jaxcoll.nn`.
 
     Example::
 
@@ -24,4 +27,5 @@ def is_bound(axis_name: AxisName) -> bool:
         ...         return parallel.mlp(params, h, "tensor")    # this device's slices
         ...     return parallel.gelu(h @ params["w1"]) @ params["w2"]   # dense
     """
-    return bound("parallel.is_bound", axis_name)
+    axis_name = roles.axis(axis_name)  # a role ("tensor") is the layout's axis for it
+    return axis_name is not None and bound("parallel.is_bound", axis_name)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import primitives
+from .._core import roles
 from .._core.axis import bound
 from .._core.typing import PyTree
 from .._core.vma import cast_varying
@@ -257,7 +258,8 @@ def pipeline_apply(
     """
     api = "pipeline_apply"
     xs = _microbatches(api, x, num_microbatches)
-    if not bound(api, stage_axis, "stage_axis"):
+    stage_axis = roles.axis(stage_axis)  # a role ("pipeline"): the layout's axis for it
+    if stage_axis is None or not bound(api, stage_axis, "stage_axis"):
         return stage_fn(params, x)
     _, outs = _forward(api, stage_fn, params, xs, stage_axis)
     last = primitives.world_size(stage_axis) - 1

@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 
 from .. import primitives
+from .._core import roles
 from .._core.axis import bound
 from .._core.typing import PyTree
 from .._core.vma import cast_varying
@@ -27,7 +28,7 @@ from . import _interleaved
 from ._lowering import axes_of
 from ._stages import _check_targets, _forward, _microbatches, _names
 from .pipeline import lower
-from .schedules import Interleaved, Schedule
+from .schedules import GPipe, Interleaved, Schedule
 
 
 def pipeline_loss(
@@ -38,8 +39,8 @@ def pipeline_loss(
     x: jax.Array,
     y: PyTree,
     *,
-    stage_axis: Hashable,
-    schedule: Schedule,
+    stage_axis: Hashable | None = "pipeline",
+    schedule: Schedule | None = None,
 ) -> jax.Array:
     """The mean loss of a staged model over this replica's batch, differentiable (``jax.grad``)
     with respect to ``stage_params``, ``head_params`` and ``x`` through ``schedule``'s own
@@ -82,9 +83,11 @@ def pipeline_loss(
         head_params: the head's params (a pytree; ``()`` for none).
         x: this replica's stage-0 input ``(B, ...)`` (the embedding's output).
         y: this replica's targets, leading axis B (a pytree).
-        stage_axis: the mesh axis of the stages.
+        stage_axis: the mesh axis of the stages, or the role ``"pipeline"`` (the default):
+            inside a ``dp.Trainer`` the layout's pipeline axis (dense where it has none).
         schedule: :class:`GPipe`, :class:`OneFOneB`, :class:`Interleaved` or
-            :class:`ZeroBubble` with its M micro-batches (M divides B).
+            :class:`ZeroBubble` with its M micro-batches (M divides B); default: the
+            Trainer's layout's ``schedule`` (dense mode without one: the batch whole).
 
     Raises:
         TypeError: ``schedule`` not a schedule value.
@@ -92,6 +95,18 @@ def pipeline_loss(
             without the leading axis of v, a stage that changes the activation's shape.
     """
     api = "pipeline_loss"
+    stage_axis = roles.axis(stage_axis)
+    if schedule is None:
+        schedule = roles.schedule()
+    dense = stage_axis is None or not bound(api, stage_axis, "stage_axis")
+    if schedule is None and dense:
+        schedule = GPipe(1)
+    if schedule is None:
+        raise TypeError(
+            f"{api}: stage_axis={stage_axis!r} is bound, and no schedule is given; pass "
+            f"schedule= (parallel.OneFOneB(M), ...) or give the Trainer's layout one "
+            f"(dp.Layout(pipeline=..., schedule=parallel.OneFOneB(M)))."
+        )
     if not isinstance(schedule, Schedule):
         raise TypeError(
             f"{api}: schedule must be a schedule value (parallel.GPipe(M), "
@@ -102,7 +117,7 @@ def pipeline_loss(
     xs = _microbatches(api, x, m, schedule)
     _check_targets(api, x.shape[0], y)
     ys = jax.tree_util.tree_map(lambda t: _microbatches(api, t, m, schedule), y)
-    if not bound(api, stage_axis, "stage_axis"):  # dense: every stage, then the head
+    if dense:  # every stage, then the head
         if isinstance(schedule, Interleaved):  # (v, n, ...): the model's layers in order
             _interleaved.check_chunks(api, stage_params, schedule.virtual)
             stage_params = jax.tree_util.tree_map(

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import primitives
+from .._core import roles
 from .._core.typing import AxisName, PyTree
 
 
@@ -46,6 +47,7 @@ def row_parallel(
     :func:`~jaxcoll.primitives.reduce_scatter` of the leading (batch) axis, so each rank keeps
     its 1/n of the rows (sequence parallelism). The bias is added once, after the reduction.
     """
+    axis_name = roles.axis(axis_name)
     partial = h @ w
     if scatter:
         y = primitives.reduce_scatter(partial, axis_name, scatter_dimension=0, tiled=True)
@@ -65,7 +67,7 @@ def sequence_gather(x: jax.Array, axis_name: AxisName, *, axis: int = 0) -> jax.
     all-reduce the whole cotangent, twice the bytes, then slice it.) Lowering: one
     ``lax.all_gather`` (HLO all-gather).
     """
-    return lax.all_gather(x, axis_name, axis=axis % jnp.ndim(x), tiled=True)
+    return lax.all_gather(x, roles.axis(axis_name), axis=axis % jnp.ndim(x), tiled=True)
 
 
 def gelu(x: jax.Array) -> jax.Array:

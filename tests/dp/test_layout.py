@@ -7,6 +7,8 @@ optax on the whole batch.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,17 @@ from jax.sharding import PartitionSpec as P
 from jaxcoll import dp, parallel
 from jaxcoll._core.vma import varying_axes
 from tests.multihost.workers import nd_model
-from tests.multihost.workers.nd_model import SPECS, TWIN, D, F, data, loss_fn, optimizer, params0
+from tests.multihost.workers.nd_model import (
+    MICRO,
+    SPECS,
+    TWIN,
+    D,
+    F,
+    data,
+    loss_fn,
+    optimizer,
+    params0,
+)
 
 TOL = 1e-5
 
@@ -32,47 +44,27 @@ def _mesh(shape, names):
     return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
 
 
-#: name: (mesh shape, mesh axes, data axes, sync, layout)
+#: name: (layout, sync); sync None: the layout's default (FSDP over a shard role, else DDP).
 LAYOUTS = {
-    "dp8": ((8,), ("data",), "data", dp.sync.DDP(), None),
-    "fsdp8": ((8,), ("data",), "data", dp.sync.FSDP(), None),
-    "dp2xfsdp4": ((2, 4), ("dp", "fsdp"), ("dp", "fsdp"), dp.sync.FSDP(shard_axis="fsdp"), None),
-    "fsdp4xtp2": ((4, 2), ("data", "tensor"), "data", dp.sync.FSDP(), dp.Layout(tensor="tensor")),
-    "zero1x4xtp2": (
-        (4, 2),
-        ("data", "tensor"),
-        "data",
-        dp.sync.ZeRO1(),
-        dp.Layout(tensor="tensor"),
-    ),
-    "dp2xtp2xpp2": (
-        (2, 2, 2),
-        ("data", "tensor", "pipe"),
-        "data",
-        dp.sync.DDP(),
-        dp.Layout(tensor="tensor", pipeline="pipe"),
-    ),
-    "fsdp2xtp2xpp2": (
-        (2, 2, 2),
-        ("data", "tensor", "pipe"),
-        "data",
-        dp.sync.FSDP(),
-        dp.Layout(tensor="tensor", pipeline="pipe"),
-    ),
+    "dp8": (dp.Layout(replicate=8), None),
+    "fsdp8": (dp.Layout(shard=8), None),
+    "dp2xfsdp4": (dp.Layout(replicate=2, shard=4), None),
+    "fsdp4xtp2": (dp.Layout(shard=4, tensor=2), None),
+    "zero1x4xtp2": (dp.Layout(shard=4, tensor=2), dp.sync.ZeRO1()),
+    "dp2xtp2xpp2": (dp.Layout(replicate=2, tensor=2, pipeline=2), None),
+    "fsdp2xtp2xpp2": (dp.Layout(shard=2, tensor=2, pipeline=2), None),
 }
 
 
-def _trainer(name, loss=loss_fn):
-    shape, names, axis, sync, layout = LAYOUTS[name]
+def _trainer(name, loss=loss_fn, schedule=None):
+    layout, sync = LAYOUTS[name]
     return dp.Trainer(
         loss,
         optimizer(),
-        mesh=_mesh(shape, names),
-        axis_name=axis,
         sync=sync,
-        layout=layout,
+        layout=dataclasses.replace(layout, schedule=schedule),
         # Accumulation: its sums of sliced gradients are typed as the slices are.
-        accum_steps=2 if name == "fsdp2xtp2xpp2" else 1,
+        accum_steps=2 if name in ("fsdp2xtp2xpp2", "dp2xtp2xpp2", "fsdp4xtp2") else 1,
         extra=dp.ema(0.5) if name == "zero1x4xtp2" else None,
     )
 
@@ -96,17 +88,20 @@ def test_every_layout_equals_one_device(name, reference):
     for k in TWIN:
         assert _max_rel(got[k], reference[k]) <= TOL, (name, k)
     # The placement each role promises, per device: the tensor-split kernels hold 1/t of
-    # their columns, the pipeline 1/p of the layers, FSDP 1/d more.
-    shape, names, axis, sync, layout = LAYOUTS[name]
-    sizes = dict(zip(names, shape, strict=True))
+    # their columns, the pipeline 1/p of the layers, FSDP 1/d more (HSDP: 1/shard).
+    sizes = dict(trainer.mesh.shape)
     w1 = state.params["sgd"]["blocks"]["w1"]
     held = w1.addressable_shards[0].data.size / w1.size
     want = 1.0
-    for a in layout.axes if layout else ():
+    for a in trainer.layout.axes:
         want /= sizes[a]
-    if isinstance(sync, dp.sync.FSDP):
-        want /= sizes[sync.shard_axis or axis]
+    if isinstance(trainer.sync, dp.sync.FSDP):
+        want /= sizes["shard"]
     assert held == pytest.approx(want), (name, held, want)
+    want_sync = dp.sync.ZeRO1 if name.startswith("zero1") else dp.sync.DDP
+    if "fsdp" in name:
+        want_sync = dp.sync.FSDP
+    assert type(trainer.sync) is want_sync, (name, trainer.sync)
     assert np.isfinite(float(metrics["loss"]))
 
 
@@ -138,7 +133,8 @@ def test_every_pipelined_layout_trains_with_each_schedule_equal_to_one_device(
             k: {**c, "blocks": jax.tree.map(lambda q: P(None, *q), c["blocks"], is_leaf=_is_spec)}
             for k, c in SPECS.items()
         }
-    trainer = _trainer(name, nd_model.scheduled_loss(schedule))
+    # The schedule is the layout's: the model code passes none (nor an axis).
+    trainer = _trainer(name, nd_model.scheduled_loss(), schedule)
     state = trainer.init(params, jax.random.key(1), specs=specs)
     for batch in data():
         state, metrics = trainer.step(state, batch)
@@ -157,19 +153,19 @@ def test_a_tensor_split_leaf_keeps_its_split_and_fsdp_adds_the_data_split():
     trainer = _trainer("fsdp4xtp2")
     state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
     blocks = state.params["adam"]["blocks"]
-    assert blocks["w1"].sharding.spec == P(None, "data", "tensor")
-    assert blocks["w2"].sharding.spec == P(None, "tensor", "data")
-    assert blocks["b1"].sharding.spec == P("data", "tensor")  # (L, F): only the layer axis left
+    assert blocks["w1"].sharding.spec == P(None, "shard", "tensor")
+    assert blocks["w2"].sharding.spec == P(None, "tensor", "shard")
+    assert blocks["b1"].sharding.spec == P("shard", "tensor")  # (L, F): only the layer axis left
     # Adam's moments mirror the params' placement.
     mu = state.opt_state.inner_states["adam"].inner_state[0].mu["adam"]["blocks"]["w1"]
-    assert mu.sharding.spec == P(None, "data", "tensor")
+    assert mu.sharding.spec == P(None, "shard", "tensor")
     # Under ZeRO-1 the params stay whole over the data axis, the moments and an EMA of the
     # params split there too, and all keep the tensor split.
     trainer = _trainer("zero1x4xtp2")
     state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
     assert state.params["sgd"]["blocks"]["w1"].sharding.spec == P(None, None, "tensor")
     mu = state.opt_state.inner_states["adam"].inner_state[0].mu["adam"]["blocks"]["w1"]
-    assert mu.sharding.spec == P("data", None, "tensor")  # ZeRO-1: the first dim 4 divides
+    assert mu.sharding.spec == P("shard", None, "tensor")  # ZeRO-1: the first dim 4 divides
     assert state.extra["sgd"]["blocks"]["w1"].sharding.spec == P(None, None, "tensor")
 
 
@@ -236,11 +232,84 @@ def test_bad_layouts_are_named(kwargs, match):
 
 
 def test_layout_value_checks():
-    with pytest.raises(TypeError, match=r"dp.Layout: tensor must be the name of a mesh axis"):
-        dp.Layout(tensor=2)
-    with pytest.raises(ValueError, match=r"name the same axis"):
+    with pytest.raises(TypeError, match=r"dp.Layout: tensor must be a degree \(an int"):
+        dp.Layout(tensor=2.0)
+    with pytest.raises(ValueError, match=r"names one mesh axis for two roles"):
         dp.Layout(tensor="x", pipeline="x")
+    with pytest.raises(ValueError, match=r"mixes degrees \(ints\) and mesh axis names"):
+        dp.Layout(shard=4, tensor="model")
+    with pytest.raises(ValueError, match=r"gives -1 \(the devices left\) to more than one"):
+        dp.Layout(shard=-1, replicate=-1)
+    with pytest.raises(ValueError, match=r"tensor=0 must be a positive degree"):
+        dp.Layout(tensor=0)
+    with pytest.raises(TypeError, match=r"schedule must be a pipeline schedule value"):
+        dp.Layout(pipeline=2, schedule="1f1b")
+    with pytest.raises(ValueError, match=r"rules\['heads'\] = 'model'"):
+        dp.Layout(tensor=2, rules={"heads": "model"})
     assert dp.Layout(tensor="t", pipeline="p").axes == ("t", "p")
+    # Degrees build the mesh: tensor innermost, pipeline outermost, the rest to -1 / replicate.
+    mesh = dp.Layout(replicate=2, tensor=2, pipeline=2).make_mesh()
+    assert dict(mesh.shape) == {"pipeline": 2, "replicate": 2, "tensor": 2}
+    assert mesh.axis_names == ("pipeline", "replicate", "tensor")
+    assert [d.id for d in mesh.devices[0, 0]] == [0, 1]  # a tensor pair: neighbours
+    assert dict(dp.Layout(tensor=2).make_mesh().shape) == {"replicate": 4, "tensor": 2}
+    assert dict(dp.Layout(shard=-1, pipeline=2).make_mesh().shape) == {"pipeline": 2, "shard": 4}
+    with pytest.raises(ValueError, match=r"uses 4 devices, and there are 8"):
+        dp.Layout(shard=2, tensor=2).make_mesh()
+    with pytest.raises(ValueError, match=r"needs a multiple of 3 devices"):
+        dp.Layout(tensor=3).make_mesh()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            dict(layout=dp.Layout(shard=8), axis_name="data"),
+            r"axis_name='data' and Layout\(shard=8\) both name the data axes",
+        ),
+        (
+            dict(layout=dp.Layout(shard=8), mesh=_mesh((8,), ("data",))),
+            r"Layout\(shard=8\) gives degrees, so it builds the mesh itself",
+        ),
+        (
+            dict(layout=dp.Layout(shard=8), sync=dp.sync.DDP()),
+            r"sync=DDP\(\) keeps whole params .* Layout\(shard=8\) shards them over 'shard'",
+        ),
+        (
+            dict(layout=dp.Layout(replicate=8), sync=dp.sync.FSDP()),
+            r"sync=FSDP\(\) splits the state over the data shards, and Layout\(replicate=8\)",
+        ),
+        (
+            dict(layout=dp.Layout(replicate=2, shard=4), sync=dp.sync.FSDP(shard_axis="x")),
+            r"FSDP\(shard_axis='x'\) and Layout\(replicate=2, shard=4\) name different shard",
+        ),
+    ],
+)
+def test_each_role_is_said_once(kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        dp.Trainer(loss_fn, optimizer(), **kwargs)
+
+
+def test_a_layout_names_the_roles_of_a_users_mesh(reference):
+    # The same model code (roles "tensor"/"pipeline", logical "mlp"/"layers") on a mesh whose
+    # axes are named otherwise: the layout maps each role to its axis.
+    mesh = _mesh((2, 2, 2), ("p", "d", "m"))
+    layout = dp.Layout(shard="d", tensor="m", pipeline="p", schedule=parallel.OneFOneB(MICRO))
+    trainer = dp.Trainer(nd_model.scheduled_loss(), optimizer(), mesh=mesh, layout=layout)
+    assert isinstance(trainer.sync, dp.sync.FSDP) and trainer.axis_name == "d"
+    state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
+    assert state.params["sgd"]["blocks"]["w1"].sharding.spec == P("p", "d", "m")
+    for batch in data():
+        state, _ = trainer.step(state, batch)
+    got = trainer.host_params(state)
+    for k in TWIN:
+        assert _max_rel(got[k], reference[k]) <= TOL, k
+    # A rule keeps a logical axis whole: the layers stay on every stage.
+    whole = dp.Trainer(
+        loss_fn, optimizer(), layout=dp.Layout(shard=4, pipeline=2, rules={"layers": None})
+    )
+    state = whole.init(params0(), jax.random.key(1), specs=SPECS)
+    assert state.params["sgd"]["blocks"]["b2"].sharding.spec == P(None, "shard")
 
 
 def test_a_split_the_axis_does_not_divide_is_named():

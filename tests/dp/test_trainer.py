@@ -30,7 +30,8 @@ def test_the_signature_takes_a_strategy_value_and_at_most_nine_keywords():
     sig = inspect.signature(dp.Trainer)
     keywords = [p for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert "sync" in sig.parameters and len(keywords) <= 9, list(sig.parameters)
-    assert sig.parameters["sync"].default == dp.sync.DDP()
+    assert sig.parameters["sync"].default is None  # the layout's: DDP without a shard role
+    assert type(dp.Trainer(lambda w, b, r: (w, {}), optax.sgd(0.1)).sync) is dp.sync.DDP
     assert list(sig.parameters)[:2] == ["loss_fn", "optimizer"]
     fit = inspect.signature(dp.Trainer.fit)
     assert "checkpoint" in fit.parameters and "checkpoint_dir" not in fit.parameters

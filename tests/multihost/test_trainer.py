@@ -149,13 +149,13 @@ def test_hsdp_with_replicas_across_processes_matches_1x8(tmp_path, single):
 @pytest.mark.timeout(200)
 def test_the_gpt_example_across_processes_equals_one_device(tmp_path):
     # examples/gpt.py --tiny in the layout FSDP 2 x tensor 2 x pipeline 2 by 1F1B under
-    # jaxcoll-run, the data axis across the two processes and the tensor and pipeline axes
-    # inside each: the params equal the example's single-device run (in this process) after
-    # the same steps.
+    # jaxcoll-run; the layout's mesh puts the pipeline axis outermost, so the stages' sends
+    # cross the two processes and the shard and tensor axes stay inside each: the params
+    # equal the example's single-device run (in this process) after the same steps.
     from tests.test_gpt import STEPS, TOL, _flat, _max_rel, _train
 
     out = tmp_path / "params.npz"
-    args = ["--tiny", "--layout", "fsdp2xtp2xpp2", "--schedule", "1f1b"]
+    args = ["--tiny", "--layout", "fsdp2xtp2xpp2:1f1b"]
     args += ["--steps", str(STEPS), "--out", str(out)]
     job = launch(
         ["--nprocs", "2", "--devices-per-proc", "4"],
@@ -165,7 +165,7 @@ def test_the_gpt_example_across_processes_equals_one_device(tmp_path):
     )
     assert job.returncode == 0, job.stderr[-4000:]
     assert survivors(job.token) == []
-    assert "fsdp2xtp2xpp2: mesh {'fsdp': 2, 'tensor': 2, 'pipe': 2}" in job.stdout
+    assert "fsdp2xtp2xpp2:1f1b: mesh {'pipeline': 2, 'shard': 2, 'tensor': 2}" in job.stdout
     single, _ = _train("single")
     assert _max_rel(dict(np.load(out)), _flat(single)) <= TOL
 

@@ -1,6 +1,7 @@
-"""The model tests/dp/test_layout.py and tests/multihost/workers/nd.py train in every layout.
+"""The model tests/dp/test_layout.py trains in every layout.
 
-Written once: an input projection, a stack of residual Megatron MLP blocks (the hidden units
+Written once, naming no mesh axis (roles and logical axes, which the Trainer's layout maps to
+its mesh axes): an input projection, a stack of residual Megatron MLP blocks (the hidden units
 split over the tensor axis, one all-reduce per block; the stacked layers split over the
 pipeline axis and run by ``parallel.pipeline_apply``) and an output projection. Run over a
 layout's axes it sees this device's slices; on one device (the axes unbound) it is the dense
@@ -39,15 +40,16 @@ def init_copy(key):
     }
 
 
-#: Each leaf's split over the model axes (names absent from a mesh are dropped: dense there).
+#: Each leaf's logical axes: "layers" (stacked blocks) over the layout's pipeline axis,
+#: "mlp" (hidden units) over its tensor axis; whole where the layout has no such axis.
 COPY_SPECS = {
     "inp": P(),
     "blocks": {
-        "w1": P("pipe", None, "tensor"),
-        "b1": P("pipe", "tensor"),
-        "w2": P("pipe", "tensor", None),
-        "b2": P("pipe"),
-        "scale": P("pipe"),
+        "w1": P("layers", None, "mlp"),
+        "b1": P("layers", "mlp"),
+        "w2": P("layers", "mlp", None),
+        "b2": P("layers"),
+        "scale": P("layers"),
     },
     "out": P(),
 }
@@ -70,7 +72,9 @@ def stage(blocks, h):
 
 def forward(p, x):
     h = jnp.tanh(x @ p["inp"])
-    h = parallel.pipeline_apply(stage, p["blocks"], h, stage_axis="pipe", num_microbatches=MICRO)
+    h = parallel.pipeline_apply(
+        stage, p["blocks"], h, stage_axis="pipeline", num_microbatches=MICRO
+    )
     return h @ p["out"]
 
 
@@ -100,9 +104,10 @@ def interleave(tree, v):
     )
 
 
-def scheduled_loss(schedule):
-    """``loss_fn`` with the blocks run by ``schedule`` (``parallel.pipeline_loss``: its own
-    backward inside the Trainer's ``jax.value_and_grad``); dense where no pipeline axis is."""
+def scheduled_loss(schedule=None):
+    """``loss_fn`` with the blocks run by ``schedule`` (default: the Trainer's layout's) by
+    ``parallel.pipeline_loss``: its own backward inside the Trainer's ``jax.value_and_grad``;
+    dense where the layout has no pipeline axis."""
 
     def loss(params, batch, rng):
         losses = {}
@@ -116,7 +121,6 @@ def scheduled_loss(schedule):
                 {"out": p["out"]},
                 h,
                 batch["y"],
-                stage_axis="pipe",
                 schedule=schedule,
             )
         return losses["adam"] + losses["sgd"], {f"loss_{k}": v for k, v in losses.items()}
