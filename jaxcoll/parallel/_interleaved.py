@@ -157,25 +157,34 @@ def interleaved(p: Staged, v: int, act: tuple) -> tuple[jax.Array, PyTree, PyTre
         fi, fc = item(jnp.clip(f, 0, mv - 1), n_stages, v, backward=False)
         bi, bc = item(jnp.clip(b, 0, mv - 1), n_stages, v, backward=True)
 
-        def run_forward():
-            inp = jnp.where((s == 0) & (fc == 0), xs[fi], act_in)
-            out = stage_fn(_chunk(own, fc), inp)
-            y = jax.tree_util.tree_map(lambda t: t[fi], ys)
-            # Used on the last chunk only.
-            value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
-            d_head = jax.tree_util.tree_map(lambda d: d / m, d_head)
-            return typed(
-                (out, inp, d_out / m, value.astype(jnp.float32), d_head),
-                (zero, zero, zero, loss0, head0),
-            )
+        at_loss = fwd & (s == last) & (fc == v - 1)
 
-        out, inp, d_out, value, d_head = lax.cond(
-            fwd, run_forward, lambda: (zero, zero, zero, loss0, head0)
+        def run_forward(with_head: bool):
+            """A forward; of the model's last chunk (``with_head``) the head's too (the other
+            stages and chunks skip its FLOPs)."""
+
+            def branch():
+                inp = jnp.where((s == 0) & (fc == 0), xs[fi], act_in)
+                out = stage_fn(_chunk(own, fc), inp)
+                if not with_head:
+                    return typed((out, inp, zero, loss0, head0), (zero, zero, zero, loss0, head0))
+                y = jax.tree_util.tree_map(lambda t: t[fi], ys)
+                value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
+                d_head = jax.tree_util.tree_map(lambda d: d / m, d_head)
+                return typed(
+                    (out, inp, d_out / m, value.astype(jnp.float32), d_head),
+                    (zero, zero, zero, loss0, head0),
+                )
+
+            return branch
+
+        out, inp, d_out, value, d_head = lax.switch(
+            jnp.where(at_loss, 2, jnp.where(fwd, 1, 0)),
+            (lambda: (zero, zero, zero, loss0, head0), run_forward(False), run_forward(True)),
         )
         free = jnp.argmax(holder < 0)
         saved = saved.at[free].set(jnp.where(fwd, inp, saved[free]))
         holder = holder.at[free].set(jnp.where(fwd, f, holder[free]))
-        at_loss = fwd & (s == last) & (fc == v - 1)
         loss = loss + jnp.where(at_loss, value, 0.0)
         acc_head = jax.tree_util.tree_map(
             lambda a, d: a + jnp.where(at_loss, d, jnp.zeros_like(d)), acc_head, d_head

@@ -25,13 +25,24 @@ def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
     m = xs.shape[0]
     saved, outs = _forward(api, stage_fn, own, xs, stage_axis)
 
-    # The last stage's are real.
+    # The head runs on the last stage alone (a cond: the others skip its FLOPs).
     grad = jax.value_and_grad(loss_fn, argnums=(0, 1))
-    losses, (d_heads, grads_out) = jax.vmap(grad, in_axes=(None, 0, 0))(head, outs, ys)
-    grads_out = grads_out / m  # d(mean over micro-batches)/d(out)
-    d_head = jax.tree_util.tree_map(
-        lambda d: jnp.where(s == n_stages - 1, jnp.sum(d, 0) / m, jnp.zeros_like(d[0])), d_heads
-    )
+    typed = (*_names(head, outs, ys), stage_axis)
+
+    def head_all():
+        losses, (d_heads, grads_out) = jax.vmap(grad, in_axes=(None, 0, 0))(head, outs, ys)
+        d_head = jax.tree_util.tree_map(lambda d: jnp.sum(d, 0) / m, d_heads)
+        out = (jnp.mean(losses).astype(jnp.float32), d_head, grads_out / m)
+        return jax.tree_util.tree_map(lambda v: cast_varying(v, typed), out)
+
+    def no_head():
+        shapes = jax.eval_shape(head_all)
+        return jax.tree_util.tree_map(
+            lambda v: cast_varying(jnp.zeros(v.shape, v.dtype), typed), shapes
+        )
+
+    # d(mean over micro-batches)/d(out), the head's gradient: the last stage's; zeros elsewhere
+    loss, d_head, grads_out = lax.cond(s == n_stages - 1, head_all, no_head)
     backward = [(i + 1, i) for i in range(n_stages - 1)]
     names = _names(saved)  # the activations' axes, so their cotangents' too
 
@@ -56,7 +67,7 @@ def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
     )
     d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), names)
     (_, grads, d_xs), _ = lax.scan(step, (zero_ct, zeros, d_xs0), jnp.arange(m + n_stages - 1))
-    return jnp.mean(losses), grads, d_head, d_xs
+    return loss, grads, d_head, d_xs
 
 
 def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
@@ -66,7 +77,8 @@ def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Ar
     cotangent to s - 1. Stage inputs are kept in ``min(S, M)`` slots, micro-batch i in slot
     i mod min(S, M). Each slot a stage runs one branch of a ``lax.cond`` on its own
     predicate: a forward, or a recomputed forward and a backward, GPipe's work in another
-    order. Returns what :func:`_gpipe` returns (``loss_fn`` as there)."""
+    order; the last stage's forwards run the head too (a branch of their own, so the other
+    stages skip its FLOPs). Returns what :func:`_gpipe` returns (``loss_fn`` as there)."""
     stage_fn, loss_fn, own, xs, ys, stage_axis, head = p.parts()
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
@@ -108,19 +120,23 @@ def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Ar
         def idle():
             return typed((zero, saved, own_ct, acc, loss, acc_head, d_xs))
 
-        def run_forward():
-            inp = jnp.where(s == 0, xs[fi], received)
-            out = stage_fn(own, inp)
-            y = jax.tree_util.tree_map(lambda v: v[fi], ys)
-            # Used on the last stage only.
-            value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
-            acc_head_new = jax.tree_util.tree_map(
-                lambda a, d: a + jnp.where(at_last, d / m, jnp.zeros_like(d)), acc_head, d_head
-            )
-            own_ct_new = jnp.where(at_last, d_out / m, own_ct)
-            loss_new = loss + jnp.where(at_last, value.astype(jnp.float32), 0.0)
-            saved_new = saved.at[fi % keep].set(inp)
-            return typed((out, saved_new, own_ct_new, acc, loss_new, acc_head_new, d_xs))
+        def run_forward(with_head: bool):
+            """A forward; on the last stage (``with_head``) the head's too, its loss and
+            the cotangent the backward starts from (the other stages skip the head)."""
+
+            def branch():
+                inp = jnp.where(s == 0, xs[fi], received)
+                out = stage_fn(own, inp)
+                saved_new = saved.at[fi % keep].set(inp)
+                if not with_head:
+                    return typed((out, saved_new, own_ct, acc, loss, acc_head, d_xs))
+                y = jax.tree_util.tree_map(lambda v: v[fi], ys)
+                value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
+                acc_head_new = jax.tree_util.tree_map(lambda a, d: a + d / m, acc_head, d_head)
+                loss_new = loss + value.astype(jnp.float32)
+                return typed((out, saved_new, d_out / m, acc, loss_new, acc_head_new, d_xs))
+
+            return branch
 
         def run_backward():
             ct = jnp.where(at_last, own_ct, received)
@@ -132,9 +148,9 @@ def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Ar
 
         fwd = forward & (i >= 0) & (i < m)
         bwd = ~forward & (j >= 0) & (j < m)
-        branch = jnp.where(fwd, 1, jnp.where(bwd, 2, 0))
+        branch = jnp.where(fwd, jnp.where(at_last, 3, 1), jnp.where(bwd, 2, 0))
         message, saved, own_ct, acc, loss, acc_head, d_xs = lax.switch(
-            branch, (idle, run_forward, run_backward)
+            branch, (idle, run_forward(False), run_backward, run_forward(True))
         )
         # -> activations to s + 1, <- cotangents to s - 1: one sendrecv (one ppermute)
         sent = primitives.sendrecv(message, stage_axis, pairs)

@@ -159,8 +159,13 @@ def pipeline_loss(
             _, outs = _forward(api, stage_fn, params, h, stage_axis)
             if c < schedule.virtual - 1:
                 h = primitives.broadcast(outs, stage_axis, last)
-        losses = jax.vmap(head_fn, in_axes=(None, 0, 0))(head_params, outs, ys)
-        value = jnp.where(s == last, jnp.mean(losses).astype(jnp.float32), 0.0)
+        typed = (*_names(head_params, outs, ys), stage_axis)
+
+        def head() -> jax.Array:  # the last stage's alone (a cond: the others skip it)
+            losses = jax.vmap(head_fn, in_axes=(None, 0, 0))(head_params, outs, ys)
+            return cast_varying(jnp.mean(losses).astype(jnp.float32), typed)
+
+        value = lax.cond(s == last, head, lambda: cast_varying(jnp.zeros((), jnp.float32), typed))
         return primitives.all_reduce(value, stage_axis)
 
     @jax.custom_vjp

@@ -395,3 +395,52 @@ def test_in_a_trainer_1f1b_keeps_under_half_of_gpipe_by_autodiff():
 
     gpipe, ofob = _temp_mib(autodiff), _temp_mib(one_f_one_b)
     assert ofob <= 0.5 * gpipe, (ofob, gpipe)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        parallel.GPipe(4),
+        parallel.OneFOneB(4),
+        parallel.Interleaved(4, virtual=V),
+    ],
+    ids=repr,
+)
+def test_the_head_runs_on_the_last_stage_alone(schedule):
+    # Each stage that runs the head says so (a callback inside it): only the last stage does,
+    # differentiated (the schedule's own backward) and not (an evaluation); the others skip
+    # its FLOPs (a branch of their own), not merely its result.
+    seen = set()
+    mesh = Mesh(np.array(jax.devices()[:S]), ("stage",))
+    params, x, y = _problem(S * schedule.virtual, batch=16)
+
+    def counted_head(head, h, y):
+        jax.debug.callback(lambda s: seen.add(int(s)), jax.lax.axis_index("stage"))
+        return head_fn(head, h, y)
+
+    def loss(params, x, y):
+        blocks = jax.tree.map(lambda t: t[0], params["blocks"])
+        interleaved = isinstance(schedule, parallel.Interleaved)
+        return parallel.pipeline_loss(
+            chunks_fn if interleaved else stage_fn,
+            counted_head,
+            blocks,
+            params["head"],
+            x @ params["emb"],
+            y,
+            stage_axis="stage",
+            schedule=schedule,
+        )
+
+    blocks = params["blocks"]
+    if isinstance(schedule, parallel.Interleaved):
+        blocks = jax.tree.map(lambda t: t[:, :, None], _interleaved_order(blocks, S, V))
+    params = {**params, "blocks": blocks}
+    specs = {"emb": P(), "blocks": {"w": P("stage"), "b": P("stage")}, "head": {"out": P()}}
+    for fn in (jax.grad(loss), loss):
+        seen.clear()
+        f = jax.shard_map(fn, mesh=mesh, in_specs=(specs, P(), P()), out_specs=specs)
+        if fn is loss:
+            f = jax.shard_map(fn, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P())
+        jax.block_until_ready(jax.jit(f)(params, x, y))
+        assert seen == {S - 1}, (schedule, fn, seen)
