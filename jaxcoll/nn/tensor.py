@@ -214,6 +214,7 @@ def _linear(
     *,
     fan_in_dims: int = 1,
     split_arg: str,
+    kernel_init: Initializer | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """The params of ``layer``'s linear map ``name`` (a :class:`_Linear` below it); no bias
     where the layer has ``use_bias=False``. Called inside the layer's ``__call__``."""
@@ -226,7 +227,7 @@ def _linear(
         bias_split=bias_split,
         axis=roles.axis(layer.axis),
         ranks=ranks,
-        kernel_init=layer.kernel_init,
+        kernel_init=layer.kernel_init if kernel_init is None else kernel_init,
         bias_init=layer.bias_init,
         param_dtype=layer.param_dtype,
         split_arg=split_arg,
@@ -290,6 +291,8 @@ class ParallelMLP(linen.Module):
         bias_init: initializer of both biases.
         dtype: the computation dtype (None: from the input and params).
         param_dtype: the params' dtype.
+        out_kernel_init: fc2's own initializer (None: ``kernel_init``), e.g. GPT-2's
+            ``normal(0.02 / sqrt(2 * n_layer))`` for ``c_proj``.
 
     Called as ``module.apply(variables, x)`` with ``x`` of shape ``(..., d)``, it returns the
     output, ``(..., features)``.
@@ -324,6 +327,7 @@ class ParallelMLP(linen.Module):
     bias_init: Initializer = linen.initializers.zeros_init()
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
+    out_kernel_init: Initializer | None = None
 
     @linen.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -344,7 +348,15 @@ class ParallelMLP(linen.Module):
         d = jnp.shape(x)[-1]
         w1, b1 = _linear(self, "fc1", ranks, (d, hidden), 1, (hidden,), 0, split_arg="hidden")
         w2, b2 = _linear(
-            self, "fc2", ranks, (hidden, features), 0, (features,), None, split_arg="hidden"
+            self,
+            "fc2",
+            ranks,
+            (hidden, features),
+            0,
+            (features,),
+            None,
+            split_arg="hidden",
+            kernel_init=self.out_kernel_init,
         )
         x, w1, b1, w2, b2 = linen.dtypes.promote_dtype(x, w1, b1, w2, b2, dtype=self.dtype)
         if ranks is None:  # dense: the whole block, no collective
@@ -423,6 +435,13 @@ class ParallelSelfAttention(linen.Module):
         bias_init: initializer of the four biases.
         dtype: the computation dtype (None: from the input and params).
         param_dtype: the params' dtype.
+        fused_qkv: one kernel for q, k and v, ``qkv/kernel`` of shape ``(d, 3, H, hd)``
+            (split over its heads dim, ``(None, None, axis, None)``) and ``qkv/bias``
+            ``(3, H, hd)``, instead of three: nanoGPT's and GPT-2's ``c_attn`` as it is,
+            reshaped (``c_attn.weight.T.reshape(d, 3, H, hd)`` from torch; its output is
+            q, k, v in that order, each head's ``hd`` columns together).
+        out_kernel_init: the output projection's own initializer (None: ``kernel_init``),
+            e.g. GPT-2's ``normal(0.02 / sqrt(2 * n_layer))`` for ``c_proj``.
 
     Called as ``module.apply(variables, x, deterministic=True)`` with ``x`` of shape
     ``(..., S, d)``, it returns the output, ``(..., S, o)``.
@@ -459,6 +478,8 @@ class ParallelSelfAttention(linen.Module):
     bias_init: Initializer = linen.initializers.zeros_init()
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
+    fused_qkv: bool = False
+    out_kernel_init: Initializer | None = None
 
     @linen.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
@@ -494,23 +515,35 @@ class ParallelSelfAttention(linen.Module):
         _divides(api, "num_heads", heads, n, axis)
         sp = self.sequence_parallel and ranks is not None
         q_shape, bias_shape = (d, heads, head_dim), (heads, head_dim)
-        params = [
-            *_linear(self, "query", ranks, q_shape, 1, bias_shape, 0, split_arg="num_heads"),
-            *_linear(self, "key", ranks, q_shape, 1, bias_shape, 0, split_arg="num_heads"),
-            *_linear(self, "value", ranks, q_shape, 1, bias_shape, 0, split_arg="num_heads"),
-            *_linear(
-                self,
-                "out",
-                ranks,
-                (heads, head_dim, out),
-                0,
-                (out,),
-                None,
-                fan_in_dims=2,
+        if self.fused_qkv:  # one (d, 3, H, hd) kernel: nanoGPT's c_attn, (d, 3d), reshaped
+            w, b = _linear(
+                self, "qkv", ranks, (d, 3) + bias_shape, 2, (3,) + bias_shape, 1,
                 split_arg="num_heads",
-            ),
-        ]
-        x, wq, bq, wk, bk, wv, bv, wo, bo = linen.dtypes.promote_dtype(x, *params, dtype=self.dtype)
+            )  # fmt: skip
+            qkv_params = [w[:, 0], None if b is None else b[0], w[:, 1]]
+            qkv_params += [None if b is None else b[1], w[:, 2], None if b is None else b[2]]
+        else:
+            qkv_params = [
+                p
+                for name in ("query", "key", "value")
+                for p in _linear(
+                    self, name, ranks, q_shape, 1, bias_shape, 0, split_arg="num_heads"
+                )
+            ]
+        wo_bo = _linear(
+            self,
+            "out",
+            ranks,
+            (heads, head_dim, out),
+            0,
+            (out,),
+            None,
+            fan_in_dims=2,
+            split_arg="num_heads",
+            kernel_init=self.out_kernel_init,
+        )
+        promoted = linen.dtypes.promote_dtype(x, *qkv_params, *wo_bo, dtype=self.dtype)
+        x, wq, bq, wk, bk, wv, bv, wo, bo = promoted
         local_heads = heads // (ranks or 1)
 
         if sp:  # this rank's rows of the sequence -> the whole sequence

@@ -37,6 +37,7 @@ LAYERS = {
     "attn-seqpar": lambda: ParallelSelfAttention(
         num_heads=HEADS, sequence_parallel=True, bias_init=_randn
     ),
+    "attn-fused": lambda: ParallelSelfAttention(num_heads=HEADS, bias_init=_randn, fused_qkv=True),
 }
 
 
@@ -169,6 +170,58 @@ def test_split_layer_equals_dense_output_and_gradients(kind, n):
     else:
         # an all-reduce of the input's cotangent
         assert _counts(lowered.as_text()) == {"all_reduce": 2}
+
+
+def test_a_fused_qkv_kernel_is_nanogpts_c_attn_and_equals_three_projections():
+    # nanoGPT's c_attn as torch holds it, weight (3d, d) and bias (3d,), and c_proj: reshaped
+    # into the fused layer's params, the layer equals nanoGPT's attention in NumPy, and the
+    # three-kernel layer given the same columns.
+    rng = np.random.default_rng(0)
+    x, _ = _data()
+    c_attn_w = rng.normal(size=(3 * D, D)).astype(np.float32) / np.sqrt(D)
+    c_attn_b = rng.normal(size=(3 * D,)).astype(np.float32) * 0.1
+    c_proj_w = rng.normal(size=(D, D)).astype(np.float32) / np.sqrt(D)
+    hd = D // HEADS
+    kernel = c_attn_w.T.reshape(D, 3, HEADS, hd)
+    fused = {
+        "qkv": {"kernel": kernel, "bias": c_attn_b.reshape(3, HEADS, hd)},
+        "out": {"kernel": c_proj_w.T.reshape(HEADS, hd, D), "bias": np.zeros(D, np.float32)},
+    }
+    got = ParallelSelfAttention(num_heads=HEADS, fused_qkv=True).apply({"params": fused}, x)
+
+    qkv = x @ c_attn_w.T + c_attn_b  # nanoGPT: q, k, v = c_attn(x).split(n_embd, dim=2)
+    q, k, v = (t.reshape(B, S, HEADS, hd).transpose(0, 2, 1, 3) for t in np.split(qkv, 3, -1))
+    att = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd)
+    att = np.where(np.tril(np.ones((S, S), bool)), att, -np.inf)
+    att = np.exp(att - att.max(-1, keepdims=True))
+    att /= att.sum(-1, keepdims=True)
+    want = (att @ v).transpose(0, 2, 1, 3).reshape(B, S, D) @ c_proj_w.T
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+    three = {n: {"kernel": kernel[:, i], "bias": fused["qkv"]["bias"][i]} for i, n in enumerate(
+        ("query", "key", "value"))}  # fmt: skip
+    three["out"] = fused["out"]
+    plain = ParallelSelfAttention(num_heads=HEADS).apply({"params": three}, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(plain), rtol=1e-5, atol=1e-6)
+    specs = linen.get_partition_spec(
+        ParallelSelfAttention(num_heads=HEADS, fused_qkv=True).init(jax.random.key(0), x)
+    )["params"]
+    assert specs["qkv"]["kernel"] == P(None, None, "tensor", None)
+    assert specs["qkv"]["bias"] == P(None, "tensor", None)
+
+
+def test_the_output_projection_has_its_own_init():
+    # GPT-2 initialises c_proj (and the MLP's second kernel) with a smaller std.
+    x, _ = _data()
+    zeros = linen.initializers.zeros_init()
+    for layer, out in (
+        (ParallelSelfAttention(num_heads=HEADS, out_kernel_init=zeros), "out"),
+        (ParallelMLP(features=D, hidden=HIDDEN, out_kernel_init=zeros), "fc2"),
+    ):
+        params = linen.meta.unbox(layer.init(jax.random.key(0), x))["params"]
+        assert not np.any(np.asarray(params[out]["kernel"]))
+        inner = [k for k in params if k != out]
+        assert all(np.any(np.asarray(params[k]["kernel"])) for k in inner), inner
 
 
 def test_under_shard_map_without_the_tensor_axis_the_layer_is_dense():
