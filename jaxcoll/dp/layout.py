@@ -150,6 +150,11 @@ class Layout:
                 f"parallel.OneFOneB(M), parallel.Interleaved(M, virtual=v), "
                 f"parallel.ZeroBubble(M)), got {self.schedule!r}."
             )
+        if self.schedule is not None and self.pipeline is None:
+            raise ValueError(
+                f"dp.Layout: schedule={self.schedule!r} schedules a pipeline, and "
+                f"{self._shown()} has none; give it pipeline= (the stages' degree or axis)."
+            )
         rules = dict(self.rules or {})
         for key, role in rules.items():
             if not isinstance(key, str) or role not in roles.MODEL_ROLES + (None,):

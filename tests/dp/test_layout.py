@@ -244,6 +244,8 @@ def test_layout_value_checks():
         dp.Layout(tensor=0)
     with pytest.raises(TypeError, match=r"schedule must be a pipeline schedule value"):
         dp.Layout(pipeline=2, schedule="1f1b")
+    with pytest.raises(ValueError, match=r"and Layout\(shard=8\) has none; give it pipeline="):
+        dp.Layout(shard=8, schedule=parallel.OneFOneB(4))
     with pytest.raises(ValueError, match=r"rules\['heads'\] = 'model'"):
         dp.Layout(tensor=2, rules={"heads": "model"})
     assert dp.Layout(tensor="t", pipeline="p").axes == ("t", "p")
