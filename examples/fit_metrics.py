@@ -99,18 +99,16 @@ def main() -> int:
         state,
         train,
         steps=args.steps,
-        eval_data={"val": val, "train": train_sample},
-        eval_every=25,
         checkpoint=dp.Checkpointer(os.path.join(out, "best"), every=None),
         callbacks=[
+            dp.Profile(os.path.join(out, "profile"), steps=(50, 53)),
+            dp.Evaluate({"val": val, "train": train_sample}, every=25),
+            dp.Throughput(peak_flops="measure"),
             best,
             stop,
             dp.TensorBoardWriter(os.path.join(out, "tb")),
             dp.PlotWriter(os.path.join(out, "fit_plot.png"), title="digits MLP, 8 CPU devices"),
         ],
-        peak_flops="measure",
-        profile_steps=(50, 53),
-        profile_dir=os.path.join(out, "profile"),
     )
     last = history[-1]
     print(

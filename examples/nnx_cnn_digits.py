@@ -117,7 +117,7 @@ def main() -> int:
     # Each step: dropout masks drawn per device, gradients averaged once over the 8 devices
     # (one bucketed all-reduce), the BatchNorm statistics averaged, the AdamW update.
     state, history = trainer.fit(
-        state, train, epochs=args.epochs, eval_data=test, eval_every=len(train), callbacks=[log]
+        state, train, epochs=args.epochs, callbacks=[dp.Evaluate(test, every=len(train)), log]
     )
     seconds = time.perf_counter() - t0
     results = trainer.evaluate(state, test)

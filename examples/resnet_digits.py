@@ -174,9 +174,7 @@ def main() -> int:
         state,
         train,
         epochs=args.epochs,
-        eval_data=test,
-        eval_every=steps_per_epoch,
-        callbacks=[EpochLog()],
+        callbacks=[dp.Evaluate(test, every=steps_per_epoch), EpochLog()],
     )
     seconds = time.perf_counter() - t0
     final = trainer.evaluate(state, test)

@@ -87,7 +87,11 @@ def main() -> int:
     t0 = time.perf_counter()
     # Inside each step the gradients cross devices once: a bucketed all-reduce of g/n.
     state, history = trainer.fit(
-        state, train, steps=args.steps, eval_data=test, progress=not args.no_progress
+        state,
+        train,
+        steps=args.steps,
+        callbacks=[dp.Evaluate(test)],
+        progress=not args.no_progress,
     )
     seconds = time.perf_counter() - t0
     last = history[-1]

@@ -21,7 +21,11 @@ from .callbacks import EarlyStopping as EarlyStopping
 from .callbacks import JsonlWriter as JsonlWriter
 from .callbacks import SaveBest as SaveBest
 from .checkpoint import Checkpointer as Checkpointer
+from .components import Profile as Profile
+from .components import Progress as Progress
+from .components import Throughput as Throughput
 from .data import Batches as Batches
+from .evaluate import Evaluate as Evaluate
 from .extra import Extra as Extra
 from .extra import ema as ema
 from .grain_data import TokenBatches as TokenBatches
@@ -42,6 +46,7 @@ __all__ = [
     "Callback",
     "Checkpointer",
     "EarlyStopping",
+    "Evaluate",
     "Extra",
     "JsonlWriter",
     "Layout",
@@ -49,9 +54,12 @@ __all__ = [
     "Model",
     "Nnx",
     "PlotWriter",
+    "Profile",
+    "Progress",
     "SaveBest",
     "SyncBatchNorm",
     "TensorBoardWriter",
+    "Throughput",
     "TokenBatches",
     "TokenWindows",
     "Trainer",

@@ -8,7 +8,9 @@ what a callback can ask of it (:class:`Action`: save a checkpoint, stop).
   which flax's examples use; :class:`JsonlWriter` and :class:`~jaxcoll.dp.TensorBoardWriter`
   are ones);
 * a plain function ``fn(step, metrics)``, called for every step and every evaluation
-  (evaluation keys prefixed ``eval_``, as in the history); it may return an :class:`Action`.
+  (evaluation keys prefixed ``eval_``, as in the history); it may return an :class:`Action`;
+* a component of the loop (:mod:`jaxcoll.dp.components`): :class:`~jaxcoll.dp.Evaluate`,
+  :class:`~jaxcoll.dp.Throughput`, :class:`~jaxcoll.dp.Profile`.
 
 All get host floats, after the step (or evaluation) finished, on the process that runs
 ``fit`` (in a multi-process job: every process; log from ``jax.process_index() == 0``).
@@ -84,8 +86,8 @@ class Callback:
         >>> class Print(dp.Callback):
         ...     def on_eval(self, step, results):
         ...         print(f"step {step}: test accuracy {results['accuracy']:.3f}")
-        >>> trainer.fit(state, train, epochs=5, eval_data=test, eval_every=len(train),
-        ...             callbacks=[Print()])
+        >>> trainer.fit(state, train, epochs=5,
+        ...             callbacks=[dp.Evaluate(test, every=len(train)), Print()])
 
         >>> class StopWhenGood(dp.Callback):  # stop once the training loss is below 0.1
         ...     def on_step(self, step, metrics):
@@ -104,7 +106,7 @@ class Callback:
 
     def on_eval(self, step: int, results: dict[str, float]) -> Action | None:
         """After each evaluation: :meth:`Trainer.evaluate`'s results at ``step`` (the params
-        after ``step`` updates). With named evaluation sets (``eval_data={"val": ...}``)
+        after ``step`` updates). With named evaluation sets (``dp.Evaluate({"val": ...})``)
         the keys are ``<name>_<metric>`` (``val_loss``); with one set, the metrics'."""
         return None
 
@@ -227,7 +229,7 @@ class SaveBest(_Watch):
 
     Args:
         metric: a key of ``fit``'s history: ``eval_<name>_<metric>`` for a named evaluation
-            set (``eval_val_loss`` for ``eval_data={"val": ...}``), ``eval_<metric>`` for a
+            set (``eval_val_loss`` for ``dp.Evaluate({"val": ...})``), ``eval_<metric>`` for a
             single set (both followed at evaluations: exact steps); a training metric
             (``loss``) is followed at every step, and its save applies as in
             :class:`Action`. Not a timing or memory metric: they differ between processes.
@@ -243,8 +245,8 @@ class SaveBest(_Watch):
 
         >>> ckpt = dp.Checkpointer("/tmp/best", every=None)
         >>> state, history = trainer.fit(
-        ...     state, train, steps=5000, eval_data={"val": val}, eval_every=250,
-        ...     checkpoint=ckpt, callbacks=[dp.SaveBest("eval_val_loss")])
+        ...     state, train, steps=5000, checkpoint=ckpt,
+        ...     callbacks=[dp.Evaluate({"val": val}, every=250), dp.SaveBest("eval_val_loss")])
     """
 
     asks_to_save = True
@@ -286,8 +288,9 @@ class EarlyStopping(_Watch):
     Example::
 
         >>> stop = dp.EarlyStopping("eval_val_loss", patience=3)
-        >>> state, history = trainer.fit(state, train, steps=10_000, eval_data={"val": val},
-        ...                              eval_every=200, callbacks=[stop])
+        >>> state, history = trainer.fit(
+        ...     state, train, steps=10_000,
+        ...     callbacks=[dp.Evaluate({"val": val}, every=200), stop])
         >>> stop.stopped_step  # None if it ran all 10_000 steps
     """
 

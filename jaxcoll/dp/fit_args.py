@@ -1,16 +1,16 @@
 """``fit``'s arguments, checked and normalised before any step: the step count, the data and
-evaluation sets, positive counts, the profile's steps and directory."""
+evaluation sets (:class:`~jaxcoll.dp.Evaluate`'s), the checkpointer, positive counts."""
 
 from __future__ import annotations
 
-import numbers
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .._core.checks import check_static_int
 from .._core.typing import PyTree
-from .checkpoint import check_directory
+from .callbacks import Callback
+from .checkpoint import Checkpointer
 from .data import Batches
 
 
@@ -43,41 +43,45 @@ def check_data(api: str, argname: str, data: Any) -> None:
 EvalData = Batches | Iterable[PyTree] | Mapping[str, Batches | Iterable[PyTree]]
 
 
-def eval_sets(api: str, eval_data: Any) -> list[tuple[str, Any]] | None:
-    """``fit``'s ``eval_data`` as ``[(prefix, batches), ...]``: one set with prefix ``""``,
-    or named sets (a dict ``{"val": batches, ...}``) with prefixes ``"val_"``, ...."""
+def eval_sets(api: str, eval_data: Any) -> list[tuple[str, Any]]:
+    """Evaluation data as ``[(prefix, batches), ...]``: one set with prefix ``""``, or named
+    sets (a dict ``{"val": batches, ...}``) with prefixes ``"val_"``, ...; ``api``'s argument
+    is called ``data``."""
     if eval_data is None:
-        return None
+        raise TypeError(
+            f"{api}: data is None; pass the evaluation batches (an iterable of global "
+            f"batches or a dp.Batches), or named sets {{'val': val_batches, ...}}."
+        )
     if not isinstance(eval_data, Mapping):
-        check_data(api, "eval_data", eval_data)
+        check_data(api, "data", eval_data)
         return [("", eval_data)]
     if any(hasattr(v, "shape") and hasattr(v, "dtype") for v in eval_data.values()):
         raise TypeError(
-            f"{api}: eval_data is a dict (one batch?); pass an iterable of global batches, "
-            f"e.g. [eval_data], or a dp.Batches; named evaluation sets are a dict of such "
+            f"{api}: data is a dict (one batch?); pass an iterable of global batches, "
+            f"e.g. [data], or a dp.Batches; named evaluation sets are a dict of such "
             f"iterables, e.g. {{'val': val_batches, 'train': train_batches}}."
         )
     if not eval_data:
         raise ValueError(
-            f"{api}: eval_data is an empty dict; pass named evaluation sets, e.g. "
-            f"{{'val': val_batches}}, or None for no evaluation."
+            f"{api}: data is an empty dict; pass named evaluation sets, e.g. "
+            f"{{'val': val_batches}} (no evaluation: leave the evaluation out)."
         )
     sets = []
     for name, batches in eval_data.items():
         if not isinstance(name, str) or not name:
             raise TypeError(
-                f"{api}: eval_data's keys name the evaluation sets (results are keyed "
+                f"{api}: data's keys name the evaluation sets (results are keyed "
                 f"<name>_<metric>, e.g. 'val_loss') and must be non-empty str, got {name!r} "
                 f"of type {type(name).__name__}; pass e.g. {{'val': val_batches}}."
             )
         if isinstance(batches, Mapping):
             raise TypeError(
-                f"{api}: eval_data[{name!r}] is a dict (one batch?); each named set is an "
+                f"{api}: data[{name!r}] is a dict (one batch?); each named set is an "
                 f"iterable of global batches, e.g. {{{name!r}: [batch]}}, or a dp.Batches."
             )
         if not isinstance(batches, (Batches, Iterable)):
             raise TypeError(
-                f"{api}: eval_data[{name!r}] is a {type(batches).__name__}, not batches; "
+                f"{api}: data[{name!r}] is a {type(batches).__name__}, not batches; "
                 f"each named set is an iterable of global batches or a dp.Batches."
             )
         sets.append((f"{name}_", batches))
@@ -97,38 +101,23 @@ def count(api: str, name: str, value: int, what: str, alternative: str = "") -> 
     return value
 
 
-def check_profile(
-    api: str, steps: Any, directory: str | os.PathLike | None
-) -> tuple[int, int, str] | None:
-    """``fit``'s ``profile_steps=(start, stop)`` and ``profile_dir``."""
-    if steps is None and directory is None:
-        return None
-    if steps is None:
-        assert directory is not None
-        raise ValueError(
-            f"{api}: profile_dir={os.fspath(directory)!r} needs profile_steps=(start, stop), "
-            f"the steps to trace (e.g. (10, 15): steps 10 to 14)."
+def check_checkpoint(api: str, checkpoint: Any, callbacks: list[Callback]) -> None:
+    """``checkpoint`` is a :class:`~jaxcoll.dp.Checkpointer` or None, and not None where a
+    callback asks to save (``asks_to_save``, as :class:`~jaxcoll.dp.SaveBest`)."""
+    if checkpoint is not None and not isinstance(checkpoint, Checkpointer):
+        hint = (
+            f" (a path: pass dp.Checkpointer({os.fspath(checkpoint)!r}, every=100))"
+            if isinstance(checkpoint, (str, os.PathLike))
+            else ""
         )
-    ok = (
-        isinstance(steps, (tuple, list))
-        and len(steps) == 2
-        and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in steps)
-    )
-    if not ok:
         raise TypeError(
-            f"{api}: profile_steps must be a pair of ints (start, stop): the steps start to "
-            f"stop - 1 are traced, numbered as callbacks see them (1 is the first); got "
-            f"{steps!r}."
+            f"{api}: checkpoint must be a dp.Checkpointer(directory, every=...) "
+            f"or None, got {type(checkpoint).__name__} instead{hint}."
         )
-    begin, end = int(steps[0]), int(steps[1])
-    if not 1 <= begin < end:
+    savers = [type(cb).__name__ for cb in callbacks if cb.asks_to_save]
+    if checkpoint is None and savers:
         raise ValueError(
-            f"{api}: profile_steps={steps!r} must have 1 <= start < stop (the steps start to "
-            f"stop - 1 are traced; 1 is the first step, which compiles: (2, 5) skips it)."
+            f"{api}: the callback {savers[0]} asks to save checkpoints, and fit has no "
+            f"checkpoint=; pass checkpoint=dp.Checkpointer(directory, every=None) (saves "
+            f"only when a callback asks) or every=k (also every k steps and at the end)."
         )
-    if directory is None:
-        raise ValueError(
-            f"{api}: profile_steps={steps!r} needs profile_dir=, the directory the trace "
-            f"goes to (open it with TensorBoard's profile plugin, or Perfetto)."
-        )
-    return begin, end, check_directory(api, "profile_dir", directory)

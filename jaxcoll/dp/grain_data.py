@@ -206,7 +206,7 @@ class TokenBatches:
 
     :meth:`Trainer.fit` iterates from ``state.step`` (:meth:`iter_from`, endless);
     ``iter(batches)`` gives the first ``len(batches)`` (one epoch's worth, e.g. for
-    ``eval_data``); ``batches[s]`` is global batch ``s`` whole, as NumPy.
+    :class:`~jaxcoll.dp.Evaluate`); ``batches[s]`` is global batch ``s`` whole, as NumPy.
 
     Args:
         source: the windows (:class:`TokenWindows`), or any grain data source whose

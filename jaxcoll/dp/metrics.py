@@ -15,13 +15,14 @@ with the loss in the same transfer.
                     start of ``fit``, compilation included; an evaluation with its
                     callbacks, a save or a trace in between is not counted)
 ``examples_per_s``  the global batch size / ``step_time_s``
-``tokens_per_s``    ``examples_per_s * tokens_per_example`` (with ``fit(tokens_per_example=)``)
+``tokens_per_s``    ``examples_per_s * tokens_per_example`` (with
+                    :class:`~jaxcoll.dp.Throughput`'s ``tokens_per_example``)
 ``flops_per_step``  the step program's FLOPs on all devices: XLA's ``cost_analysis()``
                     count, which is per device (per SPMD partition), times the device count,
                     or the step's matmul FLOPs where XLA's count lacks them (GPU; see
                     :func:`step_flops`)
 ``mfu``             ``flops_per_step / step_time_s / (peak_flops * n_devices)`` (with
-                    ``fit(peak_flops=)``)
+                    :class:`~jaxcoll.dp.Throughput`'s ``peak_flops``)
 ``lr``              ``opt_state``'s ``hyperparams["learning_rate"]`` after the step (the
                     rate the step used; optimizers made with ``optax.inject_hyperparams``)
 ``memory_bytes``    the largest ``peak_bytes_in_use`` of this process's devices where the
@@ -188,7 +189,7 @@ def measure_peak_flops(
     Example::
 
         >>> peak = dp.measure_peak_flops()  # e.g. about 7.5e14 for bfloat16 on an H100
-        >>> trainer.fit(state, data, steps=100, peak_flops=peak)  # or peak_flops="measure"
+        >>> trainer.fit(state, data, steps=100, callbacks=[dp.Throughput(peak_flops=peak)])
     """
     api = "dp.measure_peak_flops"
     device = jax.local_devices()[0] if device is None else device
@@ -232,7 +233,7 @@ def measure_peak_flops(
 
 
 def check_peak_flops(api: str, peak: Any) -> float | str | None:
-    """``fit``'s ``peak_flops=``: None, "measure" or a positive number of FLOP/s."""
+    """:class:`~jaxcoll.dp.Throughput`'s ``peak_flops=``: None, "measure" or a positive FLOP/s."""
     if peak is None or peak == "measure":
         return peak
     if isinstance(peak, bool) or not isinstance(peak, numbers.Real) or not float(peak) > 0:
@@ -327,22 +328,13 @@ class StepMetrics:
     outputs are read.
     """
 
-    def __init__(
-        self,
-        trainer: Any,
-        state: Any,
-        *,
-        tokens_per_example: int | None,
-        peak_flops: float | None,
-    ) -> None:
+    def __init__(self, trainer: Any, state: Any) -> None:
         self.trainer = trainer
         mesh = getattr(trainer, "mesh", None)
         devices = list(mesh.devices.flat) if mesh is not None else jax.devices()
         self.n = len(devices)
         me = jax.process_index()
         self.local = [d for d in devices if d.process_index == me]
-        self.tokens = tokens_per_example
-        self.peak = peak_flops
         self.lr_path = learning_rate_path(state.opt_state)
         self.copy = getattr(trainer, "donate", True)  # the next step donates the state
         self.programs: dict[Any, Costs] = {}
@@ -427,12 +419,8 @@ class StepMetrics:
             dt = max(end - self.clock, 1e-9)
         self.clock, self.done_turn = end, self.turn
         out = {"step_time_s": dt, "examples_per_s": examples / dt}
-        if self.tokens is not None:
-            out["tokens_per_s"] = examples * self.tokens / dt
         if costs.flops is not None:
             out["flops_per_step"] = costs.flops
-            if self.peak is not None:
-                out["mfu"] = costs.flops / dt / (self.peak * self.n)
         memory = device_peak_bytes(self.local) if self.device_memory else costs.memory_bytes
         if memory is not None:
             out["memory_bytes"] = float(memory)

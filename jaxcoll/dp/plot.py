@@ -43,7 +43,8 @@ def plot_history(
 
     Example::
 
-        >>> state, history = trainer.fit(state, train, steps=500, eval_data={"val": val})
+        >>> state, history = trainer.fit(state, train, steps=500,
+        ...                              callbacks=[dp.Evaluate({"val": val})])
         >>> dp.plot_history(history, "out/run.png", title="digits MLP, 8 devices")
     """
     try:
@@ -141,8 +142,8 @@ def _trace_file(profile_dir: str) -> str:
     found = glob.glob(os.path.join(profile_dir, "**", "*.trace.json.gz"), recursive=True)
     if not found:
         raise FileNotFoundError(
-            f"dp.plot_trace: no *.trace.json.gz under {profile_dir!r}; pass the profile_dir "
-            f"of fit(profile_steps=..., profile_dir=...) after fit returned."
+            f"dp.plot_trace: no *.trace.json.gz under {profile_dir!r}; pass the directory "
+            f"of dp.Profile(directory, steps=...) after fit returned."
         )
     return max(found, key=os.path.getmtime)
 
@@ -150,7 +151,7 @@ def _trace_file(profile_dir: str) -> str:
 def plot_trace(
     profile_dir: str | os.PathLike, path: str | os.PathLike, *, rows: int = 10, names: int = 8
 ) -> dict[str, Any]:
-    """Draw the timeline of a ``jax.profiler`` trace (``fit(profile_steps=, profile_dir=)``)
+    """Draw the timeline of a ``jax.profiler`` trace (:class:`~jaxcoll.dp.Profile`'s)
     into a PNG: the ``rows`` busiest threads, one bar per traced event of the runtime and XLA
     (dispatches, executions, ops; not the Python tracer's frames), the ``names`` events with
     the most total time in colour. For a look without TensorBoard or Perfetto.
@@ -168,7 +169,7 @@ def plot_trace(
 
     Example::
 
-        >>> trainer.fit(state, data, steps=20, profile_steps=(10, 13), profile_dir="prof")
+        >>> trainer.fit(state, data, steps=20, callbacks=[dp.Profile("prof", steps=(10, 13))])
         >>> dp.plot_trace("prof", "out/trace.png")["ops"][:3]
     """
     import gzip

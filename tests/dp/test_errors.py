@@ -202,22 +202,22 @@ def test_empty_batches_and_bad_fit_arguments_fail_before_training(tmp_path):
         r"every=100\)\)",
     ):
         trainer.fit(state, Untouchable(), steps=5, checkpoint="ckpt")
-    with pytest.raises(ValueError, match=r"eval_every=0 must be a positive number"):
-        trainer.fit(state, Untouchable(), steps=5, eval_every=0)
+    with pytest.raises(ValueError, match=r"dp.Evaluate: every=0 must be a positive number"):
+        dp.Evaluate([BATCH], every=0)
     with pytest.raises(TypeError, match=r"callbacks must hold dp.Callback objects"):
         trainer.fit(state, Untouchable(), steps=5, callbacks=[3])
     with pytest.raises(
         TypeError,
-        match=r"Trainer.fit: eval_data is a dict \(one batch\?\); "
-        r"pass an iterable of global batches, e.g. \[eval_data\]",
+        match=r"dp.Evaluate: data is a dict \(one batch\?\); "
+        r"pass an iterable of global batches, e.g. \[data\]",
     ):
-        trainer.fit(state, Untouchable(), steps=5, eval_data=BATCH)
+        dp.Evaluate(BATCH)
     with pytest.raises(TypeError, match=r"Trainer.evaluate: data is a dict"):
         trainer.evaluate(state, BATCH)
     assert int(state.step) == 0
 
 
-def test_log_every_is_checked_before_training():
+def test_the_progress_interval_is_checked_before_training(capsys):
     # Before: log_every=0 raised ZeroDivisionError after the first step (p.step % log_every).
     trainer, state = _trainer(lambda w, b, rng: (_ce(_logits(w, b), b), {}))
 
@@ -225,14 +225,23 @@ def test_log_every_is_checked_before_training():
         def __iter__(self):
             raise AssertionError("fit read the data before checking its arguments")
 
+    with pytest.raises(ValueError, match=r"dp.Progress: every=0 must be a positive number of"):
+        dp.Progress(every=0)
+    with pytest.raises(TypeError, match=r"dp.Progress: every must be an int, got None"):
+        dp.Progress(every=None)
     with pytest.raises(
-        ValueError, match=r"Trainer.fit: log_every=0 must be a positive number of steps"
+        TypeError, match=r"Trainer.fit: progress must be True, False, None .* got 'yes' of type"
     ):
-        trainer.fit(state, Untouchable(), steps=5, log_every=0, progress=True)
-    with pytest.raises(TypeError, match=r"Trainer.fit: log_every must be an int, got None"):
-        trainer.fit(state, Untouchable(), steps=5, log_every=None, progress=True)
-    _, history = trainer.fit(state, [BATCH] * 2, steps=2, log_every=1, progress=False)
+        trainer.fit(state, Untouchable(), steps=5, progress="yes")
+    with pytest.raises(
+        TypeError, match=r"Trainer.fit\(\) got an unexpected keyword argument 'eval_freq'"
+    ):
+        trainer.fit(state, Untouchable(), steps=5, eval_freq=2)
+    # the bar: on stderr, its loss every `every` steps (here every step: the last one's shown)
+    _, history = trainer.fit(state, [BATCH] * 2, steps=2, progress=dp.Progress(every=1))
     assert [h["step"] for h in history] == [1, 2]
+    err = capsys.readouterr().err
+    assert "2/2" in err and f"loss={history[-1]['loss']:.4f}" in err
 
 
 def test_a_param_that_is_no_array_is_named_with_its_path_and_the_fix():

@@ -94,9 +94,13 @@ def test_fit_reports_steps_and_evaluations_as_they_happen(tmp_path, capsys):
         state,
         Logged(train, 64, log=log),
         epochs=3,
-        eval_data=dp.Batches(test, 64),
-        eval_every=4,
-        callbacks=[done, rec, writer, dp.JsonlWriter(tmp_path / "m.jsonl")],
+        callbacks=[
+            dp.Evaluate(dp.Batches(test, 64), every=4),
+            done,
+            rec,
+            writer,
+            dp.JsonlWriter(tmp_path / "m.jsonl"),
+        ],
     )
 
     assert capsys.readouterr().err == ""  # stderr is not a terminal: no progress bar
@@ -196,8 +200,8 @@ def test_named_eval_sets_numbering_and_step_metrics(run):
     sets = {"val": dp.Batches(test, 64), "train": [data[0], data[1]]}
     rec = Recorder([])
     peak = 2.5e9
-    kw = dict(eval_data=sets, eval_every=3, tokens_per_example=7, peak_flops=peak)
-    state3, hist = trainer.fit(fresh(), data, steps=3, callbacks=[rec], **kw)
+    comps = [dp.Evaluate(sets, every=3), dp.Throughput(tokens_per_example=7, peak_flops=peak)]
+    state3, hist = trainer.fit(fresh(), data, steps=3, callbacks=[rec, *comps])
     assert int(state3.step) == 3
     # each named set is evaluated on the state after 3 updates, results keyed <name>_<metric>
     want = {
@@ -211,7 +215,7 @@ def test_named_eval_sets_numbering_and_step_metrics(run):
     # numbering: step 1's loss is the initial params' loss on batch 0 (the plain loss function)
     assert [h["step"] for h in hist] == [1, 2, 3]
     np.testing.assert_allclose(hist[0]["loss"], _loss(params, data[0]), rtol=1e-5)
-    state6, more = trainer.fit(state3, data, steps=6, callbacks=[rec], **kw)
+    state6, more = trainer.fit(state3, data, steps=6, callbacks=[rec, *comps])
     assert [h["step"] for h in more] == [4, 5, 6]
     assert rec.evals[-1] == (
         6,
@@ -242,16 +246,16 @@ def test_named_eval_sets_numbering_and_step_metrics(run):
     assert hist[0]["step_time_s"] > hist[1]["step_time_s"]  # the first step compiles
 
     # named sets that are not: the keys name sets, each value is batches
-    state = fresh()
     for bad, match in (
-        ({1: [data[0]]}, r"eval_data's keys name the evaluation sets .* got 1 of type int"),
-        ({"val": data[0]}, r"eval_data\['val'\] is a dict \(one batch\?\); each named set"),
-        ({"val": 3}, r"eval_data\['val'\] is a int, not batches"),
+        ({1: [data[0]]}, r"dp.Evaluate: data's keys name the evaluation sets .* got 1 of type int"),
+        ({"val": data[0]}, r"data\['val'\] is a dict \(one batch\?\); each named set"),
+        ({"val": 3}, r"data\['val'\] is a int, not batches"),
+        (None, r"dp.Evaluate: data is None; pass the evaluation batches"),
     ):
         with pytest.raises(TypeError, match=match):
-            trainer.fit(state, data, steps=1, eval_data=bad)
-    with pytest.raises(ValueError, match=r"eval_data is an empty dict"):
-        trainer.fit(state, data, steps=1, eval_data={})
+            dp.Evaluate(bad)
+    with pytest.raises(ValueError, match=r"dp.Evaluate: data is an empty dict"):
+        dp.Evaluate({})
 
 
 def test_eval_on_start_evaluates_the_starting_state_before_the_first_step(run, tmp_path):
@@ -261,24 +265,24 @@ def test_eval_on_start_evaluates_the_starting_state_before_the_first_step(run, t
     want0 = trainer.evaluate(fresh(), val)
     rec = Recorder([])
     ckpt = dp.Checkpointer(tmp_path / "ckpt", every=2)
-    kw = dict(eval_data=val, eval_on_start=True, callbacks=[rec], checkpoint=ckpt)
-    state, hist = trainer.fit(fresh(), data, steps=2, eval_every=2, **kw)
+    evals = dp.Evaluate(val, every=2, on_start=True)
+    state, hist = trainer.fit(fresh(), data, steps=2, callbacks=[rec, evals], checkpoint=ckpt)
     assert rec.evals[0] == (0, want0)
     assert hist[0] == {"step": 0, **{f"eval_{k}": v for k, v in want0.items()}}
     assert [h["step"] for h in hist] == [0, 1, 2]
-    assert [step for step, _ in rec.evals] == [0, 2]  # and every eval_every steps, as before
+    assert [step for step, _ in rec.evals] == [0, 2]  # and every `every` steps, as before
     want2 = trainer.evaluate(state, val)
     # Resumed from step 2's checkpoint: the restored state is evaluated, as step 2.
     rec2 = Recorder([])
     ckpt = dp.Checkpointer(tmp_path / "ckpt", every=2)
-    _, more = trainer.fit(fresh(), data, steps=3, **{**kw, "callbacks": [rec2], "checkpoint": ckpt})
+    _, more = trainer.fit(fresh(), data, steps=3, callbacks=[rec2, evals], checkpoint=ckpt)
     assert rec2.evals[0] == (2, want2) and more[0]["step"] == 2
     assert [h["step"] for h in more] == [2, 3]
     assert rec2.evals[0][1]["loss"] != want0["loss"]
-    with pytest.raises(ValueError, match=r"Trainer.fit: eval_on_start=True evaluates the "):
-        trainer.fit(fresh(), data, steps=1, eval_on_start=True)
-    with pytest.raises(TypeError, match=r"Trainer.fit: eval_on_start must be True or False"):
-        trainer.fit(fresh(), data, steps=1, eval_data=val, eval_on_start=1)
+    with pytest.raises(TypeError, match=r"dp.Evaluate: on_start must be True or False, got 1"):
+        dp.Evaluate(val, on_start=1)
+    with pytest.raises(ValueError, match=r"dp.Evaluate: every=0 must be a positive number"):
+        dp.Evaluate(val, every=0)
 
 
 class Slow:
@@ -307,10 +311,8 @@ def test_the_step_after_an_evaluation_or_a_save_measures_its_own_time(run, tmp_p
         fresh(),
         Slow([data[i] for i in range(4)], 0.2),
         steps=14,
-        eval_data=Slow([test], 0.2, repeat=False),
-        eval_every=4,
         checkpoint=dp.Checkpointer(tmp_path / "ckpt", every=6, max_to_keep=1),
-        callbacks=[SlowOnEval()],
+        callbacks=[dp.Evaluate(Slow([test], 0.2, repeat=False), every=4), SlowOnEval()],
     )
     times = {h["step"]: h["step_time_s"] for h in hist if "step_time_s" in h}
     assert sorted(times) == list(range(1, 15))
@@ -341,10 +343,8 @@ def test_save_best_and_early_stopping(run, tmp_path):
         fresh(),
         data,
         steps=16,
-        eval_data={"val": [noisy]},
-        eval_every=1,
         checkpoint=ckpt,
-        callbacks=[rec, best, stop],
+        callbacks=[dp.Evaluate({"val": [noisy]}, every=1), rec, best, stop],
     )
     losses = [r["val_loss"] for _, r in rec.evals]
     steps = [s for s, _ in rec.evals]
@@ -367,7 +367,10 @@ def test_save_best_and_early_stopping(run, tmp_path):
     # mode="max" on accuracy; a metric absent from the results; per-process metrics refused
     with pytest.raises(ValueError, match=r"metric='eval_val_loss' is not among the values"):
         trainer.fit(
-            fresh(), data, steps=1, eval_data=[noisy], callbacks=[dp.EarlyStopping("eval_val_loss")]
+            fresh(),
+            data,
+            steps=1,
+            callbacks=[dp.Evaluate([noisy]), dp.EarlyStopping("eval_val_loss")],
         )
     with pytest.raises(ValueError, match=r"metric='step_time_s' is measured by each process"):
         dp.SaveBest("step_time_s")
@@ -378,7 +381,35 @@ def test_save_best_and_early_stopping(run, tmp_path):
     with pytest.raises(
         ValueError, match=r"SaveBest asks to save checkpoints, and fit has no checkpoint="
     ):
-        trainer.fit(fresh(), data, steps=1, eval_data=[noisy], callbacks=[dp.SaveBest("eval_loss")])
+        trainer.fit(
+            fresh(), data, steps=1, callbacks=[dp.Evaluate([noisy]), dp.SaveBest("eval_loss")]
+        )
+
+
+def test_the_keywords_before_the_components_still_work_for_one_release(run):
+    trainer, fresh, _, data, test, _ = run
+    val = dp.Batches(test, 64)
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"Trainer.fit: eval_data=, eval_every=, tokens_per_example= are deprecated and "
+        r"will be removed .*; pass callbacks=\[dp.Evaluate\(eval_data, every=eval_every, "
+        r"on_start=eval_on_start\)\]; callbacks=\[dp.Throughput\(",
+    ):
+        state, old = trainer.fit(
+            fresh(), data, steps=3, eval_data=val, eval_every=2, tokens_per_example=7
+        )
+    comps = [dp.Evaluate(val, every=2), dp.Throughput(tokens_per_example=7)]
+    _, new = trainer.fit(fresh(), data, steps=3, callbacks=comps)
+    assert [sorted(h) for h in old] == [sorted(h) for h in new]
+    assert "tokens_per_s" in old[0] and "eval_loss" in old[1] and "eval_loss" not in old[0]
+
+    def exact(h):  # the values that are no timings: the same in both runs
+        return {k: v for k, v in h.items() if k in ("step", "loss", "lr") or k[:5] == "eval_"}
+
+    assert [exact(h) for h in old] == [exact(h) for h in new]
+    assert {k[5:]: v for k, v in old[-1].items() if k.startswith("eval_")} == trainer.evaluate(
+        state, val
+    )
 
 
 class StopAt(dp.Callback):
@@ -433,11 +464,13 @@ def test_tensorboard_plot_and_profile(run, tmp_path):
         fresh(),
         data,
         steps=5,
-        eval_data={"val": [test]},
-        eval_every=2,
-        callbacks=[tb, dp.PlotWriter(png, title="test"), End()],
-        profile_steps=(2, 4),
-        profile_dir=tmp_path / "profile",
+        callbacks=[
+            dp.Profile(tmp_path / "profile", steps=(2, 4)),
+            dp.Evaluate({"val": [test]}, every=2),
+            tb,
+            dp.PlotWriter(png, title="test"),
+            End(),
+        ],
     )
     assert ends == [(5, 5)]
     # the event file holds every step's loss and every evaluation, as float32
@@ -459,15 +492,16 @@ def test_tensorboard_plot_and_profile(run, tmp_path):
     assert "PjitFunction(step)" in dict(drawn["ops"])  # the Trainer's step was dispatched
     assert drawn["threads"][0][1] > 0 and 0 < drawn["span_s"] < 60
     assert matplotlib.image.imread(tmp_path / "trace.png").std() > 0.05
-    for bad, match in (
-        (dict(profile_steps=(3, 3), profile_dir=tmp_path), r"must have 1 <= start < stop"),
-        (dict(profile_steps=(0, 2), profile_dir=tmp_path), r"must have 1 <= start < stop"),
-        (dict(profile_steps=(2, 4)), r"needs profile_dir="),
-        (dict(profile_dir=tmp_path), r"needs profile_steps=\(start, stop\)"),
-        (dict(peak_flops=-1.0), r"peak_flops=-1.0 must be the peak FLOP/s of one device"),
-        (dict(tokens_per_example=0), r"tokens_per_example=0 must be a positive int"),
+    for make, match in (
+        (lambda: dp.Profile(tmp_path, steps=(3, 3)), r"dp.Profile: steps=\(3, 3\) must have 1 <="),
+        (lambda: dp.Profile(tmp_path, steps=(0, 2)), r"must have 1 <= start < stop"),
+        (lambda: dp.Throughput(peak_flops=-1.0), r"peak_flops=-1.0 must be the peak FLOP/s"),
+        (lambda: dp.Throughput(tokens_per_example=0), r"tokens_per_example=0 must be a positive"),
+        (lambda: dp.Throughput(), r"dp.Throughput: pass tokens_per_example= .* and/or peak_flops="),
     ):
         with pytest.raises(ValueError, match=match):
-            trainer.fit(fresh(), data, steps=1, **bad)
-    with pytest.raises(TypeError, match=r"profile_steps must be a pair of ints"):
-        trainer.fit(fresh(), data, steps=1, profile_steps=2, profile_dir=tmp_path)
+            make()
+    with pytest.raises(TypeError, match=r"dp.Profile: steps must be a pair of ints"):
+        dp.Profile(tmp_path, steps=2)
+    with pytest.raises(TypeError, match=r"dp.Profile: directory must be a path"):
+        dp.Profile(None, steps=(2, 4))

@@ -268,9 +268,8 @@ def test_powersgd_rank4_trains_digits_above_95_percent():
     )
     params, model_state = model.init(jax.random.key(0), train[0])
     state = trainer.init(params, jax.random.key(1), model_state=model_state)
-    state, hist = trainer.fit(
-        state, train, steps=STEPS_DIGITS, eval_data=[{"x": x_te[:n_test], "y": y_te[:n_test]}]
-    )
+    evaluate = dp.Evaluate([{"x": x_te[:n_test], "y": y_te[:n_test]}])
+    state, hist = trainer.fit(state, train, steps=STEPS_DIGITS, callbacks=[evaluate])
     assert hist[-1]["eval_accuracy"] > 0.95, hist[-1]
 
 
