@@ -412,6 +412,27 @@ def test_the_keywords_before_the_components_still_work_for_one_release(run):
     )
 
 
+def test_throughput_measures_the_peak_once_and_keeps_it_in_the_first_step(run, monkeypatch, capsys):
+    trainer, fresh, _, data, test, _ = run
+    calls = []
+
+    def measured():
+        calls.append(1)
+        return 2.0e9
+
+    monkeypatch.setattr("jaxcoll.dp.components.measure_peak_flops", measured)
+    comps = [dp.Evaluate([test], on_start=True), dp.Throughput(peak_flops="measure")]
+    _, hist = trainer.fit(fresh(), data, steps=3, callbacks=comps)
+    assert calls == [1]
+    assert "Trainer.fit: measured peak 2e+09 FLOP/s per device" in capsys.readouterr().err
+    steps = [h for h in hist if "loss" in h]  # the first entry is the evaluation at step 0
+    assert [h["step"] for h in hist] == [0, 1, 2, 3] and "loss" not in hist[0]
+    assert [h.get("peak_flops") for h in steps] == [2.0e9, None, None]
+    for h in steps:
+        assert h["mfu"] == pytest.approx(h["flops_per_step"] / h["step_time_s"] / (2.0e9 * 8))
+        assert "tokens_per_s" not in h
+
+
 class StopAt(dp.Callback):
     def __init__(self, at, action=dp.Action.STOP):
         self.at, self.action = at, action
