@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
+from ..._core.vma import as_invariant, varying_axes
 from ..._jax import CALLS, Literal, jaxpr_parts, scan_counts
 from ..buckets import plan_buckets
 
@@ -50,6 +52,7 @@ class Lazy:
 
     slice: jax.Array
     dim: int
+    unit: int | None = None  # the repeated block it belongs to (:func:`block_units`)
 
 
 @dataclass(frozen=True)
@@ -109,12 +112,7 @@ class _Scope:
             if out is not None:
                 seen.setdefault(id(out), out)
         order = list(seen.values())  # first use first
-        n = self.config.n
-        wholes = [jax.ShapeDtypeStruct((x.slice.size * n,), x.slice.dtype) for x in reversed(order)]
-        # plan_buckets groups from the end of its list: the reversed order groups from the
-        # first use on.
-        for bucket in plan_buckets(wholes, self.config.bucket_bytes):
-            group = [order[len(order) - 1 - i] for i in bucket]
+        for group in _groups(order, self.config):
             self.group_of.update({id(z): group for z in group})
 
     def value(self, v: Any) -> Any:
@@ -124,8 +122,9 @@ class _Scope:
             return x
         if id(x) not in self.wholes:
             group = [z for z in self.group_of.get(id(x), [x]) if id(z) not in self.wholes]
-            wholes = self.config.gather([z.slice for z in group], [z.dim for z in group])
-            self.wholes.update({id(z): w for z, w in zip(group, wholes, strict=True)})
+            for part in _parts(group):
+                wholes = self.config.gather([z.slice for z in part], [z.dim for z in part])
+                self.wholes.update({id(z): w for z, w in zip(part, wholes, strict=True)})
         return self.wholes[id(x)]
 
 
@@ -138,6 +137,7 @@ def gather_per_layer(
     bucket_bytes: float | None,
     n: int,
     remat: bool = True,
+    units: Sequence[int | None] | None = None,
 ) -> Callable[..., Any]:
     """``fn(params, *rest)`` as a function of the params as held (``run(held, *rest)``),
     gathering each stacked layer inside the scan that uses it.
@@ -161,6 +161,8 @@ def gather_per_layer(
             when it reaches it (torch FSDP's ``reshard_after_forward``); False: the gathered
             params are kept for the backward. A scan's body over layers is rematerialised
             either way.
+        units: per param leaf, the repeated block it belongs to (:func:`block_units`) or
+            None: a group of params gathered together never spans two blocks.
     """
     config = _Config(gather, policy, bucket_bytes, n, remat)
 
@@ -182,6 +184,7 @@ def gather_per_layer(
         # The whole(...) gathers are the equations whose input is a split param: their
         # outputs become lazy params (this rank's slice).
         param_vars = {v: (leaves[i], d) for i, (v, d) in enumerate(zip(jaxpr.invars[:n], dims))}
+        unit_of = dict(zip(jaxpr.invars[:n], units or [None] * n, strict=True))
         eqns = []
         for eqn in jaxpr.eqns:
             ins = [v for v in eqn.invars if not isinstance(v, Literal)]
@@ -193,7 +196,7 @@ def gather_per_layer(
                 and str(eqn.primitive) in ("custom_vjp_call", "custom_vjp_call_jaxpr")
             ):
                 x, d = param_vars[ins[0]]
-                scope.env[eqn.outvars[0]] = Lazy(x, int(d))  # type: ignore[arg-type]
+                scope.env[eqn.outvars[0]] = Lazy(x, int(d), unit_of[ins[0]])  # type: ignore[arg-type]
             else:
                 eqns.append(eqn)
         outs = _eval_segments(eqns, jaxpr.outvars, scope)
@@ -202,24 +205,105 @@ def gather_per_layer(
     return run
 
 
+def block_units(params: Any) -> list[int | None]:
+    """Per leaf of ``params`` (in ``jax.tree_util`` order), the repeated block it belongs to
+    (a number of its own per block), or None.
+
+    A block is one of two or more siblings in the tree with the same structure, shapes and
+    dtypes: subtrees (``{"h_0": {...}, "h_1": {...}}``, a list of layer dicts: an unrolled
+    model's blocks, as torch's FSDP wraps each layer of a class in a unit of its own) or
+    the leaves of a list (a list of weight matrices; a dict's equal leaves, a norm's scale
+    and bias, are not blocks); the shallowest such siblings on a path are the blocks, the
+    leaves under none get None. FSDP gathers no group of params across two blocks
+    (:func:`_groups`).
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    paths = [tuple(p) for p, _ in flat]
+    kinds = [(tuple(jax.numpy.shape(x)), jax.numpy.result_type(x)) for _, x in flat]
+    units: list[int | None] = [None] * len(flat)
+    count = 0
+
+    def visit(idx: list[int], depth: int) -> None:
+        nonlocal count
+        children: dict[Any, list[int]] = {}
+        for i in idx:
+            if len(paths[i]) > depth:
+                children.setdefault(paths[i][depth], []).append(i)
+        sig = {k: tuple((paths[i][depth + 1 :], kinds[i]) for i in c) for k, c in children.items()}
+        same: dict[Any, int] = {}
+        for v in sig.values():
+            same[v] = same.get(v, 0) + 1
+        for k, c in children.items():
+            leaf = len(c) == 1 and len(paths[c[0]]) == depth + 1
+            if same[sig[k]] >= 2 and (not leaf or isinstance(k, jax.tree_util.SequenceKey)):
+                for i in c:
+                    units[i] = count
+                count += 1
+            elif not leaf:
+                visit(c, depth + 1)
+
+    visit(list(range(len(flat))), 0)
+    return units
+
+
 def _segments(eqns: Sequence[Any], scope: _Scope) -> list[list[Any]]:
-    """``eqns`` cut where the next group of params is first used whole: each segment uses
-    about ``bucket_bytes`` of gathered params (one param each with None)."""
-    limit, n = scope.config.bucket_bytes, scope.config.n
+    """``eqns`` cut where the next group of params (:func:`_groups`) is first used whole:
+    each segment gathers one group (one block's params, about ``bucket_bytes`` at most)."""
+    order: dict[int, Lazy] = {}
+    for eqn in eqns:
+        for x in scope.forced(eqn):
+            order.setdefault(id(x), x)
+    group = {id(x): k for k, g in enumerate(_groups(list(order.values()), scope.config)) for x in g}
     segments: list[list[Any]] = [[]]
     held: set[int] = set()
-    size = 0.0
     for eqn in eqns:
-        new = [x for x in scope.forced(eqn) if id(x) not in held]
-        if new and held and (limit is None or size >= limit):
+        new = {group[id(x)] for x in scope.forced(eqn)} - held
+        if new and held:
             segments.append([])
-            held, size = set(), 0.0
-        for x in new:
-            if id(x) not in held:
-                held.add(id(x))
-                size += x.slice.size * n * x.slice.dtype.itemsize
+            held = set()
+        held |= new
         segments[-1].append(eqn)
     return segments
+
+
+def _parts(group: list[Lazy]) -> list[list[Lazy]]:
+    """The gathers of one group: a block's params (:attr:`Lazy.unit`) one per matrix (two
+    dimensions or more) and one for the rest (biases, norms' scales), other groups whole.
+
+    A gathered buffer lives as long as any value read from it: XLA fuses a cheap op of the
+    forward (a bias add, a norm's scale) into the backward's fusion that needs its result,
+    which then reads the forward's buffer instead of the one gathered again, keeping the
+    whole buffer (a whole block's params, were they one buffer) alive from the forward into
+    the backward. A matrix in a buffer of its own is read by the matmuls that use it alone;
+    the small params share one buffer."""
+    if group[0].unit is None:
+        return [group]
+    big = [[x] for x in group if x.slice.ndim >= 2]
+    rest = [x for x in group if x.slice.ndim < 2]
+    return big + ([rest] if rest else [])
+
+
+def _groups(order: Sequence[Lazy], config: _Config) -> list[list[Lazy]]:
+    """The lazy params ``order`` (in the order of their first use) in the groups that are
+    gathered together: consecutive params of one block (:attr:`Lazy.unit`; the params of no
+    block together) in buckets of about ``bucket_bytes`` (one param each with None). A group
+    never spans two blocks, so an unrolled model gathers (and gathers again in the backward)
+    one block at a time whatever the bucket size."""
+    runs: list[list[Lazy]] = []
+    for x in order:
+        if runs and runs[-1][0].unit == x.unit:
+            runs[-1].append(x)
+        else:
+            runs.append([x])
+    n = config.n
+    groups: list[list[Lazy]] = []
+    for run in runs:
+        wholes = [jax.ShapeDtypeStruct((x.slice.size * n,), x.slice.dtype) for x in reversed(run)]
+        # plan_buckets groups from the end of its list: the reversed order groups from the
+        # first use on.
+        for bucket in plan_buckets(wholes, config.bucket_bytes):
+            groups.append([run[len(run) - 1 - i] for i in bucket])
+    return groups
 
 
 def _eval_segments(eqns: Sequence[Any], outvars: Sequence[Any], scope: _Scope) -> list[Any]:
@@ -252,21 +336,37 @@ def _eval_segments(eqns: Sequence[Any], outvars: Sequence[Any], scope: _Scope) -
         )
         outputs = [v for v in defined if v in later[k]]
         args = [scope.read(v) for v in inputs]
-        dims = {i: a.dim for i, a in enumerate(args) if isinstance(a, Lazy)}
+        lazy = {i: a for i, a in enumerate(args) if isinstance(a, Lazy)}
 
-        def run(*xs, segment=segment, inputs=inputs, outputs=outputs, dims=dims):
+        def run(*xs, segment=segment, inputs=inputs, outputs=outputs, lazy=lazy):
             inner = _Scope(scope.config)
             for i, (v, x) in enumerate(zip(inputs, xs, strict=True)):
-                inner.env[v] = Lazy(x, dims[i]) if i in dims else x
+                inner.env[v] = _like(lazy[i], x) if i in lazy else x
             inner.plan(segment, outputs)
             return _eval(segment, outputs, inner)
 
         flat = [a.slice if isinstance(a, Lazy) else a for a in args]
-        outs = jax.checkpoint(run, policy=scope.config.policy)(*flat)
+        # A param a scan gathers layer by layer is gathered again by the backward's loop,
+        # which XLA cannot merge with the forward's: only the others are tied.
+        tied = [i for i in sorted(lazy) if not _layered_only(inputs[i], segment, scope)]
+        outs = _regathered(run, scope.config.policy, flat, tied)
         for v, x in zip(outputs, outs, strict=True):
             scope.env[v] = x
     scope.plan([], outvars)
     return [scope.value(v) for v in outvars]
+
+
+def _layered_only(v: Any, eqns: Sequence[Any], scope: _Scope) -> bool:
+    """Whether every use of the lazy param ``v`` in ``eqns`` is a scan over its layers."""
+    for eqn in eqns:
+        if v not in eqn.invars:
+            continue
+        if str(eqn.primitive) != _SCAN:
+            return False
+        nc, nk = scan_counts(eqn.params)
+        if v in eqn.invars[: nc + nk] or any(x is scope.lazy(v) for x in scope.forced(eqn)):
+            return False
+    return True
 
 
 def _eval(eqns: Sequence[Any], outvars: Sequence[Any], scope: _Scope) -> list[Any]:
@@ -287,6 +387,11 @@ def _eval(eqns: Sequence[Any], outvars: Sequence[Any], scope: _Scope) -> list[An
         for v, x in zip(eqn.outvars, outs, strict=True):
             scope.env[v] = x
     return [scope.value(v) for v in outvars]
+
+
+def _like(lazy: Lazy, x: jax.Array) -> Lazy:
+    """The slice ``x`` as a lazy param like ``lazy`` (its dimension and block)."""
+    return Lazy(x, lazy.dim, lazy.unit)
 
 
 def _bind(eqn: Any, args: Sequence[Any]) -> Any:
@@ -319,11 +424,10 @@ def _run_inner(
 def _remat(eqn: Any, args: Sequence[Any], outer: _Scope) -> list[Any]:
     """A ``jax.checkpoint`` entered, keeping its policy: the lazy params are its slices."""
     p = eqn.params
-    lazy = [i for i, a in enumerate(args) if isinstance(a, Lazy)]
-    dims = {i: args[i].dim for i in lazy}
+    lazy = {i: a for i, a in enumerate(args) if isinstance(a, Lazy)}
 
     def body(*xs):
-        full = [Lazy(x, dims[i]) if i in dims else x for i, x in enumerate(xs)]
+        full = [_like(lazy[i], x) if i in lazy else x for i, x in enumerate(xs)]
         return _run_inner(p["jaxpr"], full, outer)
 
     flat = [a.slice if isinstance(a, Lazy) else a for a in args]
@@ -351,7 +455,7 @@ def _scan(eqn: Any, scope: _Scope) -> list[Any]:
     body_jaxpr = p["jaxpr"]
 
     def body(carry, x):
-        x = [Lazy(xi, layered[i]) if i in layered else xi for i, xi in enumerate(x)]
+        x = [Lazy(xi, layered[i], xs_in[i].unit) if i in layered else xi for i, xi in enumerate(x)]
         outs = _run_inner(body_jaxpr, [*consts, *carry, *x], scope)
         return outs[:nk], outs[nk:]
 
@@ -364,3 +468,59 @@ def _scan(eqn: Any, scope: _Scope) -> list[Any]:
         unroll=p["unroll"],
     )
     return [*carry, *ys]
+
+
+def _regathered(
+    fn: Callable[..., Any], policy: Callable[..., bool], args: Sequence[Any], lazy: Sequence[int]
+) -> Any:
+    """``jax.checkpoint(fn, policy=policy)(*args)`` whose backward gathers the lazy params
+    (``args[i]`` for ``i`` in ``lazy``, slices) again from slices tied to the cotangent."""
+    ckpt = jax.checkpoint(fn, policy=policy)
+    if not lazy:
+        return ckpt(*args)
+    at: list[int] = []  # where the lazy slices sit among the residuals' leaves
+
+    @jax.custom_vjp
+    def segment(*xs):
+        return ckpt(*xs)
+
+    def fwd(*xs):
+        out, pullback = jax.vjp(ckpt, *xs)
+        leaves = jax.tree_util.tree_leaves(pullback)
+        at[:] = [j for j, r in enumerate(leaves) if any(r is xs[i] for i in lazy)]
+        return out, pullback
+
+    def bwd(pullback, ct):
+        leaves, treedef = jax.tree_util.tree_flatten(pullback)
+        token = _token(ct)
+        if token is not None:
+            for j in at:
+                leaves[j] = _tie(leaves[j], token)
+        return jax.tree_util.tree_unflatten(treedef, leaves)(ct)
+
+    segment.defvjp(fwd, bwd)
+    return segment(*args)
+
+
+def _token(ct: Any) -> jax.Array | None:
+    """A scalar computed from every element of every float cotangent in ``ct`` (their sum,
+    0 where not finite): a gather tied to it waits for the whole cotangent (from one element
+    XLA would compute that element alone, early, through sliced ops); None: no float
+    cotangent."""
+    sums = [
+        jnp.sum(x) for x in jax.tree_util.tree_leaves(ct) if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    if not sums:
+        return None
+    c = sum(sums[1:], sums[0])
+    return jnp.where(jnp.isfinite(c), c, jnp.zeros_like(c))
+
+
+def _tie(x: jax.Array, token: jax.Array) -> jax.Array:
+    """``x``, bit for bit, computed from ``token`` too: ``x * (1 + 0 * token)``."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    one = (1 + 0 * token).astype(x.dtype)
+    tied = x * one
+    extra = (varying_axes(tied) or frozenset()) - (varying_axes(x) or frozenset())
+    return as_invariant(tied, tuple(extra)) if extra else tied
