@@ -318,7 +318,10 @@ def main(argv=None) -> None:
         }
     peak = args.peak_flops
     peak = float(peak) if peak not in (None, "measure") else peak
-    callbacks: list = [Log(me, schedule())]
+    callbacks: list = [dp.Throughput(tokens_per_example=BLOCK, peak_flops=peak)]
+    if evals:
+        callbacks.append(dp.Evaluate(evals, every=args.eval_every))
+    callbacks.append(Log(me, schedule()))
     if args.ckpt and evals:
         callbacks.append(dp.SaveBest("eval_val_loss"))
     # Each process reads only its rows of every batch (grain, ahead of the step); batch s
@@ -327,12 +330,8 @@ def main(argv=None) -> None:
         state,
         data("train", seed=1, sharding=trainer.batch_sharding),
         steps=args.steps,
-        eval_data=evals,
-        eval_every=args.eval_every or None,
         checkpoint=dp.Checkpointer(args.ckpt, every=args.steps) if args.ckpt else None,
         callbacks=callbacks,
-        tokens_per_example=BLOCK,
-        peak_flops=peak,
         progress=False,
     )
     params = trainer.host_params(state)  # collective: every process takes part
