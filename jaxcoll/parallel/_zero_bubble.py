@@ -204,6 +204,7 @@ class _ScanCut:
             ys = [_read(inner, body.outvars[nk + j]) for j in self.b_ys]
             return out, ys + [inner[v] for v in self.exports]
 
+        ys: list
         carry, ys = lax.scan(
             step,
             [_read(env, ins[i]) for i in carried],
@@ -233,6 +234,7 @@ class _ScanCut:
             return out, [_read(inner, body.outvars[j]) for j in self.w_outs if j >= nk]
 
         xs = [_read(env, ins[i]) for i in scanned] + [env[(self, v)] for v in self.exports]
+        ys: list
         carry, ys = lax.scan(
             step,
             [_read(env, ins[i]) for i in carried],

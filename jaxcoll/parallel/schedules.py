@@ -221,8 +221,8 @@ class ZeroBubble(Schedule):
         return sum(op is None for op in rows[0]) / len(rows[0])
 
     def kept_inputs(self, stages: int) -> int:
-        """The most stage inputs a stage holds at once, from their arrival to their W (B and
-        W recompute the forward from them): the lowering's buffers."""
+        """The most stage inputs a stage holds at once, from their arrival to their W (B
+        recomputes the forward from them; what W needs, B saves): the lowering's buffers."""
         rows = self.table(stages)
         most = 1
         for s, row in enumerate(rows):

@@ -403,6 +403,7 @@ def test_in_a_trainer_1f1b_keeps_under_half_of_gpipe_by_autodiff():
         parallel.GPipe(4),
         parallel.OneFOneB(4),
         parallel.Interleaved(4, virtual=V),
+        parallel.ZeroBubble(4),
     ],
     ids=repr,
 )
