@@ -214,7 +214,7 @@ def test_every_module_has_a_layer():
         ("primitives/_gather.py", "x = jax.extend.core\n", "reaches jax.extend"),
         ("primitives/_gather.py", "def f():\n    from . import _scatter\n", "inside a function"),
         ("distributed/_work.py", "from . import _collectives\n", "import circle: "),
-        ("nn/tensor.py", "from ..dp import adapters\n", "which jaxcoll.nn is independent of"),
+        ("nn/mlp.py", "from ..dp import adapters\n", "which jaxcoll.nn is independent of"),
         ("parallel/tensor.py", "from .. import nn\n", "imports jaxcoll.nn (layer 5)"),
     ],
 )

@@ -9,11 +9,12 @@ its tensor axis it takes this device's slices of the params (split as
 Needs flax, which comes with the ``dp`` extra (``pip install "jaxcoll[dp]"``); importing
 :mod:`jaxcoll` does not import this package: ``from jaxcoll import nn as tp``.
 
-* :mod:`.tensor`: :class:`ParallelMLP`, :class:`ParallelSelfAttention`.
+* :mod:`.mlp`: :class:`ParallelMLP`; :mod:`.attention`: :class:`ParallelSelfAttention`;
+  :mod:`._params`: what they share (their params, declared whole and boxed with their split).
 """
 
-from .tensor import ParallelMLP as ParallelMLP
-from .tensor import ParallelSelfAttention as ParallelSelfAttention
+from .attention import ParallelSelfAttention as ParallelSelfAttention
+from .mlp import ParallelMLP as ParallelMLP
 
 __all__ = [
     "ParallelMLP",

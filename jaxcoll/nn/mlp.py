@@ -1,0 +1,158 @@
+"""ParallelMLP: the Megatron MLP block, its hidden units split over the tensor axis."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import linen
+from flax.typing import Dtype, Initializer
+
+from .. import parallel
+from .._core import roles
+from ._params import (
+    _bound_size,
+    _default_kernel_init,
+    _divides,
+    _linear,
+    _mesh_size,
+    _positive_int,
+    _to_front,
+    _where,
+)
+
+
+# -------------------------------------------------------------------------------- the MLP
+class ParallelMLP(linen.Module):
+    """The Megatron MLP block ``activation(x @ W1 + b1) @ W2 + b2``, split over ``axis``.
+
+    Equivalent to the dense block (flax's ``Dense(hidden, name="fc1")``, the activation,
+    ``Dense(features, name="fc2")``; torch's ``Linear``, ``GELU()``, ``Linear``) on the whole
+    params::
+
+        def mlp(x):
+            return activation(x @ fc1.kernel + fc1.bias) @ fc2.kernel + fc2.bias
+
+    Params, declared whole and boxed by ``flax.linen.with_partitioning`` with these partition
+    names (``d = x.shape[-1]``; the names of a dense ``Dense(name="fc1")``, ``"fc2"``)::
+
+        fc1/kernel  (d, hidden)         (None, axis)   column-parallel
+        fc1/bias    (hidden,)           (axis,)
+        fc2/kernel  (hidden, features)  (axis, None)   row-parallel
+        fc2/bias    (features,)         (None,)        replicated, added once after the sum
+
+    Called where ``axis`` is bound (inside ``jax.shard_map``; params passed with
+    ``in_specs=flax.linen.get_partition_spec(variables)``), each rank computes ``hidden/n``
+    hidden units with its slices: it runs :func:`jaxcoll.parallel.mlp` (fc1 column-parallel,
+    no communication; fc2 row-parallel). The input is the same on every rank and so is the
+    output. Where ``axis`` is not bound (outside ``shard_map``, or ``axis=None``) it is the
+    dense block on whole params, with no collective.
+
+    Communication per call, forward: ONE all-reduce of the output, ``(..., features)``. The
+    backward adds its mirror, ONE all-reduce of the input's cotangent (inserted by jax where
+    the replicated input meets the split kernel; ``shard_map``'s default ``check_vma=True``).
+    With ``sequence_parallel=True``: one all-gather of the input's rows and one reduce-scatter
+    of the output's (:func:`jaxcoll.parallel.column_parallel` and
+    :func:`~jaxcoll.parallel.row_parallel` with ``scatter=True``), and in the backward one
+    reduce-scatter, one all-gather and, with ``use_bias``, an all-reduce of fc2's bias
+    gradient ``(features,)`` (the bias is replicated, the rows it meets are each rank's own).
+
+    Attributes:
+        features: the output width.
+        hidden: the hidden width; must divide by the size of ``axis``.
+        axis: the mesh axis the layer is split over; None for the dense layer everywhere.
+        use_bias: give fc1 and fc2 biases (False: nanoGPT's ``bias=False``).
+        activation: the nonlinearity; the default is torch's ``nn.GELU()``, the exact GELU
+            (:func:`jaxcoll.parallel.gelu`); ``functools.partial(jax.nn.gelu,
+            approximate=True)`` is ``nn.GELU(approximate="tanh")``.
+        sequence_parallel: under ``shard_map``, the input is this rank's contiguous
+            ``1/n`` of the sequence axis (axis -2; the tokens of a ``(tokens, d)`` input) and
+            so is the output (Megatron's sequence parallelism). Ignored in dense mode.
+        kernel_init: initializer of both kernels (called on the whole, flat kernel).
+        bias_init: initializer of both biases.
+        dtype: the computation dtype (None: from the input and params).
+        param_dtype: the params' dtype.
+        out_kernel_init: fc2's own initializer (None: ``kernel_init``), e.g. GPT-2's
+            ``normal(0.02 / sqrt(2 * n_layer))`` for ``c_proj``.
+
+    Called as ``module.apply(variables, x)`` with ``x`` of shape ``(..., d)``, it returns the
+    output, ``(..., features)``.
+
+    Note:
+        Initialise outside ``jax.shard_map`` (whole params). Under ``shard_map`` ``init``
+        gives each rank its slice of the same whole initial values, computed whole on every
+        rank. Boxed (``nn.Partitioned``) and plain params are both accepted at apply.
+
+    Example (4 devices)::
+
+        >>> mesh = jax.sharding.Mesh(jax.devices()[:4], ("tensor",))
+        >>> mlp = ParallelMLP(features=16, hidden=64)
+        >>> x = jnp.ones((8, 16))
+        >>> variables = mlp.init(jax.random.key(0), x)  # whole params, outside shard_map
+        >>> specs = flax.linen.get_partition_spec(variables)
+        >>> specs["params"]["fc1"]["kernel"]
+        P(None, 'tensor')
+        >>> split = jax.jit(jax.shard_map(mlp.apply, mesh=mesh, in_specs=(specs, P()),
+        ...                               out_specs=P()))
+        >>> bool(jnp.allclose(split(variables, x), mlp.apply(variables, x), atol=1e-5))
+        True
+    """
+
+    features: int
+    hidden: int
+    axis: str | None = "tensor"
+    use_bias: bool = True
+    activation: Callable[[jax.Array], jax.Array] = parallel.gelu
+    sequence_parallel: bool = False
+    kernel_init: Initializer = _default_kernel_init
+    bias_init: Initializer = linen.initializers.zeros_init()
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    out_kernel_init: Initializer | None = None
+
+    @linen.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        axis = roles.axis(self.axis)  # the layout's tensor axis, where one binds
+        api = _where(self)
+        features = _positive_int(api, "features", self.features)
+        hidden = _positive_int(api, "hidden", self.hidden)
+        ranks = _bound_size(axis)
+        # split here, or (initialising dense under jax.set_mesh) to be placed split
+        n = ranks if ranks is not None or not self.is_initializing() else _mesh_size(axis)
+        _divides(api, "hidden", hidden, n, axis)
+        sp = self.sequence_parallel and ranks is not None
+        if jnp.ndim(x) < (2 if sp else 1):
+            raise ValueError(
+                f"{api}: x has shape {jnp.shape(x)}; it needs a feature axis"
+                + (" and a sequence axis (-2) for sequence_parallel=True." if sp else ".")
+            )
+        d = jnp.shape(x)[-1]
+        w1, b1 = _linear(self, "fc1", ranks, (d, hidden), 1, (hidden,), 0, split_arg="hidden")
+        w2, b2 = _linear(
+            self,
+            "fc2",
+            ranks,
+            (hidden, features),
+            0,
+            (features,),
+            None,
+            split_arg="hidden",
+            kernel_init=self.out_kernel_init,
+        )
+        x, w1, b1, w2, b2 = linen.dtypes.promote_dtype(x, w1, b1, w2, b2, dtype=self.dtype)
+        if ranks is None:  # dense: the whole block, no collective
+            h = self.activation(parallel.column_parallel(x, w1, b1))
+            y = h @ w2
+            return y if b2 is None else y + b2
+        if not sp:
+            params = {"w1": w1, "w2": w2}
+            if self.use_bias:
+                params |= {"b1": b1, "b2": b2}
+            return parallel.mlp(params, x, axis, activation=self.activation)
+        # sequence parallel: gather the rows, the two halves of parallel.mlp, scatter the rows
+        h = self.activation(
+            parallel.column_parallel(parallel.sequence_gather(x, axis, axis=-2), w1, b1)
+        )
+        y = parallel.row_parallel(_to_front(h), w2, axis, b2, scatter=True)
+        return _to_front(y)
