@@ -18,7 +18,7 @@ import optax
 from jax import lax
 
 from jaxcoll import dp
-from jaxcoll.dp.sync.layerwise import block_units
+from jaxcoll.dp.sync.blocks import block_units
 from tests.dp._models import max_rel_diff
 from tests.helpers import mesh_1d
 

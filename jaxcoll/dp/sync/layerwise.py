@@ -31,12 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
-from ..._core.vma import as_invariant, varying_axes
 from ..._jax import CALLS, Literal, jaxpr_parts, scan_counts
 from ..buckets import plan_buckets
+from .regather import regathered
 
 #: Gathers lazy params: ``gather(slices, dims) -> wholes`` (FSDP's differentiable
 #: all-gather, batched: the params a scope gathers are gathered together).
@@ -52,7 +51,9 @@ class Lazy:
 
     slice: jax.Array
     dim: int
-    unit: int | None = None  # the repeated block it belongs to (:func:`block_units`)
+    unit: int | None = (
+        None  # the repeated block it belongs to (:func:`~jaxcoll.dp.sync.blocks.block_units`)
+    )
 
 
 @dataclass(frozen=True)
@@ -161,8 +162,9 @@ def gather_per_layer(
             when it reaches it (torch FSDP's ``reshard_after_forward``); False: the gathered
             params are kept for the backward. A scan's body over layers is rematerialised
             either way.
-        units: per param leaf, the repeated block it belongs to (:func:`block_units`) or
-            None: a group of params gathered together never spans two blocks.
+        units: per param leaf, the repeated block it belongs to
+            (:func:`~jaxcoll.dp.sync.blocks.block_units`) or None: a group of params
+            gathered together never spans two blocks.
     """
     config = _Config(gather, policy, bucket_bytes, n, remat)
 
@@ -203,47 +205,6 @@ def gather_per_layer(
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
     return run
-
-
-def block_units(params: Any) -> list[int | None]:
-    """Per leaf of ``params`` (in ``jax.tree_util`` order), the repeated block it belongs to
-    (a number of its own per block), or None.
-
-    A block is one of two or more siblings in the tree with the same structure, shapes and
-    dtypes: subtrees (``{"h_0": {...}, "h_1": {...}}``, a list of layer dicts: an unrolled
-    model's blocks, as torch's FSDP wraps each layer of a class in a unit of its own) or
-    the leaves of a list (a list of weight matrices; a dict's equal leaves, a norm's scale
-    and bias, are not blocks); the shallowest such siblings on a path are the blocks, the
-    leaves under none get None. FSDP gathers no group of params across two blocks
-    (:func:`_groups`).
-    """
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    paths = [tuple(p) for p, _ in flat]
-    kinds = [(tuple(jax.numpy.shape(x)), jax.numpy.result_type(x)) for _, x in flat]
-    units: list[int | None] = [None] * len(flat)
-    count = 0
-
-    def visit(idx: list[int], depth: int) -> None:
-        nonlocal count
-        children: dict[Any, list[int]] = {}
-        for i in idx:
-            if len(paths[i]) > depth:
-                children.setdefault(paths[i][depth], []).append(i)
-        sig = {k: tuple((paths[i][depth + 1 :], kinds[i]) for i in c) for k, c in children.items()}
-        same: dict[Any, int] = {}
-        for v in sig.values():
-            same[v] = same.get(v, 0) + 1
-        for k, c in children.items():
-            leaf = len(c) == 1 and len(paths[c[0]]) == depth + 1
-            if same[sig[k]] >= 2 and (not leaf or isinstance(k, jax.tree_util.SequenceKey)):
-                for i in c:
-                    units[i] = count
-                count += 1
-            elif not leaf:
-                visit(c, depth + 1)
-
-    visit(list(range(len(flat))), 0)
-    return units
 
 
 def _segments(eqns: Sequence[Any], scope: _Scope) -> list[list[Any]]:
@@ -349,7 +310,7 @@ def _eval_segments(eqns: Sequence[Any], outvars: Sequence[Any], scope: _Scope) -
         # A param a scan gathers layer by layer is gathered again by the backward's loop,
         # which XLA cannot merge with the forward's: only the others are tied.
         tied = [i for i in sorted(lazy) if not _layered_only(inputs[i], segment, scope)]
-        outs = _regathered(run, scope.config.policy, flat, tied)
+        outs = regathered(run, scope.config.policy, flat, tied)
         for v, x in zip(outputs, outs, strict=True):
             scope.env[v] = x
     scope.plan([], outvars)
@@ -468,59 +429,3 @@ def _scan(eqn: Any, scope: _Scope) -> list[Any]:
         unroll=p["unroll"],
     )
     return [*carry, *ys]
-
-
-def _regathered(
-    fn: Callable[..., Any], policy: Callable[..., bool], args: Sequence[Any], lazy: Sequence[int]
-) -> Any:
-    """``jax.checkpoint(fn, policy=policy)(*args)`` whose backward gathers the lazy params
-    (``args[i]`` for ``i`` in ``lazy``, slices) again from slices tied to the cotangent."""
-    ckpt = jax.checkpoint(fn, policy=policy)
-    if not lazy:
-        return ckpt(*args)
-    at: list[int] = []  # where the lazy slices sit among the residuals' leaves
-
-    @jax.custom_vjp
-    def segment(*xs):
-        return ckpt(*xs)
-
-    def fwd(*xs):
-        out, pullback = jax.vjp(ckpt, *xs)
-        leaves = jax.tree_util.tree_leaves(pullback)
-        at[:] = [j for j, r in enumerate(leaves) if any(r is xs[i] for i in lazy)]
-        return out, pullback
-
-    def bwd(pullback, ct):
-        leaves, treedef = jax.tree_util.tree_flatten(pullback)
-        token = _token(ct)
-        if token is not None:
-            for j in at:
-                leaves[j] = _tie(leaves[j], token)
-        return jax.tree_util.tree_unflatten(treedef, leaves)(ct)
-
-    segment.defvjp(fwd, bwd)
-    return segment(*args)
-
-
-def _token(ct: Any) -> jax.Array | None:
-    """A scalar computed from every element of every float cotangent in ``ct`` (their sum,
-    0 where not finite): a gather tied to it waits for the whole cotangent (from one element
-    XLA would compute that element alone, early, through sliced ops); None: no float
-    cotangent."""
-    sums = [
-        jnp.sum(x) for x in jax.tree_util.tree_leaves(ct) if jnp.issubdtype(x.dtype, jnp.inexact)
-    ]
-    if not sums:
-        return None
-    c = sum(sums[1:], sums[0])
-    return jnp.where(jnp.isfinite(c), c, jnp.zeros_like(c))
-
-
-def _tie(x: jax.Array, token: jax.Array) -> jax.Array:
-    """``x``, bit for bit, computed from ``token`` too: ``x * (1 + 0 * token)``."""
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return x
-    one = (1 + 0 * token).astype(x.dtype)
-    tied = x * one
-    extra = (varying_axes(tied) or frozenset()) - (varying_axes(x) or frozenset())
-    return as_invariant(tied, tuple(extra)) if extra else tied
