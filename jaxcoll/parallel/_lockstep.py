@@ -106,6 +106,11 @@ def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Ar
         """A branch's outputs typed as ``template`` (every branch of the switch alike)."""
         return jax.tree_util.tree_map(lambda v, r: cast_varying(v, _names(r)), tree, template)
 
+    def typed_head(tree: PyTree) -> PyTree:
+        """The head's cond's outputs typed as theirs in ``template``."""
+        like = (zero, loss0, head0)
+        return jax.tree_util.tree_map(lambda v, r: cast_varying(v, _names(r)), tree, like)
+
     def slot(carry, t, pairs):
         received, own_ct, saved, acc, loss, acc_head, d_xs = carry
         forward = (t - s) % 2 == 0
@@ -120,23 +125,24 @@ def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Ar
         def idle():
             return typed((zero, saved, own_ct, acc, loss, acc_head, d_xs))
 
-        def run_forward(with_head: bool):
-            """A forward; on the last stage (``with_head``) the head's too, its loss and
-            the cotangent the backward starts from (the other stages skip the head)."""
+        def run_forward():
+            """A forward; on the last stage the head's too (a cond of its own: the other
+            stages skip it), its loss and the cotangent the backward starts from."""
+            inp = jnp.where(s == 0, xs[fi], received)
+            out = stage_fn(own, inp)
+            saved_new = saved.at[fi % keep].set(inp)
 
-            def branch():
-                inp = jnp.where(s == 0, xs[fi], received)
-                out = stage_fn(own, inp)
-                saved_new = saved.at[fi % keep].set(inp)
-                if not with_head:
-                    return typed((out, saved_new, own_ct, acc, loss, acc_head, d_xs))
+            def head_part():
                 y = jax.tree_util.tree_map(lambda v: v[fi], ys)
                 value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
                 acc_head_new = jax.tree_util.tree_map(lambda a, d: a + d / m, acc_head, d_head)
-                loss_new = loss + value.astype(jnp.float32)
-                return typed((out, saved_new, d_out / m, acc, loss_new, acc_head_new, d_xs))
+                return typed_head((d_out / m, loss + value.astype(jnp.float32), acc_head_new))
 
-            return branch
+            def no_head():
+                return typed_head((own_ct, loss, acc_head))
+
+            own_ct_new, loss_new, acc_head_new = lax.cond(at_last, head_part, no_head)
+            return typed((out, saved_new, own_ct_new, acc, loss_new, acc_head_new, d_xs))
 
         def run_backward():
             ct = jnp.where(at_last, own_ct, received)
@@ -148,9 +154,9 @@ def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Ar
 
         fwd = forward & (i >= 0) & (i < m)
         bwd = ~forward & (j >= 0) & (j < m)
-        branch = jnp.where(fwd, jnp.where(at_last, 3, 1), jnp.where(bwd, 2, 0))
+        branch = jnp.where(fwd, 1, jnp.where(bwd, 2, 0))
         message, saved, own_ct, acc, loss, acc_head, d_xs = lax.switch(
-            branch, (idle, run_forward(False), run_backward, run_forward(True))
+            branch, (idle, run_forward, run_backward)
         )
         # -> activations to s + 1, <- cotangents to s - 1: one sendrecv (one ppermute)
         sent = primitives.sendrecv(message, stage_axis, pairs)
