@@ -31,11 +31,11 @@ from .. import parallel
 from .._core import roles
 from .._core.checks import check_static_int
 
-_default_kernel_init = linen.initializers.lecun_normal()
+default_kernel_init = linen.initializers.lecun_normal()
 
 
 # ------------------------------------------------------------------------------ the helpers
-def _bound_size(axis: str | None) -> int | None:
+def bound_size(axis: str | None) -> int | None:
     """The size of mesh axis ``axis`` where it is bound (tensor-parallel mode), else None
     (dense mode: ``axis=None``, or a name no enclosing ``jax.shard_map`` binds)."""
     if axis is None or not parallel.is_bound(axis):
@@ -47,13 +47,13 @@ def _bound_size(axis: str | None) -> int | None:
         return None
 
 
-def _where(module: linen.Module) -> str:
+def where(module: linen.Module) -> str:
     """The module's class and, below the root, its path: ``ParallelMLP 'block0/mlp'``."""
     path = "/".join(str(p) for p in module.path)
     return f"{type(module).__name__} {path!r}" if path else type(module).__name__
 
 
-def _positive_int(api: str, argname: str, value: Any) -> int:
+def positive_int(api: str, argname: str, value: Any) -> int:
     value = check_static_int(api, argname, value)
     if value <= 0:
         raise ValueError(f"{api}: {argname}={value} must be a positive int.")
@@ -76,12 +76,12 @@ def _indivisible(where: str, argname: str, value: int, n: int, axis: str | None)
     )
 
 
-def _divides(where: str, argname: str, value: int, n: int | None, axis: str | None) -> None:
+def divides(where: str, argname: str, value: int, n: int | None, axis: str | None) -> None:
     if n is not None and value % n:
         raise ValueError(_indivisible(where, argname, value, n, axis))
 
 
-def _mesh_size(axis: str | None) -> int | None:
+def mesh_size(axis: str | None) -> int | None:
     """The size of ``axis`` in the mesh set by ``jax.set_mesh`` (None if none has it): params
     initialised under it are then placed split over it (``out_shardings`` from their boxes),
     where JAX's own error would name neither the layer nor its argument."""
@@ -89,6 +89,18 @@ def _mesh_size(axis: str | None) -> int | None:
     if axis is None or mesh.empty or axis not in mesh.axis_names:
         return None
     return int(dict(mesh.shape)[axis])
+
+
+def split_ranks(
+    layer: linen.Module, api: str, argname: str, value: int, axis: str | None
+) -> int | None:
+    """The number of ranks ``layer`` is split over where ``axis`` is bound (None: dense),
+    checked to divide ``value`` (its argument ``argname``), there or, when it is initialised
+    dense under ``jax.set_mesh``, over the mesh's ``axis`` that will place it."""
+    ranks = bound_size(axis)
+    n = ranks if ranks is not None or not layer.is_initializing() else mesh_size(axis)
+    divides(api, argname, value, n, axis)
+    return ranks
 
 
 class Split(meta.Partitioned):
@@ -201,7 +213,7 @@ class _Linear(linen.Module):
         return _plain(boxed)
 
 
-def _linear(
+def linear(
     layer: Any,  # a layer of this package: its axis, use_bias, inits and param_dtype
     name: str,
     ranks: int | None,
@@ -217,7 +229,7 @@ def _linear(
     """The params of ``layer``'s linear map ``name`` (a :class:`_Linear` below it); no bias
     where the layer has ``use_bias=False``. Called inside the layer's ``__call__``."""
     return _Linear(
-        api=_where(layer),
+        api=where(layer),
         kernel_shape=kernel_shape,
         kernel_split=kernel_split,
         fan_in_dims=fan_in_dims,
@@ -233,7 +245,7 @@ def _linear(
     )()
 
 
-def _to_front(x: jax.Array) -> jax.Array:
+def to_front(x: jax.Array) -> jax.Array:
     """Swap the sequence axis (-2) with axis 0, the one ``parallel.row_parallel`` scatters
     (its own inverse; nothing moves for a ``(tokens, features)`` array)."""
     return jnp.swapaxes(x, 0, -2)

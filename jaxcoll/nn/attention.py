@@ -11,16 +11,7 @@ from jax import lax
 from .. import parallel
 from .._core import roles
 from .._core.vma import cast_varying
-from ._params import (
-    _bound_size,
-    _default_kernel_init,
-    _divides,
-    _linear,
-    _mesh_size,
-    _positive_int,
-    _to_front,
-    _where,
-)
+from . import _params
 
 
 # -------------------------------------------------------------------------- the attention
@@ -121,7 +112,7 @@ class ParallelSelfAttention(linen.Module):
     qkv_features: int | None = None
     out_features: int | None = None
     sequence_parallel: bool = False
-    kernel_init: Initializer = _default_kernel_init
+    kernel_init: Initializer = _params.default_kernel_init
     bias_init: Initializer = linen.initializers.zeros_init()
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
@@ -131,8 +122,8 @@ class ParallelSelfAttention(linen.Module):
     @linen.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
         axis = roles.axis(self.axis)  # the layout's tensor axis, where one binds
-        api = _where(self)
-        heads = _positive_int(api, "num_heads", self.num_heads)
+        api = _params.where(self)
+        heads = _params.positive_int(api, "num_heads", self.num_heads)
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(
                 f"{api}: dropout_rate={self.dropout_rate!r} must be in [0, 1): the fraction "
@@ -145,9 +136,9 @@ class ParallelSelfAttention(linen.Module):
             )
         d = jnp.shape(x)[-1]
         qkv = d if self.qkv_features is None else self.qkv_features
-        qkv = _positive_int(api, "qkv_features", qkv)
+        qkv = _params.positive_int(api, "qkv_features", qkv)
         out = d if self.out_features is None else self.out_features
-        out = _positive_int(api, "out_features", out)
+        out = _params.positive_int(api, "out_features", out)
         if qkv % heads:
             which = "qkv_features" if self.qkv_features is not None else "the input width"
             raise ValueError(
@@ -156,14 +147,11 @@ class ParallelSelfAttention(linen.Module):
                 f"{heads}."
             )
         head_dim = qkv // heads
-        ranks = _bound_size(axis)
-        # split here, or (initialising dense under jax.set_mesh) to be placed split
-        n = ranks if ranks is not None or not self.is_initializing() else _mesh_size(axis)
-        _divides(api, "num_heads", heads, n, axis)
+        ranks = _params.split_ranks(self, api, "num_heads", heads, axis)
         sp = self.sequence_parallel and ranks is not None
         q_shape, bias_shape = (d, heads, head_dim), (heads, head_dim)
         if self.fused_qkv:  # one (d, 3, H, hd) kernel: nanoGPT's c_attn, (d, 3d), reshaped
-            w, b = _linear(
+            w, b = _params.linear(
                 self, "qkv", ranks, (d, 3) + bias_shape, 2, (3,) + bias_shape, 1,
                 split_arg="num_heads",
             )  # fmt: skip
@@ -173,11 +161,11 @@ class ParallelSelfAttention(linen.Module):
             qkv_params = [
                 p
                 for name in ("query", "key", "value")
-                for p in _linear(
+                for p in _params.linear(
                     self, name, ranks, q_shape, 1, bias_shape, 0, split_arg="num_heads"
                 )
             ]
-        wo_bo = _linear(
+        wo_bo = _params.linear(
             self,
             "out",
             ranks,
@@ -227,7 +215,9 @@ class ParallelSelfAttention(linen.Module):
             return y if bo is None else y + bo
         if not sp:
             return parallel.row_parallel(o, wo, axis, bo)
-        return _to_front(parallel.row_parallel(_to_front(o), wo, axis, bo, scatter=True))
+        return _params.to_front(
+            parallel.row_parallel(_params.to_front(o), wo, axis, bo, scatter=True)
+        )
 
 
 def _dropout_heads(weights: jax.Array, rng: jax.Array, heads: jax.Array, rate: float) -> jax.Array:

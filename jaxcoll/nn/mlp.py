@@ -11,16 +11,7 @@ from flax.typing import Dtype, Initializer
 
 from .. import parallel
 from .._core import roles
-from ._params import (
-    _bound_size,
-    _default_kernel_init,
-    _divides,
-    _linear,
-    _mesh_size,
-    _positive_int,
-    _to_front,
-    _where,
-)
+from . import _params
 
 
 # -------------------------------------------------------------------------------- the MLP
@@ -80,9 +71,9 @@ class ParallelMLP(linen.Module):
     output, ``(..., features)``.
 
     Note:
-        Initialise outside ``jax.shard_map`` (whole params). Under ``shard_map`` ``init``
-        gives each rank its slice of the same whole initial values, computed whole on every
-        rank. Boxed (``nn.Partitioned``) and plain params are both accepted at apply.
+        ``init`` outside ``jax.shard_map`` declares the whole params; inside it, each rank
+        gets its slice of the same whole initial values (computed whole on every rank).
+        ``apply`` takes the params boxed (``nn.Partitioned``) or plain.
 
     Example (4 devices)::
 
@@ -105,7 +96,7 @@ class ParallelMLP(linen.Module):
     use_bias: bool = True
     activation: Callable[[jax.Array], jax.Array] = parallel.gelu
     sequence_parallel: bool = False
-    kernel_init: Initializer = _default_kernel_init
+    kernel_init: Initializer = _params.default_kernel_init
     bias_init: Initializer = linen.initializers.zeros_init()
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
@@ -114,13 +105,10 @@ class ParallelMLP(linen.Module):
     @linen.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         axis = roles.axis(self.axis)  # the layout's tensor axis, where one binds
-        api = _where(self)
-        features = _positive_int(api, "features", self.features)
-        hidden = _positive_int(api, "hidden", self.hidden)
-        ranks = _bound_size(axis)
-        # split here, or (initialising dense under jax.set_mesh) to be placed split
-        n = ranks if ranks is not None or not self.is_initializing() else _mesh_size(axis)
-        _divides(api, "hidden", hidden, n, axis)
+        api = _params.where(self)
+        features = _params.positive_int(api, "features", self.features)
+        hidden = _params.positive_int(api, "hidden", self.hidden)
+        ranks = _params.split_ranks(self, api, "hidden", hidden, axis)
         sp = self.sequence_parallel and ranks is not None
         if jnp.ndim(x) < (2 if sp else 1):
             raise ValueError(
@@ -128,8 +116,10 @@ class ParallelMLP(linen.Module):
                 + (" and a sequence axis (-2) for sequence_parallel=True." if sp else ".")
             )
         d = jnp.shape(x)[-1]
-        w1, b1 = _linear(self, "fc1", ranks, (d, hidden), 1, (hidden,), 0, split_arg="hidden")
-        w2, b2 = _linear(
+        w1, b1 = _params.linear(
+            self, "fc1", ranks, (d, hidden), 1, (hidden,), 0, split_arg="hidden"
+        )
+        w2, b2 = _params.linear(
             self,
             "fc2",
             ranks,
@@ -154,5 +144,5 @@ class ParallelMLP(linen.Module):
         h = self.activation(
             parallel.column_parallel(parallel.sequence_gather(x, axis, axis=-2), w1, b1)
         )
-        y = parallel.row_parallel(_to_front(h), w2, axis, b2, scatter=True)
-        return _to_front(y)
+        y = parallel.row_parallel(_params.to_front(h), w2, axis, b2, scatter=True)
+        return _params.to_front(y)
