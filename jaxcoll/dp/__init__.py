@@ -36,6 +36,7 @@ from .plot import PlotWriter as PlotWriter
 from .plot import plot_history as plot_history
 from .plot import plot_trace as plot_trace
 from .state import TrainState as TrainState
+from .sync.precision import MixedPrecisionPolicy as MixedPrecisionPolicy
 from .tensorboard import TensorBoardWriter as TensorBoardWriter
 from .tensorboard import read_scalars as read_scalars
 from .trainer import Trainer as Trainer
@@ -51,6 +52,7 @@ __all__ = [
     "JsonlWriter",
     "Layout",
     "Linen",
+    "MixedPrecisionPolicy",
     "Model",
     "Nnx",
     "PlotWriter",

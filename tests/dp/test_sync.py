@@ -36,7 +36,9 @@ def test_each_strategy_is_a_frozen_keyword_only_value():
             value.bucket_mb = 1.0
         with pytest.raises(TypeError):
             cls(4.0)  # keyword-only: no silent positional mix-up
-    assert repr(dp.sync.DDP()) == "DDP(bucket_mb=25.0, algorithm='auto', hook=None)"
+    assert repr(dp.sync.DDP()) == (
+        "DDP(bucket_mb=25.0, algorithm='auto', hook=None, mp_policy=None)"
+    )
     assert dp.sync.FSDP().reshard_after_forward is True
 
 

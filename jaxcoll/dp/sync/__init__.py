@@ -18,11 +18,13 @@ the global view of the same jit. A new strategy is a new subclass, nothing else.
 from .base import Strategy as Strategy
 from .ddp import DDP as DDP
 from .fsdp import FSDP as FSDP
+from .precision import MixedPrecisionPolicy as MixedPrecisionPolicy
 from .zero1 import ZeRO1 as ZeRO1
 
 __all__ = [
     "DDP",
     "FSDP",
+    "MixedPrecisionPolicy",
     "Strategy",
     "ZeRO1",
 ]

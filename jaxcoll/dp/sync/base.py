@@ -50,7 +50,8 @@ from ..._core.typing import AxisName, PyTree
 from ..._core.vma import axis_names
 from ...algorithms.registry import check_algorithm
 from ..buckets import plan_buckets
-from ..hooks.base import AllReduceHook, CommHook, PhasedHook, check_hook, init_state
+from ..hooks.base import AllReduceHook, CommHook, Compress, PhasedHook, check_hook, init_state
+from .precision import MixedPrecisionPolicy, check_policy
 
 
 def is_spec(x: Any) -> bool:
@@ -120,6 +121,11 @@ class Strategy:
         hook: the communication hook each bucket goes through (:mod:`jaxcoll.dp.hooks`,
             DDP's ``register_comm_hook``); None: DDP's default, the exact mean in the
             gradients' own dtype.
+        mp_policy: the mixed precision policy (:class:`~jaxcoll.dp.MixedPrecisionPolicy`,
+            torch FSDP2's ``mp_policy``): the dtype the loss computes with (the params cast
+            to it on their way to the loss; FSDP casts each slice before its all-gather)
+            and the dtype the gradients are reduced in; the params and the optimizer state
+            stay in their own dtype. None: no cast. Not with ``hook``.
 
     Raises:
         TypeError, ValueError: a field has a wrong type or value (at construction); the
@@ -132,6 +138,7 @@ class Strategy:
     bucket_mb: float | None = 25.0
     algorithm: str = "auto"
     hook: CommHook | None = None
+    mp_policy: MixedPrecisionPolicy | None = None
     _binding: Binding | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -149,6 +156,7 @@ class Strategy:
             )
         check_algorithm(api, self.algorithm)
         check_hook(api, self.hook)
+        check_policy(api, self.mp_policy, self.hook)
 
     @property
     def api(self) -> str:
@@ -237,8 +245,13 @@ class Strategy:
 
     @property
     def bucket_hook(self) -> CommHook:
-        """The hook each bucket goes through: :attr:`hook`, or DDP's default."""
-        return AllReduceHook() if self.hook is None else self.hook
+        """The hook each bucket goes through: :attr:`hook`; with a :attr:`mp_policy` that
+        reduces in a dtype of its own, :class:`~jaxcoll.dp.hooks.Compress` to it; else DDP's
+        default."""
+        if self.hook is not None:
+            return self.hook
+        wire = None if self.mp_policy is None else self.mp_policy.wire_dtype
+        return AllReduceHook() if wire is None else Compress(wire)
 
     # ------------------------------------------------------------------------------- phases
     @property
@@ -334,11 +347,17 @@ class Strategy:
         return jax.jit(lambda: stack(states), out_shardings=sharding)()
 
     def loss_of_held(self, fn: Callable[..., Any], like: PyTree) -> Callable[..., Any]:
-        """Per rank, inside ``shard_map``: ``fn(params, *rest)``, the loss of the whole
-        params, as a function of the params as the train state holds them, for
-        ``jax.grad`` (``fn`` itself here: the params are held whole). ``like``: the params'
-        global shapes (``jax.ShapeDtypeStruct``)."""
-        return fn
+        """Per rank, inside ``shard_map``: ``fn(params, model_state, batch, *rest)``, the loss
+        of the whole params, as a function of the params as the train state holds them, for
+        ``jax.grad`` (here the params are held whole: ``fn`` itself, its params and batch
+        cast as :attr:`mp_policy` says). ``like``: the params' global shapes
+        (``jax.ShapeDtypeStruct``)."""
+        return self.compute(fn)
+
+    def compute(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` with its params and batch cast as :attr:`mp_policy` says (``fn`` itself
+        without a policy)."""
+        return fn if self.mp_policy is None else self.mp_policy.compute(fn)
 
     def reduce(
         self, grads: PyTree, comm_state: PyTree, step: jax.Array, like: PyTree = None

@@ -129,9 +129,12 @@ class FSDP(ZeRO1):
             for leaf, m in zip(jax.tree_util.tree_leaves(params), models, strict=True)
         ]
 
-    def _plan(self, dims: list[int]) -> _Plan:
+    def _plan(self, dims: list[int], dtypes: tuple[Any, ...]) -> _Plan:
+        policy = self.mp_policy
         return _Plan(
             dims=tuple(dims),
+            dtypes=dtypes,
+            compute=None if policy is None else policy.param_dtype,
             axis=self.shard_axis_name,
             replicas=self.replica_axes,
             names=axis_names(self.axis_name),
@@ -145,7 +148,9 @@ class FSDP(ZeRO1):
         """Per rank: the whole params from this rank's slices, one all-gather per bucket
         over the shard axis; differentiable (the gradient: this rank's slice of the sum over
         the shard axis of the local gradients / n, one reduce-scatter per bucket)."""
-        return _gather(list(slices), self._plan(dims)) if slices else []
+        if not slices:
+            return []
+        return _gather(list(slices), self._plan(dims, tuple(s.dtype for s in slices)))
 
     def _gather_all(self, leaves: list[jax.Array], dims: list[int | None]) -> list[jax.Array]:
         """Every split leaf gathered, each by a gather of its own (what the loss is traced
@@ -162,7 +167,9 @@ class FSDP(ZeRO1):
         first uses them."""
         dims = self.shard_dims(like)
         return gather_per_layer(
-            fn,
+            # The split leaves reach the loss in the policy's dtype already (their slices
+            # are cast before the gather); this casts the others, and the batch.
+            self.compute(fn),
             self._gather_many,
             dims,
             lambda leaves: self._gather_all(leaves, dims),
@@ -203,6 +210,8 @@ class _Plan(NamedTuple):
     """How a set of split leaves is gathered (hashable: the gather's static argument)."""
 
     dims: tuple[int, ...]  # each leaf's split dimension
+    dtypes: tuple[Any, ...]  # each slice's dtype (the gradient's)
+    compute: Any  # the dtype the slices are cast to before the gather (None: their own)
     axis: AxisName  # the axis (or axes) the leaves are split over
     replicas: tuple[str, ...]  # the data axes the slices are replicated over (HSDP)
     names: tuple[str, ...]  # every data axis (the gathered params vary over them all)
@@ -216,12 +225,19 @@ class _Plan(NamedTuple):
 def _gather(slices: list[jax.Array], plan: _Plan) -> list[jax.Array]:
     """This rank's slices of some params -> the whole params (typed varying: each rank's
     loss uses them with its own examples). Its gradient: the reduce-scatter of the local
-    gradient / n over the shard axis."""
+    gradient / n over the shard axis. With a mixed precision policy the slices are cast to
+    its param dtype first, so the gather moves that dtype's bytes."""
+    if plan.compute is not None:
+        slices = [s.astype(plan.compute) if _is_float(s) else s for s in slices]
     # Params cross devices here: one all-gather per bucket of split leaves.
     wholes = gather_leaves(
         slices, plan.dims, plan.axis, algorithm=plan.algorithm, bucket_bytes=plan.bucket_bytes
     )
     return [checkpoint_name(to_varying(w, plan.names), GATHERED) for w in wholes]
+
+
+def _is_float(x: jax.Array) -> bool:
+    return bool(jnp.issubdtype(x.dtype, jnp.floating))
 
 
 def fsdp_dim(shape: tuple[int, ...], n: int, taken: frozenset[int] = frozenset()) -> int | None:
@@ -254,7 +270,12 @@ def _gather_fwd(slices, plan):
 
 
 def _gather_bwd(plan, _, cts):
-    cts = [to_varying(ct, plan.names) / jnp.asarray(plan.n, ct.dtype) for ct in cts]
+    # Back in the slice's dtype (the fp32 master's, under a policy that computes in bf16)
+    # before the division and the cast to the wire dtype.
+    cts = [
+        to_varying(ct.astype(dt), plan.names) / jnp.asarray(plan.n, dt)
+        for ct, dt in zip(cts, plan.dtypes, strict=True)
+    ]
     # Gradients cross devices here: each rank receives only its slice of the sum, one
     # reduce-scatter per bucket (in the wire dtype).
     grads = scatter_leaves(

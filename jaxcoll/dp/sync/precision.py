@@ -1,0 +1,132 @@
+"""Mixed precision as a value: what dtype the params are gathered and computed in, and what dtype
+the gradients are reduced in (torch FSDP2's ``MixedPrecisionPolicy``).
+
+The train state keeps the params and the optimizer state in their own dtype (fp32 master
+weights); a policy only decides what crosses the devices and what the loss computes with. It
+is a field of every strategy: ``dp.sync.FSDP(mp_policy=dp.MixedPrecisionPolicy(
+param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+from ..._core.typing import PyTree
+
+
+def _floating(api: str, name: str, dtype: Any) -> Any:
+    if dtype is None:
+        return None
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(
+            f"{api}: {name} must be a floating dtype such as jnp.bfloat16 or jnp.float32, or "
+            f"None, got {dtype!r} instead."
+        )
+    return dt
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """What the strategy casts, and where (torch FSDP2's ``MixedPrecisionPolicy``, same
+    fields, same defaults).
+
+    * ``param_dtype``: the dtype the loss computes with. Every floating param is cast to it
+      on its way to the loss: FSDP and HSDP cast each device's *slice* before the
+      all-gather, so the gather moves ``param_dtype`` bytes (half of fp32's for bfloat16);
+      DDP and ZeRO-1 cast the replicated params at the start of the loss. The gradient of
+      the cast is the ``param_dtype`` gradient, in the params' own dtype. None: no cast.
+    * ``reduce_dtype``: the dtype the gradients cross the devices in (each rank's gradient
+      divided by n, cast, summed, cast back to the params' dtype). None: ``param_dtype``
+      (torch's default), or the gradients' own dtype when that is None too. With
+      ``param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32`` the synchronised gradient is
+      the fp32 mean of the per-device bfloat16 gradients.
+    * ``cast_forward_inputs``: cast the floating leaves of the batch to ``param_dtype``
+      too, so the model computes in it (JAX promotes a bfloat16 weight times an fp32 input
+      to fp32). Integer inputs (token ids) are never cast.
+
+    The params, the update and the optimizer state stay in the params' own dtype (fp32
+    master weights). A strategy takes a policy or a communication ``hook``, not both: both
+    say what the gradients travel in.
+
+    Example::
+
+        >>> policy = dp.MixedPrecisionPolicy(param_dtype=jnp.bfloat16,
+        ...                                  reduce_dtype=jnp.float32)
+        >>> trainer = dp.Trainer(loss_fn, optax.adamw(1e-3),
+        ...                      sync=dp.sync.FSDP(mp_policy=policy))
+    """
+
+    param_dtype: DTypeLike | None = None
+    reduce_dtype: DTypeLike | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        api = "dp.MixedPrecisionPolicy"
+        object.__setattr__(self, "param_dtype", _floating(api, "param_dtype", self.param_dtype))
+        object.__setattr__(self, "reduce_dtype", _floating(api, "reduce_dtype", self.reduce_dtype))
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                f"{api}: cast_forward_inputs must be True or False, got "
+                f"{self.cast_forward_inputs!r} instead."
+            )
+
+    @property
+    def wire_dtype(self) -> Any:
+        """The dtype the gradients cross the devices in: ``reduce_dtype``, else
+        ``param_dtype``; None: the gradients' own."""
+        return self.param_dtype if self.reduce_dtype is None else self.reduce_dtype
+
+    def cast(self, tree: PyTree) -> PyTree:
+        """Every floating leaf of ``tree`` in ``param_dtype`` (``tree`` itself when None)."""
+        dt = self.param_dtype
+        if dt is None:
+            return tree
+
+        def one(x: Any) -> Any:
+            dtype = getattr(x, "dtype", None)
+            if dtype is None or dtype == dt or not jnp.issubdtype(dtype, jnp.floating):
+                return x
+            return x.astype(dt)
+
+        return jax.tree_util.tree_map(one, tree)
+
+    def compute(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn(params, model_state, batch, *rest)`` with the params cast to ``param_dtype``
+        (the leaves not yet in it) and, with ``cast_forward_inputs``, the batch's floating
+        leaves too."""
+        if self.param_dtype is None:
+            return fn
+        inputs = self.cast_forward_inputs
+
+        def cast_fn(params: PyTree, model_state: PyTree, batch: PyTree, *rest: Any) -> Any:
+            return fn(self.cast(params), model_state, self.cast(batch) if inputs else batch, *rest)
+
+        return cast_fn
+
+
+def check_policy(api: str, policy: Any, hook: Any) -> None:
+    """Raise if ``policy`` is not a :class:`MixedPrecisionPolicy` (or None), or comes with a
+    communication hook (both say what the gradients travel in)."""
+    if policy is None:
+        return
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"{api}: mp_policy must be a dp.MixedPrecisionPolicy or None, got {policy!r} of "
+            f"type {type(policy).__name__} instead."
+        )
+    if hook is not None:
+        raise ValueError(
+            f"{api}: mp_policy={policy!r} and hook={hook!r} both say what the gradients "
+            f"cross the devices in. Pass one: the policy's reduce_dtype (the gradients travel "
+            f"in it, as with dp.hooks.Compress(reduce_dtype)), or the hook with no policy."
+        )
