@@ -260,12 +260,29 @@ def layout(name: str) -> dp.Layout:
     )
 
 
-def trainer_for(name: str) -> dp.Trainer:
+#: ``--precision``: what the params are gathered and computed in and what the gradients
+#: travel in; fp32 master params and AdamW state in every case.
+PRECISIONS = {
+    "fp32": {},
+    "bf16": {"mp_policy": dp.MixedPrecisionPolicy(jnp.bfloat16, reduce_dtype=jnp.float32)},
+    "fp8-params": {"quantize": dp.Quantize(params=jnp.float8_e4m3fn)},
+    "int8-grads": {"quantize": dp.Quantize(grads=jnp.int8)},
+}
+
+
+def trainer_for(name: str, precision: str = "fp32") -> dp.Trainer:
     """The Trainer of a ``--layout``; ``single``: the same model on one device."""
+    if precision not in PRECISIONS:
+        raise SystemExit(f"--precision {precision!r}: one of {sorted(PRECISIONS)}")
+    sync = None
+    if PRECISIONS[precision]:
+        if name == "single" or not layout(name).shard:
+            raise SystemExit(f"--precision {precision}: needs a layout with fsdp (FSDP's gathers)")
+        sync = dp.sync.FSDP(**PRECISIONS[precision])
     if name == "single":
         mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
         return dp.Trainer(loss_fn, optimizer(), mesh=mesh, accum_steps=ACCUM)
-    return dp.Trainer(loss_fn, optimizer(), layout=layout(name), accum_steps=ACCUM)
+    return dp.Trainer(loss_fn, optimizer(), layout=layout(name), sync=sync, accum_steps=ACCUM)
 
 
 def main(argv=None) -> None:
@@ -277,6 +294,12 @@ def main(argv=None) -> None:
         help="degrees and schedule, e.g. fsdp4xtp2 or fsdp2xtp2xpp2:1f1b (single: one device)",
     )
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        help=f"with fsdp: one of {', '.join(PRECISIONS)} (bf16 compute, 8-bit gathers or "
+        f"gradients; fp32 master state)",
+    )
     parser.add_argument(
         "--ckpt", help="a directory: resume from its newest checkpoint, save the best and last"
     )
@@ -298,7 +321,7 @@ def main(argv=None) -> None:
         use_tiny()
     DATA = args.data
     me = jax.process_index()
-    trainer = trainer_for(args.layout)
+    trainer = trainer_for(args.layout, args.precision)
     state = trainer.init(init_params(), jax.random.key(0))
     if me == 0:
         count = sum(x.size for x in jax.tree_util.tree_leaves(state.params))

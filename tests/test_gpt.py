@@ -94,3 +94,14 @@ def test_a_bad_layout_is_named():
     assert gpt.layout("fsdp2xtp2xpp2:zb-h1") == gpt.dp.Layout(
         shard=2, tensor=2, pipeline=2, schedule=gpt.parallel.ZeroBubble(gpt.MICRO)
     )
+
+
+def test_precision_picks_the_strategy_and_needs_fsdp():
+    sync = gpt.trainer_for("fsdp8", "int8-grads").sync
+    assert sync.quantize == gpt.dp.Quantize(grads=gpt.jnp.int8) and sync.mp_policy is None
+    sync = gpt.trainer_for("dp2xfsdp4", "bf16").sync
+    assert sync.mp_policy.param_dtype == gpt.jnp.bfloat16 and sync.shard_axis == "shard"
+    with pytest.raises(SystemExit, match="needs a layout with fsdp"):
+        gpt.trainer_for("dp8", "fp8-params")
+    with pytest.raises(SystemExit, match="one of"):
+        gpt.trainer_for("fsdp8", "fp4")

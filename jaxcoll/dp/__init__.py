@@ -37,6 +37,7 @@ from .plot import plot_history as plot_history
 from .plot import plot_trace as plot_trace
 from .state import TrainState as TrainState
 from .sync.precision import MixedPrecisionPolicy as MixedPrecisionPolicy
+from .sync.quantized import Quantize as Quantize
 from .tensorboard import TensorBoardWriter as TensorBoardWriter
 from .tensorboard import read_scalars as read_scalars
 from .trainer import Trainer as Trainer
@@ -58,6 +59,7 @@ __all__ = [
     "PlotWriter",
     "Profile",
     "Progress",
+    "Quantize",
     "SaveBest",
     "SyncBatchNorm",
     "TensorBoardWriter",

@@ -18,6 +18,7 @@ import pytest
 from jax import lax
 
 from jaxcoll import dp
+from jaxcoll.dp.sync.fsdp import fsdp_dim
 from tests.dp._models import max_rel_diff
 from tests.helpers import mesh_1d
 
@@ -193,3 +194,149 @@ def test_a_strategy_takes_a_policy_or_a_hook_not_both(cls):
         cls(mp_policy="bf16")
     assert dp.MixedPrecisionPolicy().wire_dtype is None
     assert _bf16.wire_dtype == BF16 and _bf16_fp32.wire_dtype == jnp.float32
+
+
+# ------------------------------------------------------------------ quantized collectives
+F8 = jnp.float8_e4m3fn
+
+
+def _np_roundtrip(rows: np.ndarray, dtype, block: int) -> np.ndarray:
+    """NumPy's 8-bit round trip of ``rows`` (k, m): per block of ``block`` elements (zero
+    padded), divided by max|block| / max(dtype), cast (int8: rounded, clipped), back."""
+    k, m = rows.shape
+    width = -(-m // block) * block
+    x = np.zeros((k, width), np.float32)
+    x[:, :m] = rows
+    x = x.reshape(k, width // block, block)
+    top = np.float32(127 if dtype == jnp.int8 else float(jnp.finfo(dtype).max))
+    amax = np.abs(x).max(-1, keepdims=True)
+    scale = np.where(amax > 0, amax / top, np.float32(1)).astype(np.float32)
+    y = x / scale
+    y = np.clip(np.round(y), -top, top).astype(np.int8) if dtype == jnp.int8 else y.astype(dtype)
+    return (y.astype(np.float32) * scale).reshape(k, width)[:, :m]
+
+
+def _per_rank_rows(x: np.ndarray, d: int, fn) -> np.ndarray:
+    """``fn`` applied to ``x`` as FSDP's rows (dimension ``d`` to the front, row r rank r's
+    part), and back."""
+    moved = np.moveaxis(np.asarray(x, np.float32), d, 0)
+    return np.moveaxis(fn(moved.reshape(N, -1)).reshape(moved.shape), 0, d)
+
+
+def _per_leaf(tree, fn):
+    """``fn(leaf, d)`` on every split leaf (the scanned blocks' per layer, as the scan gathers
+    them), the leaves FSDP keeps whole as they are."""
+
+    def one(path, x):
+        x = np.asarray(x, np.float32)
+        d = fsdp_dim(x.shape, N)
+        if d is None:
+            return x
+        if "blocks" in jax.tree_util.keystr(path):  # one layer at a time, split along d - 1
+            return np.stack([fn(layer, d - 1) for layer in x])
+        return fn(x, d)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def test_quantized_gradients_are_the_sum_of_each_ranks_8_bit_parts():
+    # qgZ: each rank's gradient / n quantized per part and block, summed in fp32 on the
+    # part's owner. Oracle: NumPy's round trip of each rank's fp32 gradient (one device).
+    params, batch = _params(), _batch()
+    q = dp.Quantize(grads=jnp.int8, block=32)
+    trainer = _trainer(dp.sync.FSDP(quantize=q), _keep_grads())
+    state, _ = trainer.step(trainer.init(params, jax.random.key(0)), batch)
+    got = jax.device_get(state.opt_state)
+    k = SIZE // N
+    grad32 = jax.jit(jax.grad(lambda p, b: _loss(p, b)[0]))
+    per_rank = [
+        grad32(params, jax.tree.map(lambda a, r=r: a[r * k : (r + 1) * k], batch)) for r in range(N)
+    ]
+    exact = jax.tree.map(lambda *gs: np.mean([np.asarray(g, np.float64) for g in gs], 0), *per_rank)
+    trips = [
+        _per_leaf(
+            jax.tree.map(lambda x: np.asarray(x) / N, g),
+            lambda x, d: _per_rank_rows(x, d, lambda rows: _np_roundtrip(rows, jnp.int8, 32)),
+        )
+        for g in per_rank
+    ]
+    want = jax.tree.map(lambda *gs: np.sum([np.asarray(g, np.float64) for g in gs], 0), *trips)
+    # the replicated bias is all-reduced exactly
+    want["out_bias"] = exact["out_bias"]
+    assert max_rel_diff(got, want) <= 1e-6, max_rel_diff(got, want)
+    assert 1e-4 < max_rel_diff(got, exact) <= 2e-2, max_rel_diff(got, exact)
+
+
+def test_quantized_params_are_each_slice_s_8_bit_round_trip():
+    # qwZ: the loss sees every rank's slice after an fp8 round trip per block; its gradient
+    # passes straight through to the fp32 master. Oracle: the fp32 gradient at NumPy's
+    # round-tripped params, the mean over the ranks' shares of the batch.
+    params, batch = _params(), _batch()
+    q = dp.Quantize(params=F8, block=32)
+    trainer = _trainer(dp.sync.FSDP(quantize=q), _keep_grads())
+    state, _ = trainer.step(trainer.init(params, jax.random.key(0)), batch)
+    got = jax.device_get(state.opt_state)
+    seen = _per_leaf(
+        params, lambda x, d: _per_rank_rows(x, d, lambda rows: _np_roundtrip(rows, F8, 32))
+    )
+    grad32 = jax.jit(jax.grad(lambda p, b: _loss(p, b)[0]))
+    want = grad32(seen, batch)
+    assert max_rel_diff(got, want) <= 1e-5, max_rel_diff(got, want)
+    assert max_rel_diff(got, grad32(params, batch)) > 1e-4  # the round trip is seen
+
+
+def _collective_bytes(sync, op: str) -> int:
+    """The bytes the ``op`` collectives of the lowered step take in (their operands),
+    summed over the ops, for the two-matrix model below."""
+    rng = np.random.default_rng(0)
+    params = {
+        "w1": jnp.asarray(rng.normal(size=(64, 256)) / 8, jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(256, 64)) / 16, jnp.float32),
+    }
+    batch = {"x": rng.normal(size=(SIZE, 64)).astype(np.float32)}
+
+    def loss(p, b, rng=None):
+        return jnp.mean(jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]) ** 2, {}
+
+    trainer = dp.Trainer(loss, optax.sgd(0.1), mesh=mesh_1d(N, "data"), sync=sync)
+    state = trainer.init(params, jax.random.key(0))
+    step, args = trainer.step_program(state, batch)
+    size = {"f32": 4, "bf16": 2, "i8": 1, "f8E4M3FN": 1}
+    total = 0
+    text = step.lower(*args).as_text()
+    # the op's operand types: after its attributes (and its reducer's region, if any)
+    for operands in re.findall(rf'"stablehlo\.{op}".*?[}}][>)] : \(([^)]*)\) ->', text, re.S):
+        for dims, dtype in re.findall(r"tensor<([\dx]+)x(\w+)>", operands):
+            total += size[dtype] * int(np.prod([int(x) for x in dims.split("x")]))
+    return total
+
+
+def test_quantized_collectives_move_a_quarter_of_the_bytes():
+    q = dp.Quantize(params=F8, grads=jnp.int8)  # 256 elements per fp32 scale
+    gathered = {
+        "fp32": _collective_bytes(dp.sync.FSDP(), "all_gather"),
+        "fp8": _collective_bytes(dp.sync.FSDP(quantize=q), "all_gather"),
+    }
+    reduced = {
+        "fp32": _collective_bytes(dp.sync.FSDP(), "reduce_scatter"),
+        "int8": _collective_bytes(dp.sync.FSDP(quantize=q), "all_to_all"),
+    }
+    assert _collective_bytes(dp.sync.FSDP(quantize=q), "reduce_scatter") == 0
+    # 1 byte per element and 4 per 256 elements: 0.254 of float32's
+    assert gathered["fp8"] / gathered["fp32"] == pytest.approx(0.25 + 1 / 256), gathered
+    assert reduced["int8"] / reduced["fp32"] == pytest.approx(0.25 + 1 / 256), reduced
+
+
+def test_quantize_checks_its_fields_and_its_company():
+    with pytest.raises(TypeError, match=r"dp\.Quantize: params must be one of jnp\.float8_e4m3fn"):
+        dp.Quantize(params=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"dp\.Quantize: block must be a positive int"):
+        dp.Quantize(grads=jnp.int8, block=0)
+    with pytest.raises(
+        ValueError, match=r"dp\.sync\.FSDP: quantize=.* sends the gradients in int8"
+    ):
+        dp.sync.FSDP(quantize=dp.Quantize(grads=jnp.int8), mp_policy=_bf16_fp32)
+    with pytest.raises(TypeError, match=r"dp\.sync\.FSDP: quantize must be a dp\.Quantize"):
+        dp.sync.FSDP(quantize=jnp.int8)
+    # quantized params with a bf16 policy: dequantized to bfloat16 on arrival
+    dp.sync.FSDP(quantize=dp.Quantize(params=F8), mp_policy=_bf16_fp32)

@@ -31,6 +31,7 @@ from ..layout import used_dims
 from .blocks import block_units
 from .layerwise import gather_per_layer
 from .packing import gather_leaves, scatter_leaves, sum_leaves
+from .quantized import Quantize, gather_quantized, scatter_quantized
 from .zero1 import ZeRO1
 
 #: The name the gathered params carry in the loss (``jax.ad_checkpoint.checkpoint_name``): the
@@ -84,6 +85,13 @@ class FSDP(ZeRO1):
             optimizer state split over ``shard_axis`` and replicated over the other data
             axes; the gathers and reduce-scatters stay within ``shard_axis`` (one host's
             devices, say) and only the gradient slices are all-reduced across the others.
+        mp_policy: the mixed precision policy (:class:`~jaxcoll.dp.MixedPrecisionPolicy`):
+            each slice is cast to its ``param_dtype`` before the all-gather.
+        quantize: what travels in 8 bits (:class:`~jaxcoll.dp.Quantize`, DeepSpeed
+            ZeRO++'s qwZ and qgZ): the params' all-gather (``params=jnp.float8_e4m3fn``,
+            dequantized to the compute dtype on arrival) and the gradients' reduce-scatter
+            (``grads=jnp.int8``: an all-to-all of quantized parts, summed in float32),
+            each with a float32 scale per block; None: neither.
 
     Example (8 devices)::
 
@@ -101,6 +109,7 @@ class FSDP(ZeRO1):
     )
 
     reshard_after_forward: bool = True
+    quantize: Quantize | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -109,6 +118,26 @@ class FSDP(ZeRO1):
                 f"{self.api}: reshard_after_forward must be True or False, got "
                 f"{self.reshard_after_forward!r} instead."
             )
+        q = self.quantize
+        if q is not None and not isinstance(q, Quantize):
+            raise TypeError(
+                f"{self.api}: quantize must be a dp.Quantize or None, got {q!r} of type "
+                f"{type(q).__name__} instead."
+            )
+        if q is not None and q.grads is not None:
+            said = (
+                f"hook={self.hook!r}"
+                if self.hook is not None
+                else f"mp_policy={self.mp_policy!r}"
+                if self.mp_policy is not None and self.mp_policy.reduce_dtype is not None
+                else None
+            )
+            if said is not None:
+                raise ValueError(
+                    f"{self.api}: quantize={q!r} sends the gradients in {q.grads.name} and "
+                    f"{said} says another dtype for them. Pass one: quantize=dp.Quantize("
+                    f"grads=None, ...) to keep the other, or drop the other."
+                )
 
     def state_param_specs(self, params: PyTree) -> PyTree:
         return self.param_specs(params)
@@ -135,6 +164,7 @@ class FSDP(ZeRO1):
             dims=tuple(dims),
             dtypes=dtypes,
             compute=None if policy is None else policy.param_dtype,
+            quant=self.quantize,
             axis=self.shard_axis_name,
             replicas=self.replica_axes,
             names=axis_names(self.axis_name),
@@ -212,6 +242,7 @@ class _Plan(NamedTuple):
     dims: tuple[int, ...]  # each leaf's split dimension
     dtypes: tuple[Any, ...]  # each slice's dtype (the gradient's)
     compute: Any  # the dtype the slices are cast to before the gather (None: their own)
+    quant: Quantize | None  # what travels in 8 bits
     axis: AxisName  # the axis (or axes) the leaves are split over
     replicas: tuple[str, ...]  # the data axes the slices are replicated over (HSDP)
     names: tuple[str, ...]  # every data axis (the gathered params vary over them all)
@@ -227,6 +258,17 @@ def _gather(slices: list[jax.Array], plan: _Plan) -> list[jax.Array]:
     loss uses them with its own examples). Its gradient: the reduce-scatter of the local
     gradient / n over the shard axis. With a mixed precision policy the slices are cast to
     its param dtype first, so the gather moves that dtype's bytes."""
+    if plan.quant is not None and plan.quant.params is not None:
+        # Params cross devices here, in 8 bits: two all-gathers per bucket (payload, scales).
+        wholes = gather_quantized(
+            slices,
+            plan.dims,
+            plan.axis,
+            quant=plan.quant,
+            out_dtypes=[plan.compute or s.dtype for s in slices],
+            bucket_bytes=plan.bucket_bytes,
+        )
+        return [checkpoint_name(to_varying(w, plan.names), GATHERED) for w in wholes]
     if plan.compute is not None:
         slices = [s.astype(plan.compute) if _is_float(s) else s for s in slices]
     # Params cross devices here: one all-gather per bucket of split leaves.
@@ -276,6 +318,12 @@ def _gather_bwd(plan, _, cts):
         to_varying(ct.astype(dt), plan.names) / jnp.asarray(plan.n, dt)
         for ct, dt in zip(cts, plan.dtypes, strict=True)
     ]
+    if plan.quant is not None and plan.quant.grads is not None:
+        # Gradients cross devices here, in 8 bits: two all-to-alls per bucket.
+        grads = scatter_quantized(
+            cts, plan.dims, plan.axis, quant=plan.quant, bucket_bytes=plan.bucket_bytes
+        )
+        return (_sum_over(grads, plan) if plan.replicas else grads,)
     # Gradients cross devices here: each rank receives only its slice of the sum, one
     # reduce-scatter per bucket (in the wire dtype).
     grads = scatter_leaves(
