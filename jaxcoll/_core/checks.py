@@ -26,6 +26,29 @@ def check_static_int(api: str, argname: str, value: Any) -> int:
     return operator.index(value)
 
 
+def check_optional(api: str, argname: str, value: Any, cls: type, what: str) -> None:
+    """``value`` must be an instance of ``cls`` (spelled ``what`` in the message) or None."""
+    if value is not None and not isinstance(value, cls):
+        raise TypeError(
+            f"{api}: {argname} must be {what} or None, got {value!r} of type "
+            f"{type(value).__name__} instead."
+        )
+
+
+def check_dtype(api: str, argname: str, value: Any, allowed: Any, what: str) -> Any:
+    """``value`` as a NumPy dtype that ``allowed(dtype)`` accepts (spelled ``what`` in the
+    message), or None for None."""
+    if value is None:
+        return None
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not allowed(dtype):
+        raise TypeError(f"{api}: {argname} must be {what}, or None, got {value!r} instead.")
+    return dtype
+
+
 def check_rank(api: str, argname: str, value: Any, n: int) -> int:
     """A rank within a group of ``n`` ranks: ``0 <= value < n``."""
     value = check_static_int(api, argname, value)

@@ -23,6 +23,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
+from ..._core.checks import check_optional
 from ..._core.typing import AxisName, PyTree
 from ..._core.vma import as_invariant, axis_names, to_varying
 from ..._jax import jaxpr_parts
@@ -31,7 +32,7 @@ from ..layout import used_dims
 from .blocks import block_units
 from .layerwise import gather_per_layer
 from .packing import gather_leaves, scatter_leaves, sum_leaves
-from .quantized import Quantize, gather_quantized, scatter_quantized
+from .quantized import Blocks, Quantize
 from .zero1 import ZeRO1
 
 #: The name the gathered params carry in the loss (``jax.ad_checkpoint.checkpoint_name``): the
@@ -119,11 +120,7 @@ class FSDP(ZeRO1):
                 f"{self.reshard_after_forward!r} instead."
             )
         q = self.quantize
-        if q is not None and not isinstance(q, Quantize):
-            raise TypeError(
-                f"{self.api}: quantize must be a dp.Quantize or None, got {q!r} of type "
-                f"{type(q).__name__} instead."
-            )
+        check_optional(self.api, "quantize", q, Quantize, "a dp.Quantize")
         if q is not None and q.grads is not None:
             said = (
                 f"hook={self.hook!r}"
@@ -258,24 +255,27 @@ def _gather(slices: list[jax.Array], plan: _Plan) -> list[jax.Array]:
     loss uses them with its own examples). Its gradient: the reduce-scatter of the local
     gradient / n over the shard axis. With a mixed precision policy the slices are cast to
     its param dtype first, so the gather moves that dtype's bytes."""
-    if plan.quant is not None and plan.quant.params is not None:
-        # Params cross devices here, in 8 bits: two all-gathers per bucket (payload, scales).
-        wholes = gather_quantized(
-            slices,
-            plan.dims,
-            plan.axis,
-            quant=plan.quant,
-            out_dtypes=[plan.compute or s.dtype for s in slices],
-            bucket_bytes=plan.bucket_bytes,
-        )
-        return [checkpoint_name(to_varying(w, plan.names), GATHERED) for w in wholes]
-    if plan.compute is not None:
+    codec = _codec(plan, "params")
+    dtypes = [plan.compute or s.dtype for s in slices]
+    if plan.compute is not None and codec is None:
         slices = [s.astype(plan.compute) if _is_float(s) else s for s in slices]
-    # Params cross devices here: one all-gather per bucket of split leaves.
-    wholes = gather_leaves(
-        slices, plan.dims, plan.axis, algorithm=plan.algorithm, bucket_bytes=plan.bucket_bytes
-    )
+    # Params cross devices here: one all-gather per bucket of split leaves (8-bit blocks
+    # and their scales, two, with quantized params).
+    wholes = gather_leaves(slices, plan.dims, plan.axis, **_route(plan, codec))
+    wholes = [w.astype(dt) for w, dt in zip(wholes, dtypes, strict=True)]
     return [checkpoint_name(to_varying(w, plan.names), GATHERED) for w in wholes]
+
+
+def _codec(plan: _Plan, what: str) -> Blocks | None:
+    """How ``what`` ("params" or "grads") travels: in 8-bit blocks when the plan quantizes
+    it, else None (as they are)."""
+    dtype = None if plan.quant is None else getattr(plan.quant, what)
+    return None if dtype is None else Blocks(dtype, plan.quant.block)  # type: ignore[union-attr]
+
+
+def _route(plan: _Plan, codec: Blocks | None) -> dict[str, Any]:
+    """The keywords of a gather or reduce-scatter of the plan's leaves."""
+    return {"algorithm": plan.algorithm, "bucket_bytes": plan.bucket_bytes, "codec": codec}
 
 
 def _is_float(x: jax.Array) -> bool:
@@ -318,22 +318,12 @@ def _gather_bwd(plan, _, cts):
         to_varying(ct.astype(dt), plan.names) / jnp.asarray(plan.n, dt)
         for ct, dt in zip(cts, plan.dtypes, strict=True)
     ]
-    if plan.quant is not None and plan.quant.grads is not None:
-        # Gradients cross devices here, in 8 bits: two all-to-alls per bucket.
-        grads = scatter_quantized(
-            cts, plan.dims, plan.axis, quant=plan.quant, bucket_bytes=plan.bucket_bytes
-        )
-        return (_sum_over(grads, plan) if plan.replicas else grads,)
+    codec = _codec(plan, "grads")
     # Gradients cross devices here: each rank receives only its slice of the sum, one
-    # reduce-scatter per bucket (in the wire dtype).
-    grads = scatter_leaves(
-        cts,
-        plan.dims,
-        plan.axis,
-        algorithm=plan.algorithm,
-        bucket_bytes=plan.bucket_bytes,
-        wire_dtype=plan.wire,
-    )
+    # reduce-scatter per bucket (in the wire dtype), or, with quantized gradients, two
+    # all-to-alls of 8-bit blocks and their scales, summed in float32.
+    wire = plan.wire if codec is None else None
+    grads = scatter_leaves(cts, plan.dims, plan.axis, wire_dtype=wire, **_route(plan, codec))
     if plan.replicas:
         grads = _sum_over(grads, plan)
     return (grads,)

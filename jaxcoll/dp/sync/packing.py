@@ -18,7 +18,7 @@ Both functions run per rank inside ``jax.shard_map`` (checking on or off) on lis
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,7 @@ def gather_leaves(
     *,
     algorithm: str = "auto",
     bucket_bytes: float | None,
+    codec: Codec | None = None,
 ) -> list[jax.Array]:
     """The whole leaves from every rank's slices, one all-gather per bucket.
 
@@ -67,6 +68,8 @@ def gather_leaves(
         axis_name: the mesh axis (or tuple of axes) the leaves are split over.
         algorithm: the all-gather algorithm (:data:`jaxcoll.algorithms.ALGORITHMS`).
         bucket_bytes: bucket size in bytes of whole leaves; None: one all-gather per leaf.
+        codec: how a bucket's rows travel (:class:`Codec`: 8-bit blocks with their scales,
+            :class:`~jaxcoll.dp.sync.quantized.Blocks`); None: as they are, concatenated.
 
     Returns:
         The whole leaves, in order: ``shards[i]`` with ``dims[i]`` n times longer, typed
@@ -87,12 +90,11 @@ def gather_leaves(
         for x, d in zip(shards, dims, strict=True)
     ]
     out: list[Any] = [None] * len(shards)
+    codec = codec or _Plain(algorithm)
     for bucket in plan_buckets(wholes, bucket_bytes, [varying_axes(x) for x in shards]):
         rows = [_row(shards[i], dims[i], 1) for i in bucket]
-        buf = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
-        # Params cross devices here: one all-gather per bucket.
-        buf = primitives.all_gather(buf, axis_name, axis=0, tiled=True, algorithm=algorithm)
-        for i, part in zip(bucket, _columns(buf, rows), strict=True):
+        # Params cross devices here: one all-gather per bucket (the codec's).
+        for i, part in zip(bucket, codec.gather(rows, axis_name), strict=True):
             out[i] = _unrow(part, dims[i], wholes[i].shape)
     return out
 
@@ -105,6 +107,7 @@ def scatter_leaves(
     algorithm: str = "auto",
     bucket_bytes: float | None,
     wire_dtype: DTypeLike | None = None,
+    codec: Codec | None = None,
 ) -> list[jax.Array]:
     """This rank's slice of the sum over ranks of every leaf, one reduce-scatter per bucket.
 
@@ -137,6 +140,9 @@ def scatter_leaves(
         algorithm: the reduce-scatter algorithm (:data:`jaxcoll.algorithms.ALGORITHMS`).
         bucket_bytes: bucket size in bytes; None: one reduce-scatter per leaf.
         wire_dtype: the dtype the buffers travel in (e.g. bfloat16); None: each leaf's own.
+        codec: how a bucket's rows travel and are summed (:class:`Codec`; 8-bit blocks
+            sent by an all-to-all and summed in float32:
+            :class:`~jaxcoll.dp.sync.quantized.Blocks`); None: one reduce-scatter.
 
     Returns:
         Rank r's slice r (along ``dims[i]``, n times shorter) of the sum over ranks of each
@@ -160,14 +166,12 @@ def scatter_leaves(
             )
     wire = [g if wire_dtype is None else g.astype(wire_dtype) for g in grads]
     out: list[Any] = [None] * len(grads)
+    codec = codec or _Plain(algorithm)
     for bucket in plan_buckets(wire, bucket_bytes):
         rows = [_row(wire[i], dims[i], n) for i in bucket]
-        buf = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
-        # Gradients cross devices here: one reduce-scatter per bucket, each rank its slice.
-        buf = primitives.reduce_scatter(
-            buf, axis_name, "sum", scatter_dimension=0, tiled=True, algorithm=algorithm
-        )
-        for i, part in zip(bucket, _columns(buf, rows), strict=True):
+        # Gradients cross devices here: one reduce-scatter per bucket (the codec's), each
+        # rank its slice.
+        for i, part in zip(bucket, codec.scatter(rows, axis_name), strict=True):
             shape = _scaled(grads[i].shape, dims[i], 1, n)
             out[i] = _unrow(part, dims[i], shape).astype(grads[i].dtype)
     return out
@@ -201,6 +205,39 @@ def sum_leaves(
         for i, s in zip(bucket, sums, strict=True):
             out[i] = s.astype(leaves[i].dtype)
     return out
+
+
+class Codec(Protocol):
+    """How one bucket's rows cross the devices (for :func:`gather_leaves` and
+    :func:`scatter_leaves`)."""
+
+    def gather(self, rows: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+        """This rank's rows ``(1, m_i)`` -> every rank's, ``(n, m_i)`` in rank order."""
+        ...
+
+    def scatter(self, rows: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+        """This rank's rows ``(n, m_i)`` (row r: rank r's part) -> ``(1, m_i)``, this rank's
+        part summed over the ranks."""
+        ...
+
+
+class _Plain:
+    """The rows as they are: concatenated, one all-gather or reduce-scatter."""
+
+    def __init__(self, algorithm: str) -> None:
+        self.algorithm = algorithm
+
+    def gather(self, rows: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+        buf = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
+        buf = primitives.all_gather(buf, axis_name, axis=0, tiled=True, algorithm=self.algorithm)
+        return _columns(buf, rows)
+
+    def scatter(self, rows: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+        buf = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
+        buf = primitives.reduce_scatter(
+            buf, axis_name, "sum", scatter_dimension=0, tiled=True, algorithm=self.algorithm
+        )
+        return _columns(buf, rows)
 
 
 def _check(api: str, what: str, leaves: Sequence[Any], dims: Sequence[int]) -> list[int]:

@@ -17,22 +17,18 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from ..._core.checks import check_dtype, check_optional
 from ..._core.typing import PyTree
 
 
-def _floating(api: str, name: str, dtype: Any) -> Any:
-    if dtype is None:
-        return None
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is None or not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(
-            f"{api}: {name} must be a floating dtype such as jnp.bfloat16 or jnp.float32, or "
-            f"None, got {dtype!r} instead."
-        )
-    return dt
+def _floating(name: str, value: Any) -> Any:
+    return check_dtype(
+        "dp.MixedPrecisionPolicy",
+        name,
+        value,
+        lambda dt: jnp.issubdtype(dt, jnp.floating),
+        "a floating dtype such as jnp.bfloat16 or jnp.float32",
+    )
 
 
 @dataclass(frozen=True)
@@ -72,8 +68,8 @@ class MixedPrecisionPolicy:
 
     def __post_init__(self) -> None:
         api = "dp.MixedPrecisionPolicy"
-        object.__setattr__(self, "param_dtype", _floating(api, "param_dtype", self.param_dtype))
-        object.__setattr__(self, "reduce_dtype", _floating(api, "reduce_dtype", self.reduce_dtype))
+        object.__setattr__(self, "param_dtype", _floating("param_dtype", self.param_dtype))
+        object.__setattr__(self, "reduce_dtype", _floating("reduce_dtype", self.reduce_dtype))
         if not isinstance(self.cast_forward_inputs, bool):
             raise TypeError(
                 f"{api}: cast_forward_inputs must be True or False, got "
@@ -117,14 +113,8 @@ class MixedPrecisionPolicy:
 def check_policy(api: str, policy: Any, hook: Any) -> None:
     """Raise if ``policy`` is not a :class:`MixedPrecisionPolicy` (or None), or comes with a
     communication hook (both say what the gradients travel in)."""
-    if policy is None:
-        return
-    if not isinstance(policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"{api}: mp_policy must be a dp.MixedPrecisionPolicy or None, got {policy!r} of "
-            f"type {type(policy).__name__} instead."
-        )
-    if hook is not None:
+    check_optional(api, "mp_policy", policy, MixedPrecisionPolicy, "a dp.MixedPrecisionPolicy")
+    if policy is not None and hook is not None:
         raise ValueError(
             f"{api}: mp_policy={policy!r} and hook={hook!r} both say what the gradients "
             f"cross the devices in. Pass one: the policy's reduce_dtype (the gradients travel "

@@ -22,7 +22,6 @@ the leaves of a bucket travel in one collective (the payload and the scales one 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,28 +29,22 @@ import jax
 import jax.numpy as jnp
 
 from ... import primitives
+from ..._core.checks import check_dtype
 from ..._core.typing import AxisName
-from ..._core.vma import varying_axes
-from ..buckets import plan_buckets
-from .packing import _columns, _row, _scaled, _unrow
+from .packing import _columns
 
 #: The 8-bit dtypes a block can travel in.
 DTYPES = ("float8_e4m3fn", "float8_e5m2", "int8")
 
 
-def _dtype(api: str, name: str, value: Any) -> Any:
-    if value is None:
-        return None
-    try:
-        dt = jnp.dtype(value)
-    except TypeError:
-        dt = None
-    if dt is None or dt.name not in DTYPES:
-        raise TypeError(
-            f"{api}: {name} must be one of jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8 or "
-            f"None, got {value!r} instead."
-        )
-    return dt
+def _dtype(name: str, value: Any) -> Any:
+    return check_dtype(
+        "dp.Quantize",
+        name,
+        value,
+        lambda dt: dt.name in DTYPES,
+        "one of jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8",
+    )
 
 
 @dataclass(frozen=True)
@@ -76,8 +69,8 @@ class Quantize:
 
     def __post_init__(self) -> None:
         api = "dp.Quantize"
-        object.__setattr__(self, "params", _dtype(api, "params", self.params))
-        object.__setattr__(self, "grads", _dtype(api, "grads", self.grads))
+        object.__setattr__(self, "params", _dtype("params", self.params))
+        object.__setattr__(self, "grads", _dtype("grads", self.grads))
         b = self.block
         if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b <= 0:
             raise ValueError(f"{api}: block must be a positive int, got {b!r} instead.")
@@ -107,78 +100,37 @@ def dequantize(payload: jax.Array, scales: jax.Array, m: int, block: int) -> jax
     return x.reshape(k, width)[:, :m]
 
 
-def _blocks(rows: list[jax.Array], dtype: Any, block: int):
-    """Each leaf's rows quantized on their own, then concatenated: the payload, the scales,
-    and each leaf's padded width and scale count (to cut them apart again)."""
-    parts = [quantize(r, dtype, block) for r in rows]
-    payload = jnp.concatenate([p for p, _ in parts], axis=1) if len(parts) > 1 else parts[0][0]
-    scales = jnp.concatenate([s for _, s in parts], axis=1) if len(parts) > 1 else parts[0][1]
-    return payload, scales, [p for p, _ in parts], [s for _, s in parts]
+class Blocks:
+    """The :class:`~jaxcoll.dp.sync.packing.Codec` that sends rows in ``dtype``, a float32
+    scale per ``block`` elements: each leaf's rows quantized on their own (a block never
+    mixes two leaves), the payloads and the scales of a bucket concatenated, one collective
+    each."""
 
+    def __init__(self, dtype: Any, block: int) -> None:
+        self.dtype, self.block = dtype, block
 
-def _unblocks(payload, scales, widths, counts, sizes, block) -> list[jax.Array]:
-    """Every leaf's rows (``sizes[i]`` elements each), dequantized, from the concatenated
-    payload and scales."""
-    p_parts, s_parts = _columns(payload, widths), _columns(scales, counts)
-    return [dequantize(p, s, m, block) for p, s, m in zip(p_parts, s_parts, sizes, strict=True)]
+    def _encode(self, rows: list[jax.Array]):
+        parts = [quantize(r, self.dtype, self.block) for r in rows]
+        return [jnp.concatenate([p[k] for p in parts], axis=1) for k in (0, 1)], parts
 
+    def _decode(self, bufs: list[jax.Array], parts, rows: list[jax.Array]) -> list[jax.Array]:
+        payloads = _columns(bufs[0], [p for p, _ in parts])
+        scales = _columns(bufs[1], [s for _, s in parts])
+        return [
+            dequantize(p, s, r.shape[1], self.block)
+            for p, s, r in zip(payloads, scales, rows, strict=True)
+        ]
 
-def gather_quantized(
-    shards: Sequence[jax.Array],
-    dims: Sequence[int],
-    axis_name: AxisName,
-    *,
-    quant: Quantize,
-    out_dtypes: Sequence[Any],
-    bucket_bytes: float | None,
-) -> list[jax.Array]:
-    """:func:`~jaxcoll.dp.sync.packing.gather_leaves` with the slices sent in
-    ``quant.params`` (two all-gathers per bucket: the payload and the scales), each whole
-    leaf dequantized to ``out_dtypes[i]``."""
-    n = primitives.world_size(axis_name)
-    wholes = [
-        jax.ShapeDtypeStruct(_scaled(x.shape, d, n), jnp.float32)
-        for x, d in zip(shards, dims, strict=True)
-    ]
-    out: list[Any] = [None] * len(shards)
-    for bucket in plan_buckets(wholes, bucket_bytes, [varying_axes(x) for x in shards]):
-        rows = [_row(shards[i], dims[i], 1) for i in bucket]
-        payload, scales, ps, ss = _blocks(rows, quant.params, quant.block)
-        # Params cross devices here: 8 bits per element and a float32 scale per block.
-        payload, scales = primitives.all_gather(
-            [payload, scales], axis_name, axis=0, tiled=True, algorithm="native"
-        )
-        sizes = [r.shape[1] for r in rows]
-        for i, part in zip(bucket, _unblocks(payload, scales, ps, ss, sizes, quant.block)):
-            out[i] = _unrow(part, dims[i], wholes[i].shape).astype(out_dtypes[i])
-    return out
+    def gather(self, rows: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+        bufs, parts = self._encode(rows)
+        # 8 bits per element and a float32 scale per block: two all-gathers.
+        bufs = primitives.all_gather(bufs, axis_name, axis=0, tiled=True, algorithm="native")
+        return self._decode(bufs, parts, rows)
 
-
-def scatter_quantized(
-    grads: Sequence[jax.Array],
-    dims: Sequence[int],
-    axis_name: AxisName,
-    *,
-    quant: Quantize,
-    bucket_bytes: float | None,
-) -> list[jax.Array]:
-    """:func:`~jaxcoll.dp.sync.packing.scatter_leaves` with the parts sent in
-    ``quant.grads`` (qgZ): per bucket, each rank's n parts quantized, one all-to-all for the
-    payload and one for the scales, the n received copies of this rank's part dequantized
-    and summed in float32; each slice returned in its gradient's dtype."""
-    n = primitives.world_size(axis_name)
-    shapes = [jax.ShapeDtypeStruct(g.shape, jnp.float32) for g in grads]
-    out: list[Any] = [None] * len(grads)
-    for bucket in plan_buckets(shapes, bucket_bytes):
-        rows = [_row(grads[i].astype(jnp.float32), dims[i], n) for i in bucket]
-        payload, scales, ps, ss = _blocks(rows, quant.grads, quant.block)
-        # Gradients cross devices here: each rank receives every rank's quantized copy of
-        # its own part (8 bits per element, a float32 scale per block).
-        payload, scales = primitives.all_to_all([payload, scales], axis_name, 0, 0, tiled=True)
-        sizes = [r.shape[1] for r in rows]
-        parts = _unblocks(payload, scales, ps, ss, sizes, quant.block)
-        for i, part in zip(bucket, parts, strict=True):
-            shape = _scaled(grads[i].shape, dims[i], 1, n)
-            summed = jnp.sum(part, axis=0, keepdims=True)
-            out[i] = _unrow(summed, dims[i], shape).astype(grads[i].dtype)
-    return out
+    def scatter(self, rows: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+        bufs, parts = self._encode([r.astype(jnp.float32) for r in rows])
+        # Each rank receives every rank's quantized copy of its own part: two all-to-alls;
+        # the copies dequantized and summed in float32.
+        bufs = primitives.all_to_all(bufs, axis_name, 0, 0, tiled=True)
+        wholes = self._decode(bufs, parts, rows)
+        return [jnp.sum(w, axis=0, keepdims=True) for w in wholes]
