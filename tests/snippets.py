@@ -123,7 +123,7 @@ def run(
     return done["printed"]
 
 
-def check(session: list[Block], printed: list[str]) -> None:
+def check_printed(session: list[Block], printed: list[str]) -> None:
     """Each block with an ``Output:`` block printed exactly that."""
     for block, out in zip(session, printed, strict=True):
         if block.output is not None:

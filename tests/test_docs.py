@@ -97,7 +97,7 @@ def test_page_code_runs_and_prints_what_the_page_shows(page, tmp_path):
         cwd = tmp_path / f"session{i}"
         cwd.mkdir()
         printed = snippets.run(session, cwd, XLA_FLAGS, STANDINS.get(page, "") if i == 0 else "")
-        snippets.check(session, printed)
+        snippets.check_printed(session, printed)
 
 
 def test_blocks_not_run_say_why_and_match_the_file_they_name():
@@ -132,7 +132,7 @@ def test_snippet_conventions(tmp_path):
         ["page.md:21", "page.md:25"],
     ]
     with pytest.raises(AssertionError, match="page.md:2 printed"):
-        snippets.check(blocks[:1], ["2\n"])
+        snippets.check_printed(blocks[:1], ["2\n"])
 
 
 # ------------------------------------------------------------------------- the API reference

@@ -130,7 +130,7 @@ def test_ema_extra_state_follows_the_params_every_step(sync):
     np.testing.assert_allclose(ema, _linear(want, data[0], None)[0], rtol=1e-5)
 
 
-def _bad_step_keeps_the_state(name, trainer, extra=False):
+def _check_bad_step_keeps_the_state(name, trainer, extra=False):
     """Step a good batch, a batch with an inf (on rank 1), a good batch."""
     good = _data(3)
     bad = {"x": good[0]["x"].copy(), "y": good[0]["y"]}
@@ -156,7 +156,7 @@ def test_skip_nonfinite_keeps_params_optimizer_and_extra_state_on_a_bad_step():
     trainer = dp.Trainer(
         _linear, optax.sgd(0.1), mesh=mesh_1d(8, "data"), skip_nonfinite=True, extra=dp.ema(0.5)
     )
-    (before, after), metrics = _bad_step_keeps_the_state("skip_nonfinite", trainer)
+    (before, after), metrics = _check_bad_step_keeps_the_state("skip_nonfinite", trainer)
     assert [float(m["skipped"]) for m in metrics] == [0.0, 1.0, 0.0]
     for a, b in zip(
         jax.tree_util.tree_leaves((after.opt_state, after.extra)),
@@ -170,7 +170,7 @@ def test_optax_apply_if_finite_works(sync):
     trainer = dp.Trainer(
         _linear, optax.apply_if_finite(optax.sgd(0.1), 3), mesh=mesh_1d(8, "data"), sync=sync
     )
-    _bad_step_keeps_the_state("apply_if_finite", trainer)
+    _check_bad_step_keeps_the_state("apply_if_finite", trainer)
 
 
 @pytest.mark.parametrize("sync", [dp.sync.DDP(), dp.sync.ZeRO1()], ids=["ddp", "zero1"])

@@ -62,7 +62,7 @@ def _dense(params, x, y):
     return jax.value_and_grad(model_loss)(params)
 
 
-def _check(got_loss, got_grads, params, x, y):
+def _check_grads(got_loss, got_grads, params, x, y):
     want_loss, want_grads = _dense(params, x, y)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     for k in params:
@@ -107,8 +107,8 @@ def test_1f1b_equals_gpipe_and_the_dense_model(m):
     (g_loss, g_grads), (o_loss, o_grads) = f(
         jax.device_put(params, NamedSharding(mesh, P("stage"))), x, y
     )
-    _check(o_loss, o_grads, params, x, y)
-    _check(g_loss, g_grads, params, x, y)
+    _check_grads(o_loss, o_grads, params, x, y)
+    _check_grads(g_loss, g_grads, params, x, y)
     np.testing.assert_allclose(o_loss, g_loss, rtol=1e-6)
     for k in params:
         np.testing.assert_allclose(o_grads[k], g_grads[k], rtol=1e-5, atol=1e-7)
@@ -131,8 +131,8 @@ def test_1f1b_with_a_data_axis_averages_the_replicas_once():
         jax.device_put(x, data),
         jax.device_put(y, data),
     )
-    _check(o_loss, o_grads, params, x, y)
-    _check(g_loss, g_grads, params, x, y)
+    _check_grads(o_loss, o_grads, params, x, y)
+    _check_grads(g_loss, g_grads, params, x, y)
 
 
 V = 2  # virtual stages: a model of S * V = 8 chunks
