@@ -18,6 +18,7 @@ split merges into a model spec, and the checks that name a bad spec and its fix.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -444,3 +445,26 @@ def model_specs(
                 )
         out.append(kept)
     return out
+
+
+def check_placed_specs(api: str, params: Any, found: list[P], known: Sequence[P]) -> None:
+    """Raise if a leaf of ``params`` is placed over the model axes (``found``, one spec per
+    leaf) otherwise than the Trainer's model spec for it (``known``) says: the step would
+    silently place it as ``known`` says."""
+    if len(found) != len(known):
+        raise ValueError(
+            f"{api}: these params have {len(found)} leaves, and the params this Trainer "
+            f"was initialised with {len(known)}; with model axes a Trainer "
+            f"trains the model it was initialised with (call init with these params)."
+        )
+    for i, (got, want) in enumerate(zip(found, known, strict=True)):
+        if got != want and got != P():
+            path = jax.tree_util.tree_flatten_with_path(params)[0][i][0]
+            raise ValueError(
+                f"{api}: params{jax.tree_util.keystr(path)} is placed {got} over the "
+                f"model axes, but this Trainer was initialised with the model spec "
+                f"{want} for it; the step would place it as {want}, not as the model "
+                f"that split it expects. Pass init the params with their model specs "
+                f"(boxed by nn.with_partitioning, specs=..., or placed), or pass this "
+                f"leaf placed as {want}."
+            )

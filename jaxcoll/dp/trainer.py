@@ -7,44 +7,36 @@ takes its host loop from :mod:`jaxcoll.dp.loop` (``Trainer.fit`` is :func:`loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import primitives
-from .._core import roles
 from .._core.checks import check_static_int
 from .._core.typing import AxisName, PyTree
 from .._core.vma import axis_names
 from .._watch import process, watchdog
 from . import layout_sync, loop
-from .adapters import Model, name_of
+from .adapters import Model
 from .checks import (
     LossOutputError,
-    accepts,
     check_state,
     float_params,
-    loss_output,
-    model_output,
     unbound_axis,
 )
 from .data import Batches, leading_size
 from .extra import Extra
 from .host import to_host
-from .layout import Layout, model_specs, unbox
+from .layout import Layout, check_placed_specs, model_specs, unbox
+from .placement import first_state
 from .state import TrainState
 from .step import build_eval, build_step
+from .step_loss import LossFn, check_optimizer, in_layout, step_loss
 from .sync import Strategy
-
-# loss_fn(params, batch, rng) -> (loss, metrics); it may take a keyword argument ``step``.
-LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 
 class Trainer:
@@ -152,18 +144,8 @@ class Trainer:
         layout: Layout | None = None,
     ) -> None:
         api = "Trainer"
-        if isinstance(loss_fn, Model):
-            self.model: Model | None = loss_fn
-            self._loss = _of_model(loss_fn)
-        elif callable(loss_fn):
-            self.model = None
-            self._loss = _stateless(loss_fn)
-        else:
-            raise TypeError(
-                f"{api}: loss_fn must be a callable loss_fn(params, batch, rng) or a "
-                f"dp.Model adapter, got {type(loss_fn).__name__} instead."
-            )
-        optimizer = _check_optimizer(api, optimizer)
+        self.model, loss = step_loss(api, loss_fn)
+        optimizer = check_optimizer(api, optimizer)
         if extra is not None and not isinstance(extra, Extra):
             raise TypeError(
                 f"{api}: extra must be a dp.Extra(init, update) (e.g. dp.ema(0.999)), "
@@ -178,7 +160,7 @@ class Trainer:
         self.axis_name = names[0] if len(names) == 1 else names
         self.n = int(np.prod([mesh.shape[a] for a in names]))
         self.layout = layout
-        self._loss = _in_layout(self._loss, layout.binding())
+        self._loss = in_layout(loss, layout.binding())
         self.sync = sync.bind(optimizer, mesh, self.axis_name)
         self._model_specs: tuple[P, ...] | None = None  # known at init (dp.layout)
         self._specs_known = False  # init (or a state's placement) has set them
@@ -284,44 +266,14 @@ class Trainer:
             notes if specs is None else None,
         )
         self._set_model_specs(tuple(found))
-        sync = self.sync
-        model_state = {} if model_state is None else model_state
-        if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
-            rng = jax.random.key_data(rng)
-        rng = jnp.asarray(rng, jnp.uint32)
-        if rng.shape != (2,):
-            raise ValueError(
-                f"Trainer.init: rng must be a PRNG key, e.g. jax.random.key(0), got "
-                f"an array of shape {rng.shape} instead."
-            )
-        replicated = self._sharding(P())
-        if per_rank:
-            params, model_state = self._broadcast_from_rank0((params, model_state))
-        placed = sync.named(sync.state_param_specs(params))
-        # A copy: the step donates the state's buffers, and the caller's arrays must survive.
-        copy = jax.jit(
-            lambda t: jax.tree_util.tree_map(jnp.copy, t), out_shardings=(placed, replicated)
-        )
-        params, model_state = copy((params, model_state))
-        opt_state = sync.init(params)
-        extra = {}
-        if self.extra is not None:
-            shapes = jax.eval_shape(self.extra.init, params)
-            extra = jax.jit(
-                self.extra.init,
-                out_shardings=sync.named(sync.extra_specs(shapes, params)),
-            )(params)
-        step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-        comm_state = sync.init_comm(params)
-        if self.layout.axes and jax.tree_util.tree_leaves(comm_state):
-            raise ValueError(
-                f"Trainer.init: hook={sync.hook!r} keeps a per-rank state shaped like whole "
-                f"gradients, and with the layout's axes {self.layout.axes} each device's "
-                f"gradients are slices of them. Use a stateless hook (None or "
-                f"dp.hooks.Compress) with a tensor or pipeline axis."
-            )
-        return TrainState(
-            params, opt_state, model_state, step, jax.device_put(rng, replicated), extra, comm_state
+        return first_state(
+            self.sync,
+            params,
+            rng,
+            model_state,
+            per_rank=per_rank,
+            extra=self.extra,
+            model_axes=self.layout.axes,
         )
 
     def _set_model_specs(self, found: tuple[P, ...]) -> None:
@@ -342,44 +294,7 @@ class Trainer:
         if not self._specs_known:  # a state built elsewhere: take its specs
             self._set_model_specs(tuple(found))
             return
-        known = self._model_specs or (P(),) * len(found)
-        if len(found) != len(known):
-            raise ValueError(
-                f"{api}: these params have {len(found)} leaves, and the params this Trainer "
-                f"was initialised with {len(known)}; with model axes a Trainer "
-                f"trains the model it was initialised with (call init with these params)."
-            )
-        for i, (got, want) in enumerate(zip(found, known, strict=True)):
-            if got != want and got != P():
-                path = jax.tree_util.tree_flatten_with_path(params)[0][i][0]
-                raise ValueError(
-                    f"{api}: params{jax.tree_util.keystr(path)} is placed {got} over the "
-                    f"model axes, but this Trainer was initialised with the model spec "
-                    f"{want} for it; the step would place it as {want}, not as the model "
-                    f"that split it expects. Pass init the params with their model specs "
-                    f"(boxed by nn.with_partitioning, specs=..., or placed), or pass this "
-                    f"leaf placed as {want}."
-                )
-
-    def _broadcast_from_rank0(self, tree: PyTree) -> PyTree:
-        for leaf in jax.tree_util.tree_leaves(tree):
-            if np.ndim(leaf) == 0 or np.shape(leaf)[0] != self.n:
-                raise ValueError(
-                    f"Trainer.init: per_rank=True needs every leaf to have a leading "
-                    f"axis of size {self.n} (one copy per rank), got shape "
-                    f"{np.shape(leaf)}."
-                )
-        tree = jax.device_put(tree, self._sharding(P(self.axis_name)))
-
-        def body(t):
-            # Initial params cross devices here: rank 0's copy goes to every rank. A SUM of
-            # rank 0's values and zeros is exact and typed replicated, so out_specs=P() holds.
-            first = lax.axis_index(self.axis_name) == 0
-            t = jax.tree_util.tree_map(lambda a: jnp.where(first, a[0], jnp.zeros_like(a[0])), t)
-            return primitives.all_reduce(t, self.axis_name, "sum")
-
-        f = jax.shard_map(body, mesh=self.mesh, in_specs=P(self.axis_name), out_specs=P())
-        return jax.jit(f)(tree)
+        check_placed_specs(api, params, found, self._model_specs or (P(),) * len(found))
 
     # ---------------------------------------------------------------------------------- step
     def step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -574,57 +489,3 @@ class Trainer:
             )
         params, model_state = jax.device_put(to_host((state.params, state.model_state)))
         return self.model.to_module(params, model_state)
-
-
-def _check_optimizer(api: str, optimizer: Any) -> optax.GradientTransformation:
-    if isinstance(optimizer, optax.MultiSteps):
-        return optimizer.gradient_transformation()
-    if isinstance(optimizer, optax.GradientTransformation):
-        return optimizer
-    hint = ""
-    if callable(optimizer) and getattr(optimizer, "__module__", "").startswith("optax"):
-        hint = (
-            f" (optax.{optimizer.__name__} is a function: call it, e.g. "
-            f"optax.{optimizer.__name__}(1e-3))"
-        )
-    raise TypeError(
-        f"{api}: optimizer must be an optax.GradientTransformation (e.g. "
-        f"optax.adam(1e-3)) or an optax.MultiSteps, got "
-        f"{type(optimizer).__name__} instead{hint}."
-    )
-
-
-def _in_layout(loss: Callable, binding: roles.Binding) -> Callable:
-    """``loss`` traced with the layout's roles and logical axes bound: model code's
-    ``"tensor"``, ``"heads"``, ``"layers"`` resolve to its mesh axes (:mod:`.._core.roles`)."""
-
-    def bound_loss(*args: Any) -> Any:
-        with roles.bound(binding):
-            return loss(*args)
-
-    return bound_loss
-
-
-def _stateless(loss_fn: LossFn):
-    """``loss_fn(params, batch, rng[, step=])`` as the step's loss, its output checked."""
-    who = f"loss_fn {name_of(loss_fn)}"
-    takes_step = accepts(loss_fn, "step")
-
-    def loss(params, model_state, batch, rng, step):
-        out = loss_fn(params, batch, rng, step=step) if takes_step else loss_fn(params, batch, rng)
-        value, metrics = loss_output(who, out)
-        return value, (metrics, model_state)
-
-    return loss
-
-
-def _of_model(model: Model):
-    """A :class:`~jaxcoll.dp.Model`'s loss_fn as the step's loss, its output checked."""
-    who = f"{type(model).__name__}.loss_fn"
-    takes_step = accepts(model.loss_fn, "step")
-
-    def loss(params, model_state, batch, rng, step):
-        kwargs = {"step": step} if takes_step else {}
-        return model_output(who, model.loss_fn(params, model_state, batch, rng, **kwargs))
-
-    return loss
