@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import lowering
+from .._core import lowering, ragged_lowering
 from .._core.axis import Axis, resolve
 from .._core.checks import as_array_leaves, check_rank, check_sizes, check_static_int
 from .._core.ops import ReduceOp, check_op_dtype, coerce_op
@@ -157,8 +157,8 @@ def ragged_all_to_all(
             f"rank can receive (>= 0)."
         )
     sizes = _int_array(api, "send_sizes", send_sizes, (ax.size,))
-    plan = lowering.ragged_plan(sizes, ax, m, cap)
-    out = lowering.ragged_all_to_all(leaves, ax, plan, cap)
+    plan = ragged_lowering.ragged_plan(sizes, ax, m, cap)
+    out = ragged_lowering.ragged_all_to_all(leaves, ax, plan, cap)
     return jax.tree_util.tree_unflatten(treedef, out), plan[3]
 
 
