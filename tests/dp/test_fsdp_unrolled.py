@@ -156,3 +156,65 @@ def test_unrolled_fsdp_equals_one_device():
         state, _ = trainer.step(state, b)
         ref = jax.tree.map(lambda p, g: p - lr * g, ref, grad(ref, b))
     assert max_rel_diff(jax.device_get(state.params), ref) <= 1e-5
+
+
+def _hlo_graph(text: str) -> dict[str, tuple[str, list[str]]]:
+    """The entry computation of a compiled HLO module: each instruction's name -> (its
+    text, the names of its operands)."""
+    entry = text[text.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}\n")]
+    nodes: dict[str, tuple[str, list[str]]] = {}
+    for line in entry.splitlines()[2:]:
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*)", line)
+        if m:
+            name, rest = m.groups()
+            nodes[name] = (rest, re.findall(r"%([\w.\-]+)", rest.split(", metadata=")[0]))
+    return {k: (rest, [o for o in ops if o in nodes]) for k, (rest, ops) in nodes.items()}
+
+
+def _ancestors(nodes, name: str) -> set[str]:
+    seen: set[str] = set()
+    todo = list(nodes[name][1])
+    while todo:
+        x = todo.pop()
+        if x not in seen:
+            seen.add(x)
+            todo.extend(nodes[x][1])
+    return seen
+
+
+def _waits_for_the_next_block(sync) -> dict[int, bool]:
+    """Per block k of the unrolled model (1 <= k < LAYERS - 2), whether one of its
+    re-gathers in the compiled step has, among its ancestors, an instruction that uses block
+    k+1's re-gathered kernels (block k+1's backward matmuls)."""
+    nodes = _hlo_graph(_compiled(_unrolled_loss, _params(), _batch(), sync).as_text())
+    kernel = f"f32[8,{2 * WIDTH * WIDTH // N}]"
+    gathers = [g for g, (rest, _) in nodes.items() if " all-gather(" in rest]
+    anc = {g: _ancestors(nodes, g) for g in gathers}
+    # A gather of the forward reads its slice alone; a re-gather reads it tied to a
+    # cotangent, so other gathers are among its ancestors. Its source: the slice.
+    kernels = [g for g in gathers if nodes[g][0].startswith(kernel)]
+    forward = [g for g in kernels if not set(anc[g]) & set(gathers)]
+    regathers = [g for g in kernels if set(anc[g]) & set(gathers)]
+    source = {g: nodes[nodes[g][1][0]][1][0] for g in kernels}
+    users = {g: {u for u, (_, ops) in nodes.items() if g in ops} for g in gathers}
+    # Forward order: block k's kernels are used after block k-1's (more ancestors).
+    order = sorted(forward, key=lambda g: min(len(_ancestors(nodes, u)) for u in users[g]))
+    block = {source[g]: i // 2 for i, g in enumerate(order)}  # two kernels a block
+    assert len(order) == 2 * LAYERS and len(block) == 2 * LAYERS
+    of = {k: [g for g in regathers if block[source[g]] == k] for k in range(LAYERS)}
+    waits = {}
+    for k in range(1, LAYERS - 2):  # the last two blocks wait for their own cotangent
+        assert of[k] and of[k + 1], (k, of)
+        after = set().union(*(users[g] for g in of[k + 1]))
+        waits[k] = any(after & anc[g] for g in of[k])
+    return waits
+
+
+def test_the_backward_prefetches_the_next_block():
+    # torch FSDP's backward prefetch: block k's re-gather may start while block k+1's
+    # backward computes, so no instruction that uses block k+1's re-gathered kernels is an
+    # ancestor of block k's re-gathers. prefetch=False: each waits for the cotangent block
+    # k+1's backward computes (the gather exposed; one block gathered at a time).
+    assert not any(_waits_for_the_next_block(dp.sync.FSDP()).values())
+    assert all(_waits_for_the_next_block(dp.sync.FSDP(prefetch=False)).values())

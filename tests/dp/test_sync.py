@@ -99,6 +99,8 @@ def test_the_sharded_strategies_take_only_elementwise_hooks(cls):
             r"True or False, got 1",
         ):
             cls(reshard_after_forward=1)
+        with pytest.raises(TypeError, match=r"dp\.sync\.FSDP: prefetch must be True or False"):
+            cls(prefetch="yes")
 
 
 def test_the_trainer_binds_a_copy_and_the_value_stays_unbound():

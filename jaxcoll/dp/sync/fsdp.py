@@ -86,6 +86,13 @@ class FSDP(ZeRO1):
             optimizer state split over ``shard_axis`` and replicated over the other data
             axes; the gathers and reduce-scatters stay within ``shard_axis`` (one host's
             devices, say) and only the gradient slices are all-reduced across the others.
+        prefetch: with ``reshard_after_forward``, the backward gathers the params of a
+            block of an unrolled model (a segment of the loss) again while the next block's
+            backward computes, one block ahead (torch FSDP's backward prefetch): the gather
+            can overlap the compute where collectives run asynchronously (GPUs), and two
+            blocks' params are gathered at a time; False: each block's when its own
+            cotangent has arrived (one block at a time, the gather exposed). A scan over
+            stacked layers is XLA's to pipeline either way.
         mp_policy: the mixed precision policy (:class:`~jaxcoll.dp.MixedPrecisionPolicy`):
             each slice is cast to its ``param_dtype`` before the all-gather.
         quantize: what travels in 8 bits (:class:`~jaxcoll.dp.Quantize`, DeepSpeed
@@ -110,15 +117,17 @@ class FSDP(ZeRO1):
     )
 
     reshard_after_forward: bool = True
+    prefetch: bool = True
     quantize: Quantize | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.reshard_after_forward, bool):
-            raise TypeError(
-                f"{self.api}: reshard_after_forward must be True or False, got "
-                f"{self.reshard_after_forward!r} instead."
-            )
+        for name in ("reshard_after_forward", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"{self.api}: {name} must be True or False, got "
+                    f"{getattr(self, name)!r} instead."
+                )
         q = self.quantize
         check_optional(self.api, "quantize", q, Quantize, "a dp.Quantize")
         if q is not None and q.grads is not None:
@@ -205,6 +214,7 @@ class FSDP(ZeRO1):
             n=self.n_shard,
             remat=self.reshard_after_forward,
             units=block_units(like),
+            prefetch=self.prefetch,
         )
 
     def reduce(

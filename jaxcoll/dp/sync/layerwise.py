@@ -63,6 +63,7 @@ class _Config:
     bucket_bytes: float | None  # the gathered bytes of one group of params
     n: int  # the number of slices of a split param
     remat: bool  # segments rematerialised (the backward gathers their params again)
+    prefetch: bool  # a segment's re-gather may start in the next segment's backward
 
 
 class _Scope:
@@ -139,6 +140,7 @@ def gather_per_layer(
     n: int,
     remat: bool = True,
     units: Sequence[int | None] | None = None,
+    prefetch: bool = True,
 ) -> Callable[..., Any]:
     """``fn(params, *rest)`` as a function of the params as held (``run(held, *rest)``),
     gathering each stacked layer inside the scan that uses it.
@@ -165,8 +167,11 @@ def gather_per_layer(
         units: per param leaf, the repeated block it belongs to
             (:func:`~jaxcoll.dp.sync.blocks.block_units`) or None: a group of params
             gathered together never spans two blocks.
+        prefetch: with ``remat``, a segment's re-gather may start while the next
+            segment's backward computes (:mod:`~jaxcoll.dp.sync.regather`); False: when
+            its own cotangent has arrived.
     """
-    config = _Config(gather, policy, bucket_bytes, n, remat)
+    config = _Config(gather, policy, bucket_bytes, n, remat, prefetch)
 
     def run(params: Any, *rest: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -284,6 +289,7 @@ def _eval_segments(eqns: Sequence[Any], outvars: Sequence[Any], scope: _Scope) -
         later[k] = set(used_after)
         for eqn in segments[k]:
             used_after.update(v for v in eqn.invars if not isinstance(v, Literal))
+    link = None  # the backward's prefetch: see regather.py
     for k, segment in enumerate(segments):
         defined = [v for eqn in segment for v in eqn.outvars]
         own = set(defined)
@@ -310,7 +316,17 @@ def _eval_segments(eqns: Sequence[Any], outvars: Sequence[Any], scope: _Scope) -
         # A param a scan gathers layer by layer is gathered again by the backward's loop,
         # which XLA cannot merge with the forward's: only the others are tied.
         tied = [i for i in sorted(lazy) if not _layered_only(inputs[i], segment, scope)]
-        outs = regathered(run, scope.config.policy, flat, tied)
+        # The last two segments tie to their own cotangent: the last one's is the loss's
+        # seed, known in the forward already, so a re-gather tied to it would be merged
+        # with the forward's gather.
+        outs, link = regathered(
+            run,
+            scope.config.policy,
+            flat,
+            tied,
+            link,
+            last=k >= len(segments) - 2 or not scope.config.prefetch,
+        )
         for v, x in zip(outputs, outs, strict=True):
             scope.env[v] = x
     scope.plan([], outvars)

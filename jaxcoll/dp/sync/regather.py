@@ -7,6 +7,15 @@ the forward's gather and every gathered block stays alive into the backward. Her
 backward's slices are computed from the cotangent that reaches the segment
 (``x * (1 + 0 * sum(ct))``, equal to ``x`` bit for bit), so the re-gather can neither be
 merged with the forward's nor be moved before the cotangent exists.
+
+Backward prefetch (torch FSDP's ``BACKWARD_PRE``): a segment's re-gather is tied to the
+cotangent that reaches the *next* segment, not its own, so it may start while the next
+segment's backward computes, one segment ahead (two segments' params gathered at a time, as
+FSDP's prefetch holds). The cotangent travels by a *link*: a scalar each segment returns
+(zero, unused by the forward) and the next takes; in the backward, the next segment returns
+as the link's cotangent a token of the cotangent that reached it. The last two segments tie
+to their own (the caller says which are ``last``): the very last one's cotangent is the
+loss's seed, a constant XLA folds, which would make the re-gather tied to it the forward's.
 """
 
 from __future__ import annotations
@@ -21,35 +30,50 @@ from ..._core.vma import as_invariant, varying_axes
 
 
 def regathered(
-    fn: Callable[..., Any], policy: Callable[..., bool], args: Sequence[Any], lazy: Sequence[int]
-) -> Any:
-    """``jax.checkpoint(fn, policy=policy)(*args)`` whose backward gathers the lazy params
-    (``args[i]`` for ``i`` in ``lazy``, slices) again from slices tied to the cotangent."""
+    fn: Callable[..., Any],
+    policy: Callable[..., bool],
+    args: Sequence[Any],
+    lazy: Sequence[int],
+    link: jax.Array | None = None,
+    *,
+    last: bool = True,
+) -> tuple[Any, jax.Array | None]:
+    """``(jax.checkpoint(fn, policy=policy)(*args), link)``: the backward gathers the lazy
+    params (``args[i]`` for ``i`` in ``lazy``, slices) again from slices tied to the
+    cotangent of the next segment (``last``: of this one), which arrives by the link this
+    returns (None when ``last``); ``link``: the previous segment's (None for the first)."""
     ckpt = jax.checkpoint(fn, policy=policy)
-    if not lazy:
-        return ckpt(*args)
+    if not lazy and link is None and last:
+        return ckpt(*args), None
     at: list[int] = []  # where the lazy slices sit among the residuals' leaves
 
     @jax.custom_vjp
-    def segment(*xs):
-        return ckpt(*xs)
+    def segment(xs, link_in):
+        return ckpt(*xs), (None if last else jnp.zeros((), jnp.float32))
 
-    def fwd(*xs):
+    def fwd(xs, link_in):
         out, pullback = jax.vjp(ckpt, *xs)
         leaves = jax.tree_util.tree_leaves(pullback)
         at[:] = [j for j, r in enumerate(leaves) if any(r is xs[i] for i in lazy)]
-        return out, pullback
+        return (out, None if last else jnp.zeros((), jnp.float32)), pullback
 
-    def bwd(pullback, ct):
+    def bwd(pullback, cts):
+        ct, ct_link = cts
+        own = _token(ct)
+        token = own if last else ct_link
         leaves, treedef = jax.tree_util.tree_flatten(pullback)
-        token = _token(ct)
         if token is not None:
             for j in at:
                 leaves[j] = _tie(leaves[j], token)
-        return jax.tree_util.tree_unflatten(treedef, leaves)(ct)
+        grads = list(jax.tree_util.tree_unflatten(treedef, leaves)(ct))
+        if link is None:
+            return grads, None
+        # The previous segment's re-gather waits for this: the cotangent reaching this one.
+        back = jnp.zeros((), jnp.float32) if own is None else own.astype(jnp.float32)
+        return grads, as_invariant(back, tuple(sorted(varying_axes(back) or (), key=str)))
 
     segment.defvjp(fwd, bwd)
-    return segment(*args)
+    return segment(list(args), link)
 
 
 def _token(ct: Any) -> jax.Array | None:
