@@ -18,11 +18,22 @@ them (the pipeline takes ``data_axis=`` and averages gradients over it exactly o
   inputs;
 * :mod:`.tensor`: :func:`column_parallel`, :func:`row_parallel`, :func:`mlp`,
   :func:`shard_mlp`, :func:`sequence_gather`, :func:`gelu` (torch's exact ``nn.GELU()``);
+* :mod:`.context`: :func:`context_attention` by :class:`Ring` or :class:`Ulysses`, the
+  load-balanced sequence layout (:func:`context_order`, :func:`to_context_layout`,
+  :func:`from_context_layout`, :func:`context_positions`) and :func:`ring_blocks`;
 * :mod:`.moe`: :func:`dispatch`, :func:`combine`;
 * :mod:`.axes`: :func:`is_bound`, the switch of model code that runs split or dense.
 """
 
 from .axes import is_bound as is_bound
+from .context import Ring as Ring
+from .context import Ulysses as Ulysses
+from .context import context_attention as context_attention
+from .context import context_order as context_order
+from .context import context_positions as context_positions
+from .context import from_context_layout as from_context_layout
+from .context import ring_blocks as ring_blocks
+from .context import to_context_layout as to_context_layout
 from .moe import combine as combine
 from .moe import dispatch as dispatch
 from .pipeline import bubble_fraction as bubble_fraction
@@ -45,11 +56,17 @@ __all__ = [
     "GPipe",
     "Interleaved",
     "OneFOneB",
+    "Ring",
     "Schedule",
+    "Ulysses",
     "ZeroBubble",
     "bubble_fraction",
     "column_parallel",
     "combine",
+    "context_attention",
+    "context_order",
+    "context_positions",
+    "from_context_layout",
     "dispatch",
     "gelu",
     "is_bound",
@@ -57,7 +74,9 @@ __all__ = [
     "pipeline_apply",
     "pipeline_loss",
     "pipeline_value_and_grad",
+    "ring_blocks",
     "row_parallel",
     "sequence_gather",
     "shard_mlp",
+    "to_context_layout",
 ]
