@@ -26,7 +26,13 @@ Rows, for each model (and L):
   split along one dimension (the stacked leaves along dim 1, not the layer axis, so that XLA
   can gather one layer per loop iteration; the unrolled leaves along dim 0), the batch split
   over the devices, ``out_shardings`` equal to the input shardings, params and optimizer
-  state donated;
+  state donated (``GSPMD FSDP (naive)``: no constraint on any activation);
+- ``GSPMD FSDP (competent)`` (``--rows gspmd-competent``): the same, written as MaxText writes
+  it: ``jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("fsdp", None)))`` on the
+  input and on every layer's output (the batch over the devices), and every layer under
+  ``jax.checkpoint`` with the policy that saves every activation, as jaxcoll's FSDP
+  rematerialises its layers (its policy saves everything but the gathered params, which
+  under GSPMD are no values of the program);
 - ``ideal FSDP`` (computed, not run): per device, with P the bytes of one copy of the params,
   p the bytes of one layer (w + b), L layers and B the global batch::
 
@@ -46,8 +52,10 @@ Memory is per device, from the compiled step's ``memory_analysis()`` (for jaxcol
 donated input (``output_size_in_bytes - alias_size_in_bytes``: the metrics, and everything
 a step returns that it could not write in place). The bounds checked: scanned (and
 flax-scan) FSDP ``args+temp <= 1.5 x ideal`` at every L; unrolled FSDP ``args+temp <=``
-ZeRO-1's, ``<= 1.2 x`` GSPMD's and (when the run has the scanned model at L = 16)
-``<= 1.2 x`` the scanned FSDP's.
+ZeRO-1's, ``<= 1.2 x`` each GSPMD's and (when the run has the scanned model at L = 16)
+``<= 1.2 x`` the scanned FSDP's. Below each table: jaxcoll FSDP's time and args+temp over each GSPMD
+row's; with ``--hlo``, each row's FLOPs and the collectives of its compiled per-device
+program per step (``benchmarks/hlo_stats.py``).
 
 Time: the median of per-step wall times (each step waited for with
 ``jax.block_until_ready``) after ``--warmup`` steps. Within one model (and L) every row is
@@ -90,7 +98,16 @@ import jaxcoll
 
 DEVICES = 8
 MODELS = ("scanned", "unrolled", "flax-scan")
-ROWS = ("ddp", "zero1", "zero1-per-leaf", "fsdp", "fsdp-per-leaf", "hsdp", "gspmd")
+ROWS = (
+    "ddp",
+    "zero1",
+    "zero1-per-leaf",
+    "fsdp",
+    "fsdp-per-leaf",
+    "hsdp",
+    "gspmd",
+    "gspmd-competent",
+)
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--layers", default="8,16,32,64", help="comma list of L (scanned models)")
 parser.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
@@ -98,6 +115,7 @@ parser.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {ROWS
 parser.add_argument("--steps", type=int, default=10, help="timed steps per row (L <= 16)")
 parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row after compile")
 parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the rows")
+parser.add_argument("--hlo", action="store_true", help="print each row's collectives")
 args = parser.parse_args()
 for name, got, known in [("models", args.models, MODELS), ("rows", args.rows, ROWS)]:
     bad = [x for x in got.split(",") if x not in known]
@@ -109,6 +127,7 @@ os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), *jaxcoll.xla_cpu_flags(devices=DEVICES)]
 ).strip()
 
+import hlo_stats  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -127,6 +146,25 @@ FLOAT = 4  # bytes
 
 
 # ------------------------------------------------------------------------------------ models
+#: The competent GSPMD row's activation sharding (the batch over the devices), set while its
+#: step is traced; None for every other row.
+ACT: list = [None]
+
+
+def act(x):
+    """``x`` constrained to the batch over the devices in the competent GSPMD row."""
+    return x if ACT[0] is None else jax.lax.with_sharding_constraint(x, ACT[0])
+
+
+def remat(f):
+    """``f`` under ``jax.checkpoint`` in the competent GSPMD row, saving every activation
+    (jaxcoll's FSDP saves everything but the gathered params, which GSPMD has no values
+    for); ``f`` itself in the other rows."""
+    if ACT[0] is None:
+        return f
+    return jax.checkpoint(f, policy=jax.checkpoint_policies.everything_saveable)
+
+
 def mse(out, y):
     return jnp.mean((out - y) ** 2)
 
@@ -140,11 +178,12 @@ def scanned_params(layers: int) -> dict:
 
 
 def scanned_loss(params, batch, rng=None):
+    @remat
     def layer(x, wb):
         w, b = wb
-        return jnp.tanh(x @ w + b), None
+        return act(jnp.tanh(x @ w + b)), None
 
-    out, _ = jax.lax.scan(layer, batch["x"], (params["w"], params["b"]))
+    out, _ = jax.lax.scan(layer, act(batch["x"]), (params["w"], params["b"]))
     return mse(out, batch["y"]), {}
 
 
@@ -154,9 +193,9 @@ def unrolled_params(layers: int) -> dict:
 
 
 def unrolled_loss(params, batch, rng=None):
-    x = batch["x"]
+    x = act(batch["x"])
     for i in range(len(params)):
-        x = jnp.tanh(x @ params[f"l{i}"]["w"] + params[f"l{i}"]["b"])
+        x = act(remat(lambda x, p: jnp.tanh(x @ p["w"] + p["b"]))(x, params[f"l{i}"]))
     return mse(x, batch["y"]), {}
 
 
@@ -167,18 +206,21 @@ def flax_model(layers: int):
     class Block(nn.Module):
         @nn.compact
         def __call__(self, x, _):
-            return jnp.tanh(nn.Dense(WIDTH)(x)), None
+            return act(jnp.tanh(nn.Dense(WIDTH)(x))), None
 
     class Stack(nn.Module):
         @nn.compact
         def __call__(self, x):
+            block = Block
+            if ACT[0] is not None:
+                block = nn.remat(Block, policy=jax.checkpoint_policies.everything_saveable)
             scan = nn.scan(
-                Block,
+                block,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
                 length=layers,
             )
-            return scan()(x, None)[0]
+            return scan()(act(x), None)[0]
 
     module = Stack()
     params = module.init(jax.random.key(0), jnp.zeros((1, WIDTH)))["params"]
@@ -236,12 +278,14 @@ def interleaved(runs: list, steps: int) -> list[float]:
     return [1e3 * statistics.median(t) for t in times]
 
 
-def memory(compiled) -> dict[str, int]:
+def memory(compiled) -> dict:
     m = compiled.memory_analysis()
     return {
         "args": m.argument_size_in_bytes,
         "temp": m.temp_size_in_bytes,
         "out-alias": m.output_size_in_bytes - m.alias_size_in_bytes,
+        "hlo": f"{hlo_stats.flops(compiled) / 1e9:.3f} GFLOP/device; "
+        + hlo_stats.summary(compiled),
     }
 
 
@@ -266,10 +310,20 @@ def row_hsdp(params, loss_fn, batch):
     return row_trainer(params, loss_fn, batch, sync, mesh, ("replica", "shard"))
 
 
-def row_gspmd(params, loss_fn, batch, stacked: bool):
-    """Plain-JAX FSDP: jit + NamedSharding, every split leaf split along one dimension."""
+def row_gspmd(params, loss_fn, batch, stacked: bool, competent: bool = False):
+    """Plain-JAX FSDP: jit + NamedSharding, every split leaf split along one dimension;
+    ``competent``: each layer's output constrained to the batch over the devices and each
+    layer under ``jax.checkpoint`` (saving every activation), as MaxText writes it."""
     opt = optax.adam(LR)
     mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+    ACT[0] = NamedSharding(mesh, P("fsdp", None)) if competent else None
+    try:
+        return _row_gspmd(params, loss_fn, batch, stacked, opt, mesh)
+    finally:
+        ACT[0] = None
+
+
+def _row_gspmd(params, loss_fn, batch, stacked, opt, mesh):
 
     def spec(x) -> P:
         # The stacked (L, 512, 512) and (L, 512) along dim 1, the layer axis whole; the
@@ -310,6 +364,7 @@ def row_gspmd(params, loss_fn, batch, stacked: bool):
 
 
 # ------------------------------------------------------------------------------------ tables
+NAIVE, COMPETENT = "GSPMD FSDP (naive)", "GSPMD FSDP (competent)"
 #: FSDP's args+temp per (model, L), for the unrolled model's bound against the scanned one's.
 FSDP_PEAKS: dict[tuple[str, int], int] = {}
 
@@ -339,7 +394,9 @@ def table(name: str, layers: int, rows: list[str]) -> list[str]:
         elif row == "hsdp":
             built.append(("jaxcoll HSDP (2 x 4)", row_hsdp(params, loss_fn, batch)))
         elif row == "gspmd":
-            built.append(("GSPMD FSDP (jit)", row_gspmd(params, loss_fn, batch, stacked)))
+            built.append((NAIVE, row_gspmd(params, loss_fn, batch, stacked)))
+        elif row == "gspmd-competent":
+            built.append((COMPETENT, row_gspmd(params, loss_fn, batch, stacked, True)))
     steps = args.steps if layers <= 16 else max(3, args.steps * 16 // layers)
     live = [b for _, b in built if b is not None]
     medians = iter(interleaved([b[1] for b in live], steps))
@@ -355,6 +412,7 @@ def table(name: str, layers: int, rows: list[str]) -> list[str]:
         "|--------:|",
     ]
     sums: dict[str, int] = {}
+    ms: dict[str, float] = {}
     for label, b in built:
         if b is None:
             na = "n/a (this jaxcoll has no FSDP(shard_axis=))"
@@ -363,15 +421,26 @@ def table(name: str, layers: int, rows: list[str]) -> list[str]:
         mem, _ = b
         both = mem["args"] + mem["temp"]
         sums[label] = both
+        ms[label] = next(medians)
         out.append(
             f"| {label:23s} | {mem['args'] / MIB:8.2f} | {mem['temp'] / MIB:8.2f} "
             f"| {both / MIB:9.2f} | {both / ideal:5.2f}x | {mem['out-alias'] / MIB:9.2f} "
-            f"| {next(medians):7.1f} |"
+            f"| {ms[label]:7.1f} |"
         )
     out.append(
         f"| {'ideal FSDP (computed)':23s} | {'':8s} | {'':8s} | {ideal / MIB:9.2f} "
         f"| {1:5.2f}x | {'':9s} | {'-':>7s} |"
     )
+    for gspmd in (COMPETENT, NAIVE):
+        for row in ("jaxcoll FSDP", "jaxcoll FSDP per leaf"):
+            if row in sums and gspmd in sums:
+                out.append(
+                    f"{row} / {gspmd}: time {ms[row] / ms[gspmd]:.2f}x, "
+                    f"memory {sums[row] / sums[gspmd]:.2f}x"
+                )
+    if args.hlo:
+        out.append("")
+        out.extend(f"{label}: {b[0]['hlo']}" for label, b in built if b is not None)
     fsdp = sums.get("jaxcoll FSDP")
     if fsdp is not None:
         FSDP_PEAKS[name, layers] = fsdp
@@ -384,7 +453,8 @@ def table(name: str, layers: int, rows: list[str]) -> list[str]:
     elif fsdp is not None:
         others = [
             ("ZeRO-1's", 1.0, sums.get("jaxcoll ZeRO-1")),
-            ("GSPMD's", 1.2, sums.get("GSPMD FSDP (jit)")),
+            ("the naive GSPMD's", 1.2, sums.get(NAIVE)),
+            ("the competent GSPMD's", 1.2, sums.get(COMPETENT)),
             (f"the scanned L={layers} FSDP's", 1.2, FSDP_PEAKS.get(("scanned", layers))),
         ]
         out.append("")

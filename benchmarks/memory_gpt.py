@@ -14,7 +14,14 @@ global batch 8 sequences (one per device), cross-entropy on the next token.
 
 Rows: ``dp.Trainer(loss_fn, optax.adamw(1e-3), sync=...)`` with ``dp.sync.FSDP()`` (default
 settings), ``dp.sync.FSDP(bucket_mb=None)``, ``dp.sync.ZeRO1()`` and ``dp.sync.DDP()``, on one
-mesh axis of 8 devices. Nothing is run: each step is lowered and compiled
+mesh axis of 8 devices; and the same model and AdamW in plain JAX: ``GSPMD FSDP (naive)``
+(``jax.jit`` of value_and_grad + the update, params and state placed by ``NamedSharding``,
+each leaf split over 8 along the dimension jaxcoll's FSDP picks, the batch split, donated)
+and ``GSPMD FSDP (competent)``, the same written as MaxText writes it: the embedding's, each
+block's and the logits' outputs constrained by ``jax.lax.with_sharding_constraint`` to the
+batch over the devices, and each block under ``jax.checkpoint`` (``nn.remat``) with the
+policy that saves every activation, as jaxcoll's FSDP rematerialises (it saves everything
+but the gathered params). Nothing is run: each step is lowered and compiled
 (``trainer.step_program(state, batch)``) and its ``memory_analysis()`` read: ``args`` is
 ``argument_size_in_bytes`` (the state and the batch on one device), ``temp`` is
 ``temp_size_in_bytes`` and ``args+temp`` their sum, the peak compared.
@@ -27,7 +34,8 @@ The ideal FSDP row, per device::
 
 ``A`` is measured, not estimated: the temp bytes of the loss's gradient (``jax.grad``, jitted)
 compiled for one device on one device's examples. The bounds checked: FSDP ``args+temp <= 1.5 x
-ideal`` and below ZeRO-1's.
+ideal`` and below ZeRO-1's. With ``--hlo``: each row's FLOPs and the collectives of its
+compiled per-device program (``benchmarks/hlo_stats.py``).
 """
 
 from __future__ import annotations
@@ -39,9 +47,10 @@ import sys
 import jaxcoll
 
 DEVICES = 8
-ROWS = ("fsdp", "fsdp-per-leaf", "zero1", "ddp")
+ROWS = ("fsdp", "fsdp-per-leaf", "zero1", "ddp", "gspmd", "gspmd-competent")
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {ROWS}")
+parser.add_argument("--hlo", action="store_true", help="print each row's collectives")
 args = parser.parse_args()
 bad = [x for x in args.rows.split(",") if x not in ROWS]
 if bad:
@@ -51,16 +60,29 @@ os.environ["XLA_FLAGS"] = " ".join(
 ).strip()
 
 import flax.linen as nn  # noqa: E402
+import hlo_stats  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxcoll import dp  # noqa: E402
+from jaxcoll.dp.sync.base import mirror_specs  # noqa: E402
+from jaxcoll.dp.sync.fsdp import fsdp_dim  # noqa: E402
 
 VOCAB, CONTEXT, LAYERS, WIDTH, HEADS = 65, 64, 8, 512, 8
 BATCH = 8  # global, in sequences
 MIB = 2**20
+#: The competent GSPMD row's activation sharding (the batch over the devices), set while its
+#: step is traced; None for every other row.
+ACT: list = [None]
+
+
+def act(x):
+    """``x`` constrained to the batch over the devices in the competent GSPMD row."""
+    return x if ACT[0] is None else jax.lax.with_sharding_constraint(x, ACT[0])
 
 
 class Attention(nn.Module):
@@ -98,29 +120,71 @@ class GPT(nn.Module):
     def setup(self):
         self.wte = nn.Embed(VOCAB, WIDTH)
         self.wpe = nn.Embed(CONTEXT, WIDTH)
-        self.h = [Block() for _ in range(LAYERS)]  # nanoGPT's ModuleList
+        block = Block
+        if ACT[0] is not None:  # the competent GSPMD: each block under jax.checkpoint
+            block = nn.remat(Block, policy=jax.checkpoint_policies.everything_saveable)
+        self.h = [block() for _ in range(LAYERS)]  # nanoGPT's ModuleList
         self.ln_f = nn.LayerNorm()
 
     def __call__(self, idx):
-        x = self.wte(idx) + self.wpe(jnp.arange(idx.shape[-1]))
+        x = act(self.wte(idx) + self.wpe(jnp.arange(idx.shape[-1])))
         for block in self.h:  # a Python loop: no scan, no stacked params
-            x = block(x)
-        return self.wte.attend(self.ln_f(x))  # the head tied to the token embedding
-
-
-MODEL = GPT()
+            x = act(block(x))
+        return act(self.wte.attend(self.ln_f(x)))  # the head tied to the token embedding
 
 
 def loss_fn(params, batch, rng=None):
-    logits = MODEL.apply({"params": params}, batch["x"])
+    logits = GPT().apply({"params": params}, batch["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}
 
 
-def peak(trainer: dp.Trainer, params, batch) -> tuple[int, int]:
+def peak(trainer: dp.Trainer, params, batch):
     state = trainer.init(params, jax.random.key(0))
     step, specs = trainer.step_program(state, batch)
-    m = step.lower(*specs).compile().memory_analysis()
-    return m.argument_size_in_bytes, m.temp_size_in_bytes
+    return step.lower(*specs).compile()
+
+
+def gspmd(params, batch, competent: bool):
+    """Plain-JAX FSDP: ``jax.jit`` of value_and_grad + the AdamW update, params and state
+    placed by ``NamedSharding`` (each leaf split over 8 along the dimension jaxcoll's FSDP
+    picks), the batch split, params and state donated; ``competent``: the embedding's, each
+    block's and the logits' outputs constrained to the batch over the devices and each block
+    under ``jax.checkpoint`` (saving every activation), as MaxText writes it."""
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    opt = optax.adamw(1e-3)
+
+    def spec(x):
+        d = fsdp_dim(np.shape(x), DEVICES)
+        return P() if d is None else P(*[None] * d, "data")
+
+    specs = jax.tree.map(spec, params)
+    o_specs = mirror_specs(jax.eval_shape(opt.init, params), params, specs)
+    named = lambda t: jax.tree.map(  # noqa: E731
+        lambda s: NamedSharding(mesh, s), t, is_leaf=lambda s: isinstance(s, P)
+    )
+    p_sh, o_sh = named(specs), named(o_specs)
+
+    def step(params, opt_state, batch):
+        loss, g = jax.value_and_grad(lambda p: loss_fn(p, batch)[0])(params)
+        updates, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jax.jit(
+        step,
+        in_shardings=(p_sh, o_sh, NamedSharding(mesh, P("data"))),
+        out_shardings=(p_sh, o_sh, NamedSharding(mesh, P())),
+        donate_argnums=(0, 1),
+    )
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
+        (params, jax.eval_shape(opt.init, params), batch),
+        (p_sh, o_sh, jax.tree.map(lambda _: NamedSharding(mesh, P("data")), batch)),
+    )
+    ACT[0] = NamedSharding(mesh, P("data", None, None)) if competent else None
+    try:
+        return step.lower(*abstract).compile()
+    finally:
+        ACT[0] = None
 
 
 def activation_bytes(params, batch) -> int:
@@ -136,7 +200,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, VOCAB, size=(BATCH, CONTEXT + 1)).astype(np.int32)
     batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
-    params = jax.device_get(MODEL.init(jax.random.key(0), batch["x"][:1])["params"])
+    params = jax.device_get(GPT().init(jax.random.key(0), batch["x"][:1])["params"])
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     block = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["h_0"]))
     acts = activation_bytes(params, batch)
@@ -158,12 +222,23 @@ def main() -> int:
         "zero1": ("jaxcoll ZeRO-1", dp.sync.ZeRO1),
         "ddp": ("jaxcoll DDP", dp.sync.DDP),
     }
-    sums = {}
+    sums, hlo = {}, []
     for row in args.rows.split(","):
-        label, make = syncs[row]
-        trainer = dp.Trainer(loss_fn, optax.adamw(1e-3), sync=make(), axis_name="data")
-        a, t = peak(trainer, params, batch)
+        if row.startswith("gspmd"):
+            competent = row == "gspmd-competent"
+            label = f"GSPMD FSDP ({'competent' if competent else 'naive'})"
+            compiled = gspmd(params, batch, competent)
+        else:
+            label, make = syncs[row]
+            trainer = dp.Trainer(loss_fn, optax.adamw(1e-3), sync=make(), axis_name="data")
+            compiled = peak(trainer, params, batch)
+        m = compiled.memory_analysis()
+        a, t = m.argument_size_in_bytes, m.temp_size_in_bytes
         sums[row] = a + t
+        hlo.append(
+            f"{label}: {hlo_stats.flops(compiled) / 1e9:.3f} GFLOP/device; "
+            + hlo_stats.summary(compiled)
+        )
         print(
             f"| {label:23s} | {a / MIB:8.2f} | {t / MIB:8.2f} | {(a + t) / MIB:9.2f} "
             f"| {(a + t) / ideal:5.2f}x |",
@@ -180,6 +255,11 @@ def main() -> int:
                 f"bound: FSDP args+temp {sums['fsdp'] / MIB:.2f} MiB < ZeRO-1's "
                 f"{sums['zero1'] / MIB:.2f} MiB: {'holds' if ok else 'FAILS'}"
             )
+        for row in ("gspmd-competent", "gspmd"):
+            if row in sums:
+                print(f"jaxcoll FSDP / {row}: memory {sums['fsdp'] / sums[row]:.2f}x")
+    if args.hlo:
+        print("\n" + "\n".join(hlo))
     return 0
 
 
