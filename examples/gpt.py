@@ -4,6 +4,7 @@
     python examples/gpt.py --layout fsdp4xtp2       # FSDP over 4 x tensor parallel over 2
     python examples/gpt.py --layout fsdp2xtp2xpp2   # ... x 2 pipeline stages (GPipe)
     python examples/gpt.py --layout fsdp2xtp2xpp2:1f1b   # ... by 1F1B (or :zb-h1)
+    python examples/gpt.py --layout fsdp2xcp2xtp2   # ... each sequence split over 2 (ring)
     python examples/gpt.py --layout single          # the same model on one device
     jaxcoll-run --nprocs 2 --devices-per-proc 4 examples/gpt.py --layout fsdp2xtp2xpp2
 
@@ -18,7 +19,8 @@ in ``--data DIR``. Training reads them through ``dp.TokenBatches`` (grain): ever
 each batch; batch s is the same whatever the layout or the number of processes.
 
 ``--layout`` picks the roles' degrees and the schedule, one ``dp.Layout``: ``dp`` (data
-replicas), ``fsdp`` (data shards: FSDP, or HSDP beside ``dp``), ``tp`` (tensor parallel: the
+replicas), ``fsdp`` (data shards: FSDP, or HSDP beside ``dp``), ``cp`` (context parallel:
+each sequence split over the devices, ring attention over the whole), ``tp`` (tensor parallel: the
 attention heads and the MLP's hidden units split, jaxcoll.nn's layers) and ``pp`` (pipeline
 stages over the stacked blocks, run by parallel.pipeline_loss), then ``:gpipe`` (the
 default), ``:1f1b`` or ``:zb-h1``. The model is written once and names no mesh axis: its
@@ -175,7 +177,9 @@ def head_loss(head, h, y):
 
 def loss_fn(params, batch, rng):
     x = batch["x"]
-    h = params["wte"][x] + params["wpe"][: x.shape[1]]
+    # The positions of this device's tokens: with a context axis each device holds its part
+    # of every sequence (the load-balanced layout); otherwise 0 .. T-1.
+    h = params["wte"][x] + params["wpe"][parallel.context_positions(x.shape[1])]
     # The stacked blocks as stages over the layout's pipeline axis, by its schedule's own
     # backward, the head on the last stage; with no pipeline axis, every block in order, then
     # the head.
@@ -233,12 +237,14 @@ def schedule():
 # ---------------------------------------------------------------------------- layouts
 def layout(name: str) -> dp.Layout:
     """The ``dp.Layout`` a ``--layout`` names: ``fsdp4xtp2``, ``dp2xtp2xpp2:1f1b``, ..."""
-    parts = re.fullmatch(r"(dp\d+)?x?(fsdp\d+)?x?(tp\d+)?x?(pp\d+)?(?::([a-z0-9-]+))?", name)
-    if not parts or not any(parts.groups()[:4]):
+    parts = re.fullmatch(
+        r"(dp\d+)?x?(fsdp\d+)?x?(cp\d+)?x?(tp\d+)?x?(pp\d+)?(?::([a-z0-9-]+))?", name
+    )
+    if not parts or not any(parts.groups()[:5]):
         raise SystemExit(f"--layout {name!r}: expected e.g. dp8, fsdp4xtp2, dp2xtp2xpp2:1f1b")
     sizes = {
         m[1]: int(m[2])
-        for p in parts.groups()[:4]
+        for p in parts.groups()[:5]
         if p and (m := re.fullmatch(r"([a-z]+)(\d+)", p))
     }
     if "dp" not in sizes and "fsdp" not in sizes:
@@ -248,7 +254,7 @@ def layout(name: str) -> dp.Layout:
             f"--layout {name!r} needs {int(np.prod(list(sizes.values())))} devices, not "
             f"{jax.device_count()}"
         )
-    schedule = parts[5] or "gpipe"
+    schedule = parts[6] or "gpipe"
     if schedule not in SCHEDULES:
         raise SystemExit(f"--layout {name!r}: the schedule is one of {sorted(SCHEDULES)}")
     return dp.Layout(
@@ -257,6 +263,7 @@ def layout(name: str) -> dp.Layout:
         tensor=sizes.get("tp"),
         pipeline=sizes.get("pp"),
         schedule=SCHEDULES[schedule](MICRO) if "pp" in sizes else None,
+        context=sizes.get("cp"),
     )
 
 

@@ -68,6 +68,18 @@ def test_a_layout_trains_the_single_device_params(name, single):
     assert abs(loss - single[1]) <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["dp1xcp8", "fsdp2xcp2xtp2"])
+def test_a_context_layout_trains_the_single_device_params(name, single):
+    # Each sequence split over the context axis (2 of the 16 characters per device at cp8):
+    # ring attention over the whole sequence, the positions from context_positions, the
+    # gradients and the loss averaged over the context axis as over a data axis.
+    trainer = gpt.trainer_for(name)
+    assert trainer.layout.context_axis == "context"
+    params, loss = _train(name)
+    assert _max_rel(_flat(params), single[0]) <= TOL
+    assert abs(loss - single[1]) <= 1e-5
+
+
 def test_1f1b_trains_the_single_device_params(single):
     # The pipeline's own 1F1B backward (parallel.pipeline_loss) inside the Trainer, under
     # FSDP x tensor x pipeline with gradient accumulation; the layout's schedule.
@@ -94,6 +106,7 @@ def test_a_bad_layout_is_named():
     assert gpt.layout("fsdp2xtp2xpp2:zb-h1") == gpt.dp.Layout(
         shard=2, tensor=2, pipeline=2, schedule=gpt.parallel.ZeroBubble(gpt.MICRO)
     )
+    assert gpt.layout("fsdp2xcp2xtp2") == gpt.dp.Layout(shard=2, context=2, tensor=2)
 
 
 def test_precision_picks_the_strategy_and_needs_fsdp():

@@ -36,10 +36,10 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, P) or x is None
 
 
-ROLES = ("replicate", "shard", "tensor", "pipeline")
+ROLES = ("replicate", "shard", "context", "tensor", "pipeline")
 # A mesh built from degrees: its axes in this order, outermost first (torchtitan's): pipeline
 # stages across hosts (little traffic), tensor innermost (the most, on the closest devices).
-_ORDER = ("pipeline", "replicate", "shard", "tensor")
+_ORDER = ("pipeline", "replicate", "shard", "context", "tensor")
 _DATA = ("replicate", "shard")
 
 
@@ -71,8 +71,10 @@ class Layout:
         Layout(replicate=2, shard=4)                 # HSDP: 2 replicas of FSDP over 4
         Layout(replicate=2, tensor=2, pipeline=2, schedule=parallel.OneFOneB(8))
         Layout(shard="data", tensor="model")         # roles of your own mesh's axes
+        Layout(shard=2, context=4)                   # FSDP x a sequence split over 4
 
-    A mesh built from degrees has the axes ``("pipeline", "replicate", "shard", "tensor")``
+    A mesh built from degrees has the axes ``("pipeline", "replicate", "shard", "context",
+    "tensor")``
     (those with a degree above 1; a data axis ``"replicate"`` always), outermost first:
     tensor parallel on the closest devices, pipeline stages across hosts. A degree of -1 takes
     the devices the others leave; with no data role, ``replicate`` does.
@@ -105,6 +107,15 @@ class Layout:
         shard: data shards (FSDP, ZeRO-1, HSDP's inner axis): a degree or an axis name.
         tensor: tensor parallel: a degree or an axis name.
         pipeline: pipeline stages: a degree or an axis name.
+        context: context parallel (long sequences): a degree or an axis name. Each
+            sequence of the batch is split over it in the load-balanced layout
+            (:func:`~jaxcoll.parallel.context_order`): every array of the batch with a
+            sequence axis (its second) arrives as this device's part of it, attention runs
+            over the whole sequence by :func:`~jaxcoll.parallel.context_attention` (the role
+            ``"context"``; :class:`~jaxcoll.nn.ParallelSelfAttention` does it), position
+            embeddings read :func:`~jaxcoll.parallel.context_positions`. The gradients and
+            the metrics are averaged over it as over a data axis (each device's loss is its
+            own tokens' mean).
         schedule: the pipeline's schedule (:class:`~jaxcoll.parallel.OneFOneB` (M),
             :class:`~jaxcoll.parallel.GPipe`, :class:`~jaxcoll.parallel.Interleaved`,
             :class:`~jaxcoll.parallel.ZeroBubble`), read by ``parallel.pipeline_loss``.
@@ -123,6 +134,7 @@ class Layout:
     pipeline: int | str | None = None
     schedule: Any = None
     rules: Any = None
+    context: int | str | None = None
 
     def __post_init__(self) -> None:
         values = {r: getattr(self, r) for r in ROLES}
@@ -216,8 +228,19 @@ class Layout:
         return next(iter(self._names("shard")), None)
 
     @property
+    def context_axis(self) -> str | None:
+        """The mesh axis of the context role (the sequence split), or None."""
+        return next(iter(self._names("context")), None)
+
+    @property
     def data_axes(self) -> tuple[str, ...]:
-        """The data axes the layout names (replicas, then shards); () if it names none."""
+        """The axes the gradients are averaged over: the replicas, the shards and the
+        context axis (those it names); () if it names none."""
+        return self._names("replicate") + self._names("shard") + self._names("context")
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The data axes the batch's examples are split over (replicas, then shards)."""
         return self._names("replicate") + self._names("shard")
 
     @property
@@ -256,7 +279,11 @@ class Layout:
     def binding(self) -> roles.Binding:
         """What model code's roles and logical axes stand for in this layout, and its
         schedule (:mod:`jaxcoll._core.roles`)."""
-        by_role = {"tensor": self.tensor_axis, "pipeline": self.pipeline_axis}
+        by_role = {
+            "tensor": self.tensor_axis,
+            "pipeline": self.pipeline_axis,
+            "context": self.context_axis,
+        }
         table = {**roles.LOGICAL_AXES, **dict(self.rules)}
         axes: dict[str, str | None] = dict(by_role)
         for logical, role in table.items():

@@ -8,6 +8,7 @@ with checking on (``check_vma=True``), whatever the algorithm.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import primitives
+from .._core.context import local_part
 from .._core.typing import AxisName, PyTree
 from .._core.vma import axis_names, to_varying, varying_axes
 from .checks import LossOutputError, float_params
@@ -26,6 +28,32 @@ from .sync.base import Strategy, specs_like
 # loss(params, model_state, batch, rng, step) -> (loss, (aux, new_model_state)), its output
 # already checked (the Trainer wraps the user's loss_fn or dp.Model into this form).
 StateLoss = Callable[..., tuple[jax.Array, tuple[dict[str, jax.Array], PyTree]]]
+
+
+class BatchSplit(NamedTuple):
+    """How the batch reaches each device: its examples split over ``axes`` (a mesh axis, a
+    tuple of them, or () for none), and, with a ``context`` axis of ``n_context`` devices,
+    every array with a sequence axis (its second) split along it in the load-balanced layout
+    (:mod:`jaxcoll._core.context`)."""
+
+    axes: AxisName
+    context: str | None = None
+    n_context: int = 1
+
+    @property
+    def spec(self) -> P:
+        """The batch's ``PartitionSpec`` as the step receives it (whole along the sequence:
+        each device takes its part inside the step, no communication)."""
+        return P(self.axes) if self.axes else P()
+
+    def part(self, batch: PyTree) -> PyTree:
+        """Per device, inside ``shard_map``: this device's part of its batch."""
+        context = self.context
+        if context is None:
+            return batch
+        return jax.tree_util.tree_map(
+            lambda x: local_part(x, context, self.n_context) if jnp.ndim(x) >= 2 else x, batch
+        )
 
 
 def local_grads(
@@ -219,6 +247,7 @@ def build_step(
     extra: Extra | None = None,
     skip_nonfinite: bool = False,
     model_axes: tuple = (),
+    split: BatchSplit | None = None,
 ):
     """The jitted step ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
 
@@ -235,7 +264,10 @@ def build_step(
     names = axis_names(axis)
     like = abstract(state.params)
 
+    split = BatchSplit(axis) if split is None else split
+
     def per_rank(params, model_state, comm_state, batch, step, rng):
+        batch = split.part(batch)
         rank = lax.axis_index(axis)
         key = jax.random.fold_in(jax.random.fold_in(rng, step), rank)
         grads, value, aux, model_state = local_grads(
@@ -260,7 +292,14 @@ def build_step(
     mapped = jax.shard_map(
         per_rank,
         mesh=strategy.mesh,
-        in_specs=(strategy.state_param_specs(state.params), P(), per_rank_spec, P(axis), P(), P()),
+        in_specs=(
+            strategy.state_param_specs(state.params),
+            P(),
+            per_rank_spec,
+            split.spec,
+            P(),
+            P(),
+        ),
         out_specs=(
             strategy.grad_specs(state.params),
             specs_like(state.model_state, P()),
@@ -301,7 +340,13 @@ def build_step(
     return jax.jit(step, donate_argnums=(0,) if donate else (), out_shardings=out)
 
 
-def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree, model_axes: tuple = ()):
+def build_eval(
+    loss: StateLoss,
+    strategy: Strategy,
+    params: PyTree,
+    model_axes: tuple = (),
+    split: BatchSplit | None = None,
+):
     """The jitted evaluation ``(params, model_state, step, batch) -> metrics`` (global means)
     for params shaped and placed like ``params``.
 
@@ -311,8 +356,10 @@ def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree, model_axes: 
     """
     axis = strategy.axis_name
     like = abstract(params)
+    split = BatchSplit(axis) if split is None else split
 
     def per_rank(params, model_state, step, batch):
+        batch = split.part(batch)
         of_held = strategy.loss_of_held(lambda p, ms, b: loss(p, ms, b, None, step), like)
         value, (aux, _) = of_held(to_varying(params, axis_names(axis)), model_state, batch)
         invariant_over(model_axes, value, aux)
@@ -322,7 +369,7 @@ def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree, model_axes: 
         jax.shard_map(
             per_rank,
             mesh=strategy.mesh,
-            in_specs=(strategy.state_param_specs(params), P(), P(), P(axis)),
+            in_specs=(strategy.state_param_specs(params), P(), P(), split.spec),
             out_specs=P(),
         )
     )

@@ -34,7 +34,7 @@ from .host import to_host
 from .layout import Layout, check_placed_specs, model_specs, unbox
 from .placement import first_state
 from .state import TrainState
-from .step import build_eval, build_step
+from .step import BatchSplit, build_eval, build_step
 from .step_loss import LossFn, check_optimizer, in_layout, step_loss
 from .sync import Strategy
 
@@ -158,7 +158,14 @@ class Trainer:
         self.optimizer = optimizer
         self.mesh = mesh
         self.axis_name = names[0] if len(names) == 1 else names
-        self.n = int(np.prod([mesh.shape[a] for a in names]))
+        context = layout.context_axis
+        examples = tuple(a for a in names if a != context)  # the batch's examples split
+        self._split = BatchSplit(
+            examples[0] if len(examples) == 1 else examples,
+            context,
+            1 if context is None else int(mesh.shape[context]),
+        )
+        self.n = int(np.prod([mesh.shape[a] for a in examples]))
         self.layout = layout
         self._loss = in_layout(loss, layout.binding())
         self.sync = sync.bind(optimizer, mesh, self.axis_name)
@@ -179,6 +186,18 @@ class Trainer:
 
     def _check_batch(self, batch: PyTree, api: str) -> None:
         size = leading_size(api, batch)
+        split = self._split
+        if split.context is not None:
+            parts = 2 * split.n_context
+            for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+                if np.ndim(x) >= 2 and np.shape(x)[1] % parts:
+                    raise ValueError(
+                        f"{api}: batch{jax.tree_util.keystr(path)} has a sequence of "
+                        f"{np.shape(x)[1]} (its second axis), which does not split into "
+                        f"{parts} equal chunks (2 for each of the {split.n_context} devices of "
+                        f"the context axis {split.context!r}); use a sequence length that is a "
+                        f"multiple of {parts}."
+                    )
         unit = self.n * (self.accum_steps if api == "Trainer.step" else 1)
         if size % unit:
             what = f"{self.n} devices" + (
@@ -194,11 +213,12 @@ class Trainer:
     @property
     def batch_sharding(self) -> NamedSharding:
         """Where a global batch goes: split along its leading axis over the data axes
-        (``P(axis_name)``), replicated over the model's axes. A data pipeline whose processes
-        each read only their rows places them with it
+        (``P(axis_name)``), replicated over the model's axes (and whole along the sequence
+        over a context axis: each device takes its part of it inside the step). A data
+        pipeline whose processes each read only their rows places them with it
         (``jax.make_array_from_process_local_data(trainer.batch_sharding, rows, shape)``,
         as :class:`~jaxcoll.dp.TokenBatches` does)."""
-        return self._sharding(P(self.axis_name))
+        return self._sharding(self._split.spec)
 
     def shard_batch(self, batch: PyTree, api: str = "Trainer.step") -> PyTree:
         """Place a global batch on the mesh, split along its leading axis; check its size.
@@ -340,6 +360,7 @@ class Trainer:
                 extra=self.extra,
                 skip_nonfinite=self.skip_nonfinite,
                 model_axes=self.layout.axes,
+                split=self._split,
             )
         return self._step_fns[key]
 
@@ -392,7 +413,7 @@ class Trainer:
         """
         check_state("Trainer.step_program", state)
         self._check_batch(batch, "Trainer.step")
-        batch_sharding = self._sharding(P(self.axis_name))
+        batch_sharding = self.batch_sharding
 
         def of_state(x):
             return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding)
@@ -427,7 +448,9 @@ class Trainer:
         check_state(api, state)
         self._check_model_specs(api, state.params)
         if self._eval_fn is None:
-            self._eval_fn = build_eval(self._loss, self.sync, state.params, self.layout.axes)
+            self._eval_fn = build_eval(
+                self._loss, self.sync, state.params, self.layout.axes, self._split
+            )
         eval_fn = self._eval_fn
         return loop.evaluate(
             lambda b: self._run(

@@ -80,6 +80,11 @@ class ParallelSelfAttention(linen.Module):
             q, k, v in that order, each head's ``hd`` columns together).
         out_kernel_init: the output projection's own initializer (None: ``kernel_init``),
             e.g. GPT-2's ``normal(0.02 / sqrt(2 * n_layer))`` for ``c_proj``.
+        context: how attention runs where the role ``"context"`` is bound (a ``dp.Layout``
+            with ``context=``: the input is this device's part of the sequence, in the
+            load-balanced layout): :class:`~jaxcoll.parallel.Ring` (ring attention) or
+            :class:`~jaxcoll.parallel.Ulysses` (heads divisible by the context axis, after
+            any tensor split); see :func:`~jaxcoll.parallel.context_attention`.
 
     Called as ``module.apply(variables, x, deterministic=True)`` with ``x`` of shape
     ``(..., S, d)``, it returns the output, ``(..., S, o)``.
@@ -118,6 +123,7 @@ class ParallelSelfAttention(linen.Module):
     param_dtype: Dtype = jnp.float32
     fused_qkv: bool = False
     out_kernel_init: Initializer | None = None
+    context: parallel.Ring | parallel.Ulysses = parallel.Ring()  # noqa: RUF009 - a frozen value
 
     @linen.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
@@ -193,6 +199,16 @@ class ParallelSelfAttention(linen.Module):
             return y.reshape(*y.shape[:-1], local_heads, head_dim)
 
         q, k, v = project(wq, bq), project(wk, bk), project(wv, bv)
+        if parallel.is_bound("context"):  # the sequence split over the layout's context axis
+            if self.dropout_rate > 0.0 and not deterministic:
+                raise ValueError(
+                    f"{api}: dropout of the attention weights is not supported with a context "
+                    f"axis (the weights are never whole on one device); pass dropout_rate=0."
+                )
+            o = parallel.context_attention(
+                q, k, v, "context", method=self.context, causal=self.causal
+            )
+            return self._out(o, wo, bo, local_heads * head_dim, out, ranks, axis, sp)
         logits = jnp.einsum("...qhk,...shk->...hqs", q / jnp.sqrt(head_dim).astype(q.dtype), k)
         seq = logits.shape[-1]
         if self.causal:
@@ -208,8 +224,12 @@ class ParallelSelfAttention(linen.Module):
                 self.dropout_rate,
             )
         o = jnp.einsum("...hqs,...shk->...qhk", probs, v)
-        o = o.reshape(*o.shape[:-2], local_heads * head_dim)
-        wo = wo.reshape(local_heads * head_dim, out)
+        return self._out(o, wo, bo, local_heads * head_dim, out, ranks, axis, sp)
+
+    def _out(self, o, wo, bo, width, out, ranks, axis, sp):
+        """The output projection of the heads' outputs ``o`` (..., S, h, hd)."""
+        o = o.reshape(*o.shape[:-2], width)
+        wo = wo.reshape(width, out)
         if ranks is None:  # dense: no collective
             y = o @ wo
             return y if bo is None else y + bo

@@ -30,6 +30,7 @@ from .context import Ring as Ring
 from .context import Ulysses as Ulysses
 from .context import context_attention as context_attention
 from .context import context_order as context_order
+from .context import context_part as context_part
 from .context import context_positions as context_positions
 from .context import from_context_layout as from_context_layout
 from .context import ring_blocks as ring_blocks
@@ -65,6 +66,7 @@ __all__ = [
     "combine",
     "context_attention",
     "context_order",
+    "context_part",
     "context_positions",
     "from_context_layout",
     "dispatch",

@@ -39,6 +39,9 @@ from jax import lax
 from .. import primitives
 from .._core import roles
 from .._core.axis import bound
+from .._core.context import context_order as context_order
+from .._core.context import local_part
+from .._core.context import positions as _positions
 from .._core.typing import AxisName
 from .._core.vma import to_varying, varying_axes
 
@@ -53,20 +56,6 @@ class Ring:
 class Ulysses:
     """DeepSpeed-Ulysses: all-to-all from the sequence split to a head split and back; the
     number of heads must divide by the axis size."""
-
-
-def context_order(length: int, n: int) -> np.ndarray:
-    """The global positions of the sequence in the load-balanced layout: the ``2n`` chunks
-    of ``length / 2n`` in the order ``0, 2n-1, 1, 2n-2, ...`` (rank ``r``'s part of a
-    contiguous split over ``n`` is chunks ``r`` and ``2n-1-r``)."""
-    if length % (2 * n):
-        raise ValueError(
-            f"parallel.context_order: a sequence of {length} does not split into {2 * n} "
-            f"equal chunks (2 per rank of {n}); pick a length divisible by {2 * n}."
-        )
-    c = length // (2 * n)
-    chunks = [j for r in range(n) for j in (r, 2 * n - 1 - r)]
-    return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks])
 
 
 def to_context_layout(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
@@ -88,6 +77,16 @@ def context_positions(local_length: int, axis_name: AxisName = "context") -> jax
         return jnp.arange(local_length)
     n = primitives.world_size(axis)
     return _positions(lax.axis_index(axis), n, local_length // 2)
+
+
+def context_part(x: jax.Array, axis_name: AxisName = "context", seq_axis: int = 1) -> jax.Array:
+    """This rank's part of ``x`` in the load-balanced layout, from ``x`` whole along
+    ``seq_axis`` on every rank (a batch of token ids, say); ``x`` itself where the axis is not
+    bound."""
+    axis = _bound_axis(axis_name)
+    if axis is None:
+        return x
+    return local_part(x, axis, primitives.world_size(axis), seq_axis)
 
 
 def context_attention(
@@ -171,12 +170,6 @@ def _bound_axis(axis_name: AxisName) -> Any:
     if axis is None or not bound("parallel.context_attention", axis):
         return None
     return axis
-
-
-def _positions(rank: jax.Array | int, n: int, c: int) -> jax.Array:
-    """The global positions of rank ``rank``'s two chunks of ``c`` tokens."""
-    i = jnp.arange(c)
-    return jnp.concatenate([rank * c + i, (2 * n - 1 - rank) * c + i])
 
 
 def _scores(q, k, scale):

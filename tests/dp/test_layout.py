@@ -423,3 +423,23 @@ def test_a_spec_written_as_a_bare_string_is_named_not_read_letter_by_letter():
         r"a tuple of axis names .*nn.with_partitioning\(init, \('tensor',\)\)",
     ):
         trainer.init(boxed, jax.random.key(0))
+
+
+def test_a_context_role_splits_the_sequence_and_averages_over_it():
+    # The mesh puts context between the data shards and tensor; the gradients are averaged
+    # over it as over a data axis, the batch's examples are not split over it, and a
+    # sequence that does not split into 2 chunks per device is refused by name.
+    layout = dp.Layout(shard=2, context=2, tensor=2)
+    assert layout.make_mesh().axis_names == ("shard", "context", "tensor")
+    assert layout.data_axes == ("shard", "context") and layout.batch_axes == ("shard",)
+    assert layout.binding().axes["context"] == "context"
+    assert dp.Layout(shard=8).binding().axes["context"] is None
+
+    def loss(w, batch, rng):
+        return jnp.mean((batch["x"] @ w) ** 2), {}
+
+    trainer = dp.Trainer(loss, optax.sgd(0.1), layout=dp.Layout(replicate=2, context=4))
+    assert trainer.n == 2 and trainer.batch_sharding.spec == P("replicate")
+    state = trainer.init(jnp.ones((3, 2)), jax.random.key(0))
+    with pytest.raises(ValueError, match=r"batch\['x'\] has a sequence of 6 .* 8 equal chunks"):
+        trainer.step(state, {"x": np.ones((4, 6, 3), np.float32)})

@@ -101,6 +101,17 @@ def test_the_layout_and_the_positions_agree():
         )
     )()
     assert np.array_equal(np.asarray(pos).reshape(-1), order)
+    # context_part: this rank's part of an array whole on every rank
+    x = np.arange(2 * S).reshape(2, S)
+    parts = jax.jit(
+        jax.shard_map(
+            lambda x: parallel.context_part(x, "context"),
+            mesh=mesh,
+            in_specs=P(),
+            out_specs=P(None, "context"),
+        )
+    )(x)
+    assert np.array_equal(np.asarray(parts), np.asarray(parallel.to_context_layout(x, n)))
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
