@@ -161,8 +161,7 @@ class ParallelSelfAttention(linen.Module):
                 self, "qkv", ranks, (d, 3) + bias_shape, 2, (3,) + bias_shape, 1,
                 split_arg="num_heads",
             )  # fmt: skip
-            qkv_params = [w[:, 0], None if b is None else b[0], w[:, 1]]
-            qkv_params += [None if b is None else b[1], w[:, 2], None if b is None else b[2]]
+            qkv_params = [w, b]
         else:
             qkv_params = [
                 p
@@ -184,7 +183,8 @@ class ParallelSelfAttention(linen.Module):
             kernel_init=self.out_kernel_init,
         )
         promoted = linen.dtypes.promote_dtype(x, *qkv_params, *wo_bo, dtype=self.dtype)
-        x, wq, bq, wk, bk, wv, bv, wo, bo = promoted
+        x, wo, bo = promoted[0], promoted[-2], promoted[-1]
+        qkv_params = list(promoted[1:-2])
         local_heads = heads // (ranks or 1)
 
         if sp:  # this rank's rows of the sequence -> the whole sequence
@@ -194,11 +194,20 @@ class ParallelSelfAttention(linen.Module):
             # of x here and then over the ranks in ONE all-reduce, not one per projection.
             x = cast_varying(x, (axis,))
 
-        def project(w: jax.Array, b: jax.Array | None) -> jax.Array:
-            y = parallel.column_parallel(x, w.reshape(d, -1), None if b is None else b.reshape(-1))
-            return y.reshape(*y.shape[:-1], local_heads, head_dim)
+        def project(w: jax.Array | None, b: jax.Array | None) -> jax.Array:
+            # Column-parallel (no communication), the kernel contracted in its own shape: a
+            # reshaped kernel would be a new value that a rematerialisation policy keeping
+            # everything but the gathered params (FSDP's) saves for every layer.
+            assert w is not None  # a kernel is always there (biases may not be)
+            y = jnp.tensordot(x, w, axes=1)
+            return y if b is None else y + b
 
-        q, k, v = project(wq, bq), project(wk, bk), project(wv, bv)
+        kernels, biases = qkv_params[0::2], qkv_params[1::2]
+        if self.fused_qkv:  # (..., S, 3, h, hd): one matmul for q, k and v
+            fused = project(kernels[0], biases[0])
+            q, k, v = fused[..., 0, :, :], fused[..., 1, :, :], fused[..., 2, :, :]
+        else:
+            q, k, v = (project(w, b) for w, b in zip(kernels, biases, strict=True))
         if parallel.is_bound("context"):  # the sequence split over the layout's context axis
             if self.dropout_rate > 0.0 and not deterministic:
                 raise ValueError(
@@ -208,7 +217,7 @@ class ParallelSelfAttention(linen.Module):
             o = parallel.context_attention(
                 q, k, v, "context", method=self.context, causal=self.causal
             )
-            return self._out(o, wo, bo, local_heads * head_dim, out, ranks, axis, sp)
+            return self._out(o, wo, bo, ranks, axis, sp)
         logits = jnp.einsum("...qhk,...shk->...hqs", q / jnp.sqrt(head_dim).astype(q.dtype), k)
         seq = logits.shape[-1]
         if self.causal:
@@ -224,19 +233,19 @@ class ParallelSelfAttention(linen.Module):
                 self.dropout_rate,
             )
         o = jnp.einsum("...hqs,...shk->...qhk", probs, v)
-        return self._out(o, wo, bo, local_heads * head_dim, out, ranks, axis, sp)
+        return self._out(o, wo, bo, ranks, axis, sp)
 
-    def _out(self, o, wo, bo, width, out, ranks, axis, sp):
-        """The output projection of the heads' outputs ``o`` (..., S, h, hd)."""
-        o = o.reshape(*o.shape[:-2], width)
-        wo = wo.reshape(width, out)
+    def _out(self, o, wo, bo, ranks, axis, sp):
+        """The output projection of the heads' outputs ``o`` (..., S, h, hd) by the kernel
+        ``wo`` (h, hd, out), contracted in their own shapes."""
         if ranks is None:  # dense: no collective
-            y = o @ wo
+            y = jnp.tensordot(o, wo, axes=2)
             return y if bo is None else y + bo
         if not sp:
             return parallel.row_parallel(o, wo, axis, bo)
+        # the sequence axis (-3 of o, -2 of the output) to the front, scattered, and back
         return _params.to_front(
-            parallel.row_parallel(_params.to_front(o), wo, axis, bo, scatter=True)
+            parallel.row_parallel(jnp.swapaxes(o, 0, -3), wo, axis, bo, scatter=True)
         )
 
 

@@ -42,13 +42,16 @@ def row_parallel(
 ) -> jax.Array:
     """``h @ W + b`` where ``h`` and ``w`` are this rank's slices along the contracted axis.
 
-    Each rank's partial product ``h @ w`` is summed over ``axis_name`` by one
-    :func:`~jaxcoll.primitives.all_reduce` (Megatron's "g"), or with ``scatter=True`` by one
-    :func:`~jaxcoll.primitives.reduce_scatter` of the leading (batch) axis, so each rank keeps
-    its 1/n of the rows (sequence parallelism). The bias is added once, after the reduction.
+    ``w`` may contract several axes: its all but last axes with ``h``'s last ones
+    (``jnp.tensordot(h, w, axes=w.ndim - 1)``; an attention output ``(..., S, h, hd)`` by a
+    kernel ``(h, hd, d)``), so no kernel needs a reshape. Each rank's partial product is
+    summed over ``axis_name`` by one :func:`~jaxcoll.primitives.all_reduce` (Megatron's
+    "g"), or with ``scatter=True`` by one :func:`~jaxcoll.primitives.reduce_scatter` of the
+    leading (batch) axis, so each rank keeps its 1/n of the rows (sequence parallelism). The
+    bias is added once, after the reduction.
     """
     axis_name = roles.axis(axis_name)
-    partial = h @ w
+    partial = h @ w if jnp.ndim(w) == 2 else jnp.tensordot(h, w, axes=jnp.ndim(w) - 1)
     if scatter:
         y = primitives.reduce_scatter(partial, axis_name, scatter_dimension=0, tiled=True)
     else:
