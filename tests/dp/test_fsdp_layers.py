@@ -241,16 +241,17 @@ def _elements(tensor_type: str) -> int:
 
 
 def test_the_scan_gathers_one_layer_at_a_time():
-    # The stacked leaves are gathered one layer at a time (w and b of one layer, D*D + D
-    # floats, packed in one buffer), never whole (4 layers), and each layer's gradient is
-    # reduce-scattered alone; per leaf with bucket_mb=None.
+    # The stacked leaves are gathered one layer at a time (one layer's w, D*D floats, in a
+    # buffer of its own, as a block's matrices are: a packed buffer would be copied out of;
+    # its b, D floats, with the other vectors), never whole (4 layers), and each layer's
+    # gradient is reduce-scattered alone; per leaf with bucket_mb=None.
     rng = np.random.default_rng(0)
     params = {
         "w": jnp.asarray(rng.normal(size=(4, D, D)) * 0.1, jnp.float32),
         "b": jnp.zeros((4, D), jnp.float32),
     }
     batch = {"x": np.ones((N, D), np.float32), "y": np.zeros((N, D), np.float32)}
-    for bucket_mb, sizes in ((25.0, {D * D + D}), (None, {D * D, D})):
+    for bucket_mb, sizes in ((25.0, {D * D, D}), (None, {D * D, D})):
         sync = dp.sync.FSDP(bucket_mb=bucket_mb)
         trainer = dp.Trainer(_deep_loss, optax.sgd(0.1), mesh=mesh_1d(N, "data"), sync=sync)
         state = trainer.init(params, jax.random.key(1))
