@@ -131,9 +131,8 @@ for n in [int(d) for d in args.degrees.split(",")]:
         if name == "ring":
             bounds.append((n, ratio))
     a, t = measure_gspmd(n)
-    print(
-        f"| context {n}, GSPMD (sequence sharded, constrained) | {a:.2f} | {t:.2f} | {t / (temp0 / n):.2f}x |"
-    )
+    row = f"context {n}, GSPMD (sequence sharded, constrained)"
+    print(f"| {row} | {a:.2f} | {t:.2f} | {t / (temp0 / n):.2f}x |")
 print()
 for n, ratio in bounds:
     verdict = "holds" if ratio <= 1.25 else "MISSED"
