@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -21,6 +22,7 @@ from .._core.context import local_part
 from .._core.typing import AxisName, PyTree
 from .._core.vma import axis_names, to_varying, varying_axes
 from .checks import LossOutputError, float_params
+from .data import leading_size
 from .extra import Extra
 from .state import TrainState
 from .sync.base import Strategy, specs_like
@@ -45,6 +47,31 @@ class BatchSplit(NamedTuple):
         """The batch's ``PartitionSpec`` as the step receives it (whole along the sequence:
         each device takes its part inside the step, no communication)."""
         return P(self.axes) if self.axes else P()
+
+    def check(self, api: str, batch: PyTree, n: int, accum: int) -> None:
+        """Raise ValueError, naming ``api``, if ``batch``'s examples do not split evenly over
+        ``n`` devices times ``accum`` micro-batches, or a sequence over the context axis."""
+        size = leading_size(api, batch)
+        if self.context is not None:
+            parts = 2 * self.n_context
+            for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+                if np.ndim(x) >= 2 and np.shape(x)[1] % parts:
+                    raise ValueError(
+                        f"{api}: batch{jax.tree_util.keystr(path)} has a sequence of "
+                        f"{np.shape(x)[1]} (its second axis), which does not split into "
+                        f"{parts} equal chunks (2 for each of the {self.n_context} devices of "
+                        f"the context axis {self.context!r}); use a sequence length that is a "
+                        f"multiple of {parts}."
+                    )
+        unit = n * accum
+        if size % unit:
+            what = f"{n} devices" + (f" x accum_steps={accum}" if accum != 1 else "")
+            raise ValueError(
+                f"{api}: the global batch has {size} examples, which does not split evenly over "
+                f"{what} (a multiple of {unit} is needed); an uneven split would bias the "
+                f"gradient mean. Drop the short batch (dp.Batches(..., drop_last=True)) or use a "
+                f"batch size that is a multiple of {unit}."
+            )
 
     def part(self, batch: PyTree) -> PyTree:
         """Per device, inside ``shard_map``: this device's part of its batch."""

@@ -28,7 +28,7 @@ from .checks import (
     float_params,
     unbound_axis,
 )
-from .data import Batches, leading_size
+from .data import Batches
 from .extra import Extra
 from .host import to_host
 from .layout import Layout, check_placed_specs, model_specs, unbox
@@ -185,30 +185,8 @@ class Trainer:
         return NamedSharding(self.mesh, spec)
 
     def _check_batch(self, batch: PyTree, api: str) -> None:
-        size = leading_size(api, batch)
-        split = self._split
-        if split.context is not None:
-            parts = 2 * split.n_context
-            for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-                if np.ndim(x) >= 2 and np.shape(x)[1] % parts:
-                    raise ValueError(
-                        f"{api}: batch{jax.tree_util.keystr(path)} has a sequence of "
-                        f"{np.shape(x)[1]} (its second axis), which does not split into "
-                        f"{parts} equal chunks (2 for each of the {split.n_context} devices of "
-                        f"the context axis {split.context!r}); use a sequence length that is a "
-                        f"multiple of {parts}."
-                    )
-        unit = self.n * (self.accum_steps if api == "Trainer.step" else 1)
-        if size % unit:
-            what = f"{self.n} devices" + (
-                f" x accum_steps={self.accum_steps}" if unit != self.n else ""
-            )
-            raise ValueError(
-                f"{api}: the global batch has {size} examples, which does not split evenly over "
-                f"{what} (a multiple of {unit} is needed); an uneven split would bias the "
-                f"gradient mean. Drop the short batch (dp.Batches(..., drop_last=True)) or use a "
-                f"batch size that is a multiple of {unit}."
-            )
+        accum = self.accum_steps if api == "Trainer.step" else 1
+        self._split.check(api, batch, self.n, accum)
 
     @property
     def batch_sharding(self) -> NamedSharding:
