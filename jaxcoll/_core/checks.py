@@ -26,11 +26,18 @@ def check_static_int(api: str, argname: str, value: Any) -> int:
     return operator.index(value)
 
 
-def check_optional(api: str, argname: str, value: Any, cls: type, what: str) -> None:
+def check_optional(api: str, argname: str, value: Any, cls: Any, what: str) -> None:
     """``value`` must be an instance of ``cls`` (spelled ``what`` in the message) or None."""
-    if value is not None and not isinstance(value, cls):
+    if value is not None:
+        check_instance(api, argname, value, cls, f"{what} or None")
+
+
+def check_instance(api: str, argname: str, value: Any, cls: Any, what: str) -> None:
+    """``value`` must be an instance of ``cls`` (a type or a tuple of types), spelled
+    ``what`` in the message."""
+    if not isinstance(value, cls):
         raise TypeError(
-            f"{api}: {argname} must be {what} or None, got {value!r} of type "
+            f"{api}: {argname} must be {what}, got {value!r} of type "
             f"{type(value).__name__} instead."
         )
 

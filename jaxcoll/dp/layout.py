@@ -60,6 +60,16 @@ def _role_value(name: str, value: Any) -> None:
         )
 
 
+def _role_axis(role: str) -> Any:
+    """The property of a layout that is the mesh axis of ``role``, or None."""
+
+    def axis(self: Layout) -> str | None:
+        return next(iter(self._names(role)), None)
+
+    axis.__doc__ = f"The mesh axis of the {role} role, or None."
+    return property(axis)
+
+
 @dataclass(frozen=True, repr=False)
 class Layout:
     """Every role of the mesh in one value: data replicas, data shards, tensor, pipeline.
@@ -212,25 +222,10 @@ class Layout:
             del out["shard"]
         return out
 
-    @property
-    def tensor_axis(self) -> str | None:
-        """The mesh axis of the tensor role, or None."""
-        return next(iter(self._names("tensor")), None)
-
-    @property
-    def pipeline_axis(self) -> str | None:
-        """The mesh axis of the pipeline role, or None."""
-        return next(iter(self._names("pipeline")), None)
-
-    @property
-    def shard_axis(self) -> str | None:
-        """The mesh axis of the data shards, or None."""
-        return next(iter(self._names("shard")), None)
-
-    @property
-    def context_axis(self) -> str | None:
-        """The mesh axis of the context role (the sequence split), or None."""
-        return next(iter(self._names("context")), None)
+    tensor_axis = _role_axis("tensor")
+    pipeline_axis = _role_axis("pipeline")
+    shard_axis = _role_axis("shard")
+    context_axis = _role_axis("context")
 
     @property
     def data_axes(self) -> tuple[str, ...]:

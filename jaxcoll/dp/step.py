@@ -65,12 +65,13 @@ class BatchSplit(NamedTuple):
                     )
         unit = n * accum
         if size % unit:
-            what = f"{n} devices" + (f" x accum_steps={accum}" if accum != 1 else "")
+            over = [f"{n} devices"] + [f"accum_steps={accum}"] * (accum != 1)
+            why = "an uneven split would bias the gradient mean"
+            fix = "Drop the short batch (dp.Batches(..., drop_last=True)) or use a batch size"
             raise ValueError(
                 f"{api}: the global batch has {size} examples, which does not split evenly over "
-                f"{what} (a multiple of {unit} is needed); an uneven split would bias the "
-                f"gradient mean. Drop the short batch (dp.Batches(..., drop_last=True)) or use a "
-                f"batch size that is a multiple of {unit}."
+                f"{' x '.join(over)} (a multiple of {unit} is needed); {why}. {fix} that is a "
+                f"multiple of {unit}."
             )
 
     def part(self, batch: PyTree) -> PyTree:

@@ -39,6 +39,7 @@ from jax import lax
 from .. import primitives
 from .._core import roles
 from .._core.axis import bound
+from .._core.checks import check_instance
 from .._core.context import context_order as context_order
 from .._core.context import local_part
 from .._core.context import positions as _positions
@@ -131,10 +132,7 @@ def context_attention(
             f"{api}: q, k and v must have one shape (..., S_local, H, D), got {q.shape}, "
             f"{k.shape} and {v.shape}."
         )
-    if not isinstance(method, (Ring, Ulysses)):
-        raise TypeError(
-            f"{api}: method must be parallel.Ring() or parallel.Ulysses(), got {method!r}."
-        )
+    check_instance(api, "method", method, (Ring, Ulysses), "parallel.Ring() or parallel.Ulysses()")
     scale = float(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
     axis = _bound_axis(axis_name)
     if axis is None:
