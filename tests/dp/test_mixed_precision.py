@@ -178,7 +178,7 @@ def test_fsdp_in_bf16_trains_as_one_device_with_the_same_casts(opt):
     [
         ({"param_dtype": jnp.int8}, TypeError, r"param_dtype must be a floating dtype"),
         ({"reduce_dtype": "int32"}, TypeError, r"reduce_dtype must be a floating dtype"),
-        ({"cast_forward_inputs": 1}, TypeError, r"cast_forward_inputs must be True or False"),
+        ({"cast_batch": 1}, TypeError, r"cast_batch must be True or False"),
     ],
 )
 def test_the_policy_checks_its_fields(kwargs, error, message):

@@ -33,8 +33,8 @@ def _floating(name: str, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """What the strategy casts, and where (torch FSDP2's ``MixedPrecisionPolicy``, same
-    fields, same defaults).
+    """What the strategy casts, and where (torch FSDP2's ``MixedPrecisionPolicy``:
+    ``param_dtype`` and ``reduce_dtype`` with torch's meaning and defaults).
 
     * ``param_dtype``: the dtype the loss computes with. Every floating param is cast to it
       on its way to the loss: FSDP and HSDP cast each device's *slice* before the
@@ -46,9 +46,12 @@ class MixedPrecisionPolicy:
       (torch's default), or the gradients' own dtype when that is None too. With
       ``param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32`` the synchronised gradient is
       the fp32 mean of the per-device bfloat16 gradients.
-    * ``cast_forward_inputs``: cast the floating leaves of the batch to ``param_dtype``
-      too, so the model computes in it (JAX promotes a bfloat16 weight times an fp32 input
-      to fp32). Integer inputs (token ids) are never cast.
+    * ``cast_batch``: cast the floating leaves of the batch to ``param_dtype`` too, so the
+      model computes in it (JAX promotes a bfloat16 weight times an fp32 input to fp32).
+      Integer inputs (token ids) are never cast. Not torch's ``cast_forward_inputs``, hence
+      its own name: the batch is what the whole loss takes, so floating *targets* are cast
+      as well (torch casts the module's inputs, and its loss sees fp32 targets); pass
+      ``cast_batch=False`` and cast the inputs in the model to keep fp32 targets.
 
     The params, the update and the optimizer state stay in the params' own dtype (fp32
     master weights). A strategy takes a policy or a communication ``hook``, not both: both
@@ -64,16 +67,15 @@ class MixedPrecisionPolicy:
 
     param_dtype: DTypeLike | None = None
     reduce_dtype: DTypeLike | None = None
-    cast_forward_inputs: bool = True
+    cast_batch: bool = True
 
     def __post_init__(self) -> None:
         api = "dp.MixedPrecisionPolicy"
         object.__setattr__(self, "param_dtype", _floating("param_dtype", self.param_dtype))
         object.__setattr__(self, "reduce_dtype", _floating("reduce_dtype", self.reduce_dtype))
-        if not isinstance(self.cast_forward_inputs, bool):
+        if not isinstance(self.cast_batch, bool):
             raise TypeError(
-                f"{api}: cast_forward_inputs must be True or False, got "
-                f"{self.cast_forward_inputs!r} instead."
+                f"{api}: cast_batch must be True or False, got {self.cast_batch!r} instead."
             )
 
     @property
@@ -98,11 +100,11 @@ class MixedPrecisionPolicy:
 
     def compute(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn(params, model_state, batch, *rest)`` with the params cast to ``param_dtype``
-        (the leaves not yet in it) and, with ``cast_forward_inputs``, the batch's floating
+        (the leaves not yet in it) and, with ``cast_batch``, the batch's floating
         leaves too."""
         if self.param_dtype is None:
             return fn
-        inputs = self.cast_forward_inputs
+        inputs = self.cast_batch
 
         def cast_fn(params: PyTree, model_state: PyTree, batch: PyTree, *rest: Any) -> Any:
             return fn(self.cast(params), model_state, self.cast(batch) if inputs else batch, *rest)
