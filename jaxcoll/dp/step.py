@@ -54,6 +54,20 @@ class BatchSplit(NamedTuple):
         size = leading_size(api, batch)
         if self.context is not None:
             parts = 2 * self.n_context
+            seqs = {
+                jax.tree_util.keystr(path): np.shape(x)[1]
+                for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+                if np.ndim(x) >= 2
+            }
+            if len(set(seqs.values())) > 1:
+                raise ValueError(
+                    f"{api}: with the context axis {self.context!r} every array of the batch "
+                    f"with two axes or more is a sequence along its second, split over that "
+                    f"axis; these differ in length: "
+                    + ", ".join(f"batch{k}: {v}" for k, v in seqs.items())
+                    + ". Give per-example features one axis (or as many positions as the "
+                    "sequence), or a layout without context."
+                )
             for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
                 if np.ndim(x) >= 2 and np.shape(x)[1] % parts:
                     raise ValueError(

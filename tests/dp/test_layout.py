@@ -443,3 +443,6 @@ def test_a_context_role_splits_the_sequence_and_averages_over_it():
     state = trainer.init(jnp.ones((3, 2)), jax.random.key(0))
     with pytest.raises(ValueError, match=r"batch\['x'\] has a sequence of 6 .* 8 equal chunks"):
         trainer.step(state, {"x": np.ones((4, 6, 3), np.float32)})
+    # a (batch, features) array beside the sequences would be cut along its features
+    with pytest.raises(ValueError, match=r"these differ in length: batch\['f'\]: 3, batch\['x'\]"):
+        trainer.step(state, {"x": np.ones((4, 8, 3), np.float32), "f": np.ones((4, 3))})
