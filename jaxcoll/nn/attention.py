@@ -209,6 +209,12 @@ class ParallelSelfAttention(linen.Module):
         else:
             q, k, v = (project(w, b) for w, b in zip(kernels, biases, strict=True))
         if parallel.is_bound("context"):  # the sequence split over the layout's context axis
+            if sp:
+                raise ValueError(
+                    f"{api}: sequence_parallel=True splits the sequence over the tensor axis, "
+                    f"and the layout's context axis splits it already; pass "
+                    f"sequence_parallel=False with a context axis."
+                )
             if self.dropout_rate > 0.0 and not deterministic:
                 raise ValueError(
                     f"{api}: dropout of the attention weights is not supported with a context "

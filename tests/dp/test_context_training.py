@@ -105,3 +105,38 @@ def test_context_layouts_train_as_one_device(name, reference):
             reference[copy],
         )
         assert max(jax.tree.leaves(diffs)) <= 1e-5, (copy, diffs)
+
+
+class _Unsupported(nn.Module):
+    sequence_parallel: bool = False
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        h = nn.Embed(VOCAB, WIDTH)(x)
+        attn = pnn.ParallelSelfAttention(
+            HEADS, use_bias=False, sequence_parallel=self.sequence_parallel,
+            dropout_rate=self.dropout,
+        )  # fmt: skip
+        return attn(h, deterministic=not train)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"sequence_parallel": True}, r"sequence_parallel=True splits the sequence"),
+        ({"dropout": 0.1}, r"dropout of the attention weights is not supported with a context"),
+    ],
+)
+def test_what_context_attention_does_not_do_is_refused(kwargs, match):
+    model = _Unsupported(**kwargs)
+    params = model.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))["params"]
+
+    def loss(p, batch, rng):
+        out = model.apply({"params": p}, batch["x"], train=True, rngs={"dropout": rng})
+        return jnp.mean(out**2), {}
+
+    trainer = dp.Trainer(loss, optax.sgd(0.1), layout=dp.Layout(replicate=2, context=2, tensor=2))
+    state = trainer.init(params, jax.random.key(0))
+    with pytest.raises(ValueError, match=match):
+        trainer.step(state, _batches()[0])
