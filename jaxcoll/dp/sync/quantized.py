@@ -11,9 +11,10 @@ gradients reduce-scattered in 8 bits with a float32 scale per block of elements.
 * **Gradients** (qgZ): each device's local gradient (divided by n) is cut into the n parts
   the ranks own, each part quantized per block to ``grads``, sent by one all-to-all (each
   rank receives the n quantized copies of its own part), dequantized and summed in float32.
-  One quantization per step, rounded to nearest, so the error is one 8-bit rounding of each
-  rank's share, not a sum of roundings; it is not fed back (an error buffer would be a whole
-  fp32 gradient per device, the memory FSDP exists to save).
+  Each rank's share is quantized once, rounded to nearest, and the sum is taken in float32
+  and never quantized again (a ring of 8-bit partial sums would round at every hop); the
+  rounding is not fed back (an error buffer would be a whole fp32 gradient per device, the
+  memory FSDP exists to save).
 
 Each leaf's rows are padded to whole blocks on their own, so a block never mixes two leaves;
 the leaves of a bucket travel in one collective (the payload and the scales one each).
