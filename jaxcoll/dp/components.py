@@ -174,7 +174,10 @@ class Profile(Component):
     Perfetto (:func:`~jaxcoll.dp.plot_trace` draws its timeline).
 
     The trace starts before step ``start`` is dispatched and stops once step ``stop - 1``
-    has finished (the loop waits for it: the trace holds the profiled steps whole).
+    has finished (the loop waits for it: the trace holds the profiled steps whole). It holds
+    the runtime's and the devices' events, not the Python tracer's function calls
+    (``python_tracer_level=0``): those hooks, on every thread of the process, made
+    ``stop_trace`` end the process with a fatal error now and then.
 
     Args:
         directory: where the trace goes (created if missing).
@@ -209,7 +212,12 @@ class Profile(Component):
 
     def before_step(self, loop: Loop, step: int) -> None:
         if not self.tracing and self.begin <= step < self.stop:
-            jax.profiler.start_trace(self.directory)
+            # Without the Python tracer: it hooks every thread of the process (the loop's,
+            # a TensorBoard writer's, the watchdog's), and its stop_trace ended the process
+            # with a fatal error now and then; the device and runtime events are all traced.
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = 0
+            jax.profiler.start_trace(self.directory, profiler_options=options)
             self.tracing = True
 
     def after_step(self, loop: Loop, step: int) -> None:
