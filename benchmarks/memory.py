@@ -132,6 +132,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import plain_step  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -341,17 +342,7 @@ def _row_gspmd(params, loss_fn, batch, stacked, opt, mesh):
     b_sh = NamedSharding(mesh, P("fsdp"))
     rep = NamedSharding(mesh, P())
 
-    def step(params, opt_state, batch):
-        loss, g = jax.value_and_grad(lambda p: loss_fn(p, batch)[0])(params)
-        updates, opt_state = opt.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    step = jax.jit(
-        step,
-        in_shardings=(p_sh, o_sh, b_sh),
-        out_shardings=(p_sh, o_sh, rep),
-        donate_argnums=(0, 1),
-    )
+    step = plain_step.jit_step(loss_fn, opt, p_sh, o_sh, b_sh, rep)
     placed_params = jax.device_put(params, p_sh)
     opt_state = jax.jit(opt.init, out_shardings=o_sh)(placed_params)
     placed = jax.device_put(batch, b_sh)

@@ -65,6 +65,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import plain_step  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -164,16 +165,8 @@ def gspmd(params, batch, competent: bool):
     )
     p_sh, o_sh = named(specs), named(o_specs)
 
-    def step(params, opt_state, batch):
-        loss, g = jax.value_and_grad(lambda p: loss_fn(p, batch)[0])(params)
-        updates, opt_state = opt.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    step = jax.jit(
-        step,
-        in_shardings=(p_sh, o_sh, NamedSharding(mesh, P("data"))),
-        out_shardings=(p_sh, o_sh, NamedSharding(mesh, P())),
-        donate_argnums=(0, 1),
+    step = plain_step.jit_step(
+        loss_fn, opt, p_sh, o_sh, NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     )
     abstract = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
