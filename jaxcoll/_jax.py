@@ -69,6 +69,7 @@ from jax.extend.core import ClosedJaxpr as ClosedJaxpr
 from jax.extend.core import Jaxpr as Jaxpr
 from jax.extend.core import Literal as Literal
 from jax.extend.core import Primitive as Primitive
+from jax.interpreters.ad import Zero as Zero
 from jax.interpreters.ad import deflinear2 as deflinear2
 from jax.interpreters.ad import instantiate_zeros as instantiate_zeros
 from jax.interpreters.ad import primitive_jvps as primitive_jvps
@@ -97,6 +98,7 @@ __all__ = [
     "deflinear2",
     "distributed_state",
     "fancy_primitive_batchers",
+    "Zero",
     "instantiate_zeros",
     "jaxpr_parts",
     "lower_fun",

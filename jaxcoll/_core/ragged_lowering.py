@@ -16,6 +16,7 @@ from jax import lax
 
 from .._jax import (
     Primitive,
+    Zero,
     instantiate_zeros,
     primitive_batchers,
     primitive_jvps,
@@ -26,13 +27,6 @@ from .lowering import all_gather, register_gpu_or_portable, staged
 from .vma import ensure_varying
 
 
-def _column(v: jax.Array, ax: Axis) -> jax.Array:
-    """Entry j of the result is entry ``rank`` of rank j's ``v``: a transpose of the ranks'
-    small int vectors, done as one all_gather of n*n ints (XLA:CPU compiles an all-gather
-    about ten times faster than an all-to-all)."""
-    return all_gather(v, ax)[:, ax.rank()]
-
-
 @staged(1, 2, 3)
 def ragged_plan(send: jax.Array, ax: Axis, m: int, out_size: int) -> tuple[jax.Array, ...]:
     """The offsets and sizes of a packed ragged all_to_all, clipped to what fits.
@@ -41,8 +35,10 @@ def ragged_plan(send: jax.Array, ax: Axis, m: int, out_size: int) -> tuple[jax.A
     (negative sizes count as 0, rows past ``m`` are not sent); each receiver packs what it
     gets in sender order into ``out_size`` rows and drops what does not fit. One all_gather
     of every rank's sizes (n*n int32) lets each rank work out the whole exchange. Returns
-    ``(in_off, send, out_off, recv, recv_off)``: lax.ragged_all_to_all's four operands
-    (``out_off[j]``: where my rows land on rank j) plus where each sender's rows land here.
+    ``(in_off, send, out_off, recv, recv_off, back_off)``: lax.ragged_all_to_all's four
+    operands (``out_off[j]``: where my rows land on rank j), where each sender's rows land
+    here, and where the rows I received from rank j came from in its buffer (``back_off[j]``:
+    where they land when sent back, :func:`reverse`), all from the one exchange of sizes.
     """
     end = jnp.minimum(jnp.cumsum(jnp.maximum(send.astype(jnp.int32), 0)), m)
     in_off = jnp.concatenate([jnp.zeros((1,), jnp.int32), end[:-1]])
@@ -50,7 +46,16 @@ def ragged_plan(send: jax.Array, ax: Axis, m: int, out_size: int) -> tuple[jax.A
     off = jnp.minimum(jnp.cumsum(sizes, axis=1) - sizes, out_size)
     kept = jnp.minimum(jnp.cumsum(sizes, axis=1), out_size) - off
     r = ax.rank()
-    return in_off, kept[:, r], off[:, r], kept[r], off[r]
+    back = jnp.cumsum(sizes, axis=0) - sizes  # back[r, j]: rank j's in_off for rank r
+    return in_off, kept[:, r], off[:, r], kept[r], off[r], back[r]
+
+
+def reverse(plan: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """The plan that sends every received row back to where it came from (the transpose's),
+    with no exchange: each rank returns what it kept, in sender order, into the sender's
+    buffer at the rows it was sent from."""
+    in_off, send, out_off, recv, recv_off, back_off = plan
+    return recv_off, recv, back_off, send, in_off, out_off
 
 
 def _to_bytes(x: jax.Array) -> jax.Array:
@@ -81,7 +86,7 @@ def _packed(lowering_fn):
     """Run a one-buffer lowering on every leaf at once: leaves as bytes, side by side."""
 
     def run(*args, ax, out_size, count):
-        leaves, plan = args[:count], args[count:]
+        leaves, plan = args[:count], args[count : count + 5]
         flat = [_to_bytes(leaf) for leaf in leaves]
         widths = [f.shape[1] for f in flat]
         moved = lowering_fn(jnp.concatenate(flat, axis=1), *plan, ax=ax, out_size=out_size)
@@ -140,25 +145,24 @@ register_gpu_or_portable(
 
 def _ragged_jvp(primals, tangents, *, ax, out_size, count):
     out = ragged_p.bind(*primals, ax=ax, out_size=out_size, count=count)
-    ts = [instantiate_zeros(t) for t in tangents[:count]]
-    return out, ragged_p.bind(*ts, *primals[count:], ax=ax, out_size=out_size, count=count)
+    # Only the float leaves have tangents (an int leaf beside them, an MoE's expert ids,
+    # has float0 ones): they move alone, the others' tangents are symbolic zeros.
+    diff = [i for i in range(count) if jnp.issubdtype(primals[i].dtype, jnp.inexact)]
+    ts = [instantiate_zeros(tangents[i]) for i in diff]
+    moved = (
+        ragged_p.bind(*ts, *primals[count:], ax=ax, out_size=out_size, count=len(ts)) if ts else []
+    )
+    out_t: list[Any] = [Zero(jax.typeof(o).to_tangent_aval()) for o in out]
+    for i, t in zip(diff, moved, strict=True):
+        out_t[i] = t
+    return out, out_t
 
 
 def _ragged_transpose(cts, *args, ax, out_size, count):
-    leaves, (in_off, send, _, recv, recv_off) = args[:count], args[count:]
+    leaves, plan = args[:count], args[count:]
     cts = [ensure_varying(instantiate_zeros(ct), ax) for ct in cts]
-    back = ragged_p.bind(
-        *cts,
-        recv_off,
-        recv,
-        _column(in_off, ax),
-        send,
-        in_off,
-        ax=ax,
-        out_size=leaves[0].aval.shape[0],
-        count=count,
-    )
-    return [*back, None, None, None, None, None]
+    back = ragged_p.bind(*cts, *reverse(plan), ax=ax, out_size=leaves[0].aval.shape[0], count=count)
+    return [*back, *([None] * len(plan))]
 
 
 def _ragged_batcher(vals, dims, *, ax, out_size, count):
@@ -194,5 +198,5 @@ def ragged_all_to_all(
     leaves = [ensure_varying(leaf, ax) for leaf in leaves]
     plan = tuple(ensure_varying(p, ax) for p in plan)
     if ax.vmapped:  # per leaf: jax differentiates this path itself, and bitcasts have no grad
-        return [_ragged_padded(leaf, *plan, ax=ax, out_size=out_size) for leaf in leaves]
+        return [_ragged_padded(leaf, *plan[:5], ax=ax, out_size=out_size) for leaf in leaves]
     return ragged_p.bind(*leaves, *plan, ax=ax, out_size=out_size, count=len(leaves))

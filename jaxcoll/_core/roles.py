@@ -33,6 +33,7 @@ LOGICAL_AXES: Mapping[str, str | None] = {
     "kv": None,  # a head's width
     "length": None,  # the sequence
     "layers": "pipeline",  # blocks stacked on a leading axis
+    "experts": "expert",  # a mixture's experts (over the data-shard devices they borrow)
 }
 
 

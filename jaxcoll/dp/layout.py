@@ -145,12 +145,14 @@ class Layout:
     schedule: Any = None
     rules: Any = None
     context: int | str | None = None
+    expert: int | str | None = None
 
     def __post_init__(self) -> None:
         values = {r: getattr(self, r) for r in ROLES}
         for name, value in values.items():
             _role_value(name, value)
-        kinds = {isinstance(v, int) for v in values.values() if v is not None}
+        _role_value("expert", self.expert)
+        kinds = {isinstance(v, int) for v in (*values.values(), self.expert) if v is not None}
         if len(kinds) > 1:
             raise ValueError(
                 f"dp.Layout: {self._shown()} mixes degrees (ints) and mesh axis names "
@@ -167,6 +169,7 @@ class Layout:
                 f"dp.Layout: {self._shown()} names one mesh axis for two roles; give each "
                 f"role its own axis."
             )
+        self._check_expert()
         if self.schedule is not None and not hasattr(self.schedule, "bubble_fraction"):
             raise TypeError(
                 f"dp.Layout: schedule must be a pipeline schedule value (parallel.GPipe(M), "
@@ -180,15 +183,44 @@ class Layout:
             )
         rules = dict(self.rules or {})
         for key, role in rules.items():
-            if not isinstance(key, str) or role not in roles.MODEL_ROLES + (None,):
+            if not isinstance(key, str) or role not in roles.MODEL_ROLES + ("expert", None):
                 raise ValueError(
                     f"dp.Layout: rules[{key!r}] = {role!r}; rules map a logical axis (a "
-                    f"string) to a role: one of {roles.MODEL_ROLES} or None (kept whole)."
+                    f"string) to a role: one of {roles.MODEL_ROLES + ('expert',)} or None "
+                    f"(kept whole)."
                 )
         object.__setattr__(self, "rules", tuple(sorted(rules.items())))
 
+    def _check_expert(self) -> None:
+        """The expert role borrows a data role's devices: the shards' (the replicas' where
+        there are no shards), at that role's degree."""
+        e = self.expert
+        if e is None:
+            return
+        lender = "shard" if self.shard not in (None, 1) else "replicate"
+        if isinstance(e, int):
+            given = getattr(self, lender)
+            if (
+                e == -1
+                or (isinstance(given, int) and given not in (-1, e))
+                or (given is None and lender == "shard")
+            ):
+                raise ValueError(
+                    f"dp.Layout: {self._shown()}: the expert role borrows the devices of "
+                    f"the data shards (or of the replicas, without shards), so its degree "
+                    f"is theirs; give expert={given!r}, or shard=<experts' degree> with "
+                    f"replicate= the rest (Layout(replicate=2, shard=4, expert=4))."
+                )
+        elif isinstance(e, tuple) or e not in self._names("shard") + self._names("replicate"):
+            raise ValueError(
+                f"dp.Layout: {self._shown()}: expert={e!r} must name the axis of the data "
+                f"shards (or of the replicas, without shards): the experts borrow its "
+                f"devices, each holding its own experts and its own tokens."
+            )
+
     def _shown(self) -> str:
-        given = [f"{r}={getattr(self, r)!r}" for r in ROLES if getattr(self, r) is not None]
+        roles_ = (*ROLES, "expert")
+        given = [f"{r}={getattr(self, r)!r}" for r in roles_ if getattr(self, r) is not None]
         return "Layout(" + ", ".join(given) + ")"
 
     def __repr__(self) -> str:
@@ -200,9 +232,12 @@ class Layout:
     @property
     def by_degree(self) -> bool:
         """True when the roles are degrees (the layout builds its mesh)."""
-        return any(isinstance(getattr(self, r), int) for r in ROLES)
+        return any(isinstance(getattr(self, r), int) for r in (*ROLES, "expert"))
 
     def _names(self, role: str) -> tuple[str, ...]:
+        if role == "expert" and self.expert is not None and self.by_degree:
+            degrees = self._degrees()
+            return ("shard",) if "shard" in degrees else ("replicate",)
         if self.by_degree:
             return (role,) if role in self._degrees() else ()
         value = getattr(self, role)
@@ -226,6 +261,7 @@ class Layout:
     pipeline_axis = _role_axis("pipeline")
     shard_axis = _role_axis("shard")
     context_axis = _role_axis("context")
+    expert_axis = _role_axis("expert")
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -242,6 +278,12 @@ class Layout:
     def axes(self) -> tuple[str, ...]:
         """The model's axes: the tensor axis, then the pipeline axis (those that are set)."""
         return self._names("tensor") + self._names("pipeline")
+
+    @property
+    def param_axes(self) -> tuple[str, ...]:
+        """The axes a model spec may name: the model's axes and the expert axis (a data
+        axis the experts are split over)."""
+        return self.axes + self._names("expert")
 
     def make_mesh(self, devices: Any = None) -> Mesh:
         """The mesh of a layout given by degrees, over ``devices`` (default: all), its axes
@@ -278,16 +320,31 @@ class Layout:
             "tensor": self.tensor_axis,
             "pipeline": self.pipeline_axis,
             "context": self.context_axis,
+            "expert": self.expert_axis,
         }
         table = {**roles.LOGICAL_AXES, **dict(self.rules)}
-        axes: dict[str, str | None] = dict(by_role)
+        axes: dict[str, Any] = dict(by_role)
         for logical, role in table.items():
             axes[logical] = None if role is None else by_role[role]
+        axes["batch"] = self.data_axes or None  # the axes the tokens are split over
         return roles.Binding(axes, self.schedule)
 
     def check(self, api: str, mesh: Mesh, data_axes: tuple) -> None:
-        """Raise ValueError if an axis of the layout is not an axis of ``mesh``, or a model
-        axis is also a data axis."""
+        """Raise ValueError if an axis of the layout is not an axis of ``mesh``, a model
+        axis is also a data axis, or the expert axis is none (or its size not the expert
+        degree)."""
+        e = self.expert_axis
+        if e is not None and (e not in data_axes or e not in mesh.axis_names):
+            raise ValueError(
+                f"{api}: layout expert={e!r} is not one of the data axes {data_axes}; the "
+                f"experts borrow the devices of the data shards (or replicas): name that axis."
+            )
+        if e is not None and isinstance(self.expert, int) and mesh.shape[e] != self.expert:
+            raise ValueError(
+                f"{api}: layout expert={self.expert} borrows the {e!r} axis, of size "
+                f"{mesh.shape[e]}; give expert={mesh.shape[e]} (the experts' degree is that "
+                f"axis's)."
+            )
         for role in ROLES:
             for axis in self._names(role):
                 if axis not in mesh.axis_names:
@@ -447,7 +504,7 @@ def model_specs(
                 f"{api}: params{path} {source} {shown}, with more entries than its "
                 f"{len(leaf.shape)} dimensions; give one entry per dimension at most."
             )
-        kept = restrict(spec, layout.axes)
+        kept = restrict(spec, layout.param_axes if specs is not None else layout.axes)
         for d, e in enumerate(_entries(kept)):
             k = 1
             for a in e:

@@ -31,7 +31,7 @@ from .checks import (
 from .data import Batches
 from .extra import Extra
 from .host import to_host
-from .layout import Layout, check_placed_specs, model_specs, unbox
+from .layout import Layout, check_placed_specs, model_specs, restrict, unbox
 from .placement import first_state
 from .state import TrainState
 from .step import BatchSplit, build_eval, build_step
@@ -290,9 +290,17 @@ class Trainer:
         would silently make it whole (or split it as the init's spec says)."""
         found = model_specs(api, params, None, self.mesh, self.layout, axis_names(self.axis_name))
         if not self._specs_known:  # a state built elsewhere: take its specs
+            if self.layout.expert_axis is not None:
+                raise ValueError(
+                    f"{api}: this Trainer's layout splits experts over the data axis "
+                    f"{self.layout.expert_axis!r}, and a state's placement cannot tell them "
+                    f"from the strategy's own split; call trainer.init first (or restore "
+                    f"into the state it returns)."
+                )
             self._set_model_specs(tuple(found))
             return
-        check_placed_specs(api, params, found, self._model_specs or (P(),) * len(found))
+        known = [restrict(s, self.layout.axes) for s in self._model_specs or (P(),) * len(found)]
+        check_placed_specs(api, params, found, known)
 
     # ---------------------------------------------------------------------------------- step
     def step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:

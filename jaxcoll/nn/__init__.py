@@ -9,14 +9,19 @@ its tensor axis it takes this device's slices of the params (split as
 Needs flax, which comes with the ``dp`` extra (``pip install "jaxcoll[dp]"``); importing
 :mod:`jaxcoll` does not import this package: ``from jaxcoll import nn as tp``.
 
-* :mod:`.mlp`: :class:`ParallelMLP`; :mod:`.attention`: :class:`ParallelSelfAttention`;
+* :mod:`.mlp`: :class:`ParallelMLP`; :mod:`.moe`: :class:`MoE` (experts over the expert
+  axis) and :func:`moe_metrics`; :mod:`.attention`: :class:`ParallelSelfAttention`;
   :mod:`._params`: what they share (their params, declared whole and boxed with their split).
 """
 
 from .attention import ParallelSelfAttention as ParallelSelfAttention
 from .mlp import ParallelMLP as ParallelMLP
+from .moe import MoE as MoE
+from .moe import moe_metrics as moe_metrics
 
 __all__ = [
+    "MoE",
     "ParallelMLP",
     "ParallelSelfAttention",
+    "moe_metrics",
 ]

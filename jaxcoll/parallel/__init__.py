@@ -21,7 +21,8 @@ them (the pipeline takes ``data_axis=`` and averages gradients over it exactly o
 * :mod:`.context`: :func:`context_attention` by :class:`Ring` or :class:`Ulysses`, the
   load-balanced sequence layout (:func:`context_order`, :func:`to_context_layout`,
   :func:`from_context_layout`, :func:`context_positions`) and :func:`ring_blocks`;
-* :mod:`.moe`: :func:`dispatch`, :func:`combine`;
+* :mod:`.moe`: :func:`dispatch`, :func:`combine`; :mod:`.experts`: :func:`moe_mlp` (a
+  mixture of experts over an expert axis), :func:`route`, :class:`Load`;
 * :mod:`.axes`: :func:`is_bound`, the switch of model code that runs split or dense.
 """
 
@@ -35,6 +36,9 @@ from .context import context_positions as context_positions
 from .context import from_context_layout as from_context_layout
 from .context import ring_blocks as ring_blocks
 from .context import to_context_layout as to_context_layout
+from .experts import Load as Load
+from .experts import moe_mlp as moe_mlp
+from .experts import route as route
 from .moe import combine as combine
 from .moe import dispatch as dispatch
 from .pipeline import bubble_fraction as bubble_fraction
@@ -55,6 +59,7 @@ from .tensor import shard_mlp as shard_mlp
 
 __all__ = [
     "GPipe",
+    "Load",
     "Interleaved",
     "OneFOneB",
     "Ring",
@@ -73,10 +78,12 @@ __all__ = [
     "gelu",
     "is_bound",
     "mlp",
+    "moe_mlp",
     "pipeline_apply",
     "pipeline_loss",
     "pipeline_value_and_grad",
     "ring_blocks",
+    "route",
     "row_parallel",
     "sequence_gather",
     "shard_mlp",

@@ -8,13 +8,14 @@ experts' outputs to where each token came from.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from .. import primitives
 from .._core.typing import AxisName, PyTree
+from ..primitives._ragged import ragged_return
 
 
 class Routing(NamedTuple):
@@ -23,6 +24,7 @@ class Routing(NamedTuple):
     order: jax.Array  # (T,) token indices sorted by destination rank
     send_sizes: jax.Array  # (n,) tokens this rank sent to each rank
     recv_sizes: jax.Array  # (n,) tokens this rank kept from each rank
+    plan: tuple[jax.Array, ...]  # the exchange's offsets, to send the rows back
 
 
 def dispatch(
@@ -32,6 +34,7 @@ def dispatch(
     *,
     experts_per_rank: int,
     capacity: int | None = None,
+    keep: jax.Array | None = None,
 ) -> tuple[PyTree, jax.Array, jax.Array, Routing]:
     """Send each token to the rank holding its expert; return what this rank's experts get.
 
@@ -54,6 +57,8 @@ def dispatch(
         experts_per_rank: experts held by each rank (static).
         capacity: rows this rank can receive; default ``n * T`` (no token is ever dropped).
             Tokens past it are dropped and come back from :func:`combine` as zeros.
+        keep: ``(T,)`` bool, the tokens to send (None: all); the others are not sent and
+            come back from :func:`combine` as zeros (a capacity the router applied).
 
     Returns:
         ``(tokens, local_expert, valid, routing)``: the received tokens ``(capacity, ...)``,
@@ -64,15 +69,19 @@ def dispatch(
     t = jax.tree_util.tree_leaves(x)[0].shape[0]
     cap = n * t if capacity is None else capacity
     dest = expert // experts_per_rank
+    if keep is not None:  # not sent: sorted past every rank's rows, counted nowhere
+        dest = jnp.where(keep, dest, n)
     order = jnp.argsort(dest, stable=True)
-    send = jnp.zeros((n,), jnp.int32).at[dest].add(1)
+    send = jnp.zeros((n,), jnp.int32).at[dest].add(1, mode="drop")
     payload = {
         "x": jax.tree_util.tree_map(lambda a: a[order], x),
         "e": (expert % experts_per_rank)[order].astype(jnp.int32),
     }
-    got, recv = primitives.ragged_all_to_all(payload, axis_name, send, out_size=cap)
+    got, recv, plan = primitives.ragged_all_to_all(
+        payload, axis_name, send, out_size=cap, plan=True
+    )
     valid = jnp.arange(cap) < jnp.sum(recv)
-    return got["x"], got["e"], valid, Routing(order, send, recv)
+    return got["x"], got["e"], valid, Routing(order, send, recv, plan)
 
 
 def combine(y: PyTree, routing: Routing, axis_name: AxisName) -> PyTree:
@@ -80,9 +89,10 @@ def combine(y: PyTree, routing: Routing, axis_name: AxisName) -> PyTree:
     tokens' ranks, in the original token order; dropped tokens get zeros.
 
     Equivalent to the inverse of :func:`dispatch`: ``out[i] = y_on_expert_rank[row of token
-    i]``. Lowering: one :func:`~jaxcoll.primitives.ragged_all_to_all` with the received sizes
-    as send sizes (each expert rank returns exactly what it kept, to its sender), then one
-    scatter that undoes the sort. Differentiable in ``y``.
+    i]``. Lowering: one ragged all-to-all by the dispatch's own plan, reversed (each expert
+    rank returns exactly what it kept, to the rows of its sender's sorted buffer it came
+    from: no new exchange of sizes), then one scatter that undoes the sort. Differentiable
+    in ``y``.
 
     Args:
         y: the outputs, leaves ``(capacity, ...)``.
@@ -93,18 +103,5 @@ def combine(y: PyTree, routing: Routing, axis_name: AxisName) -> PyTree:
         Leaves ``(T, ...)`` in this rank's token order.
     """
     t = routing.order.shape[0]
-    back, sizes = primitives.ragged_all_to_all(y, axis_name, routing.recv_sizes, out_size=t)
-    # Row p of `back` is the k-th row kept by rank j; it was row in_off[j] + k of the sorted
-    # tokens (a prefix of each rank's rows survives a capacity cut).
-    p = jnp.arange(t)
-    ends = jnp.cumsum(sizes)
-    j = jnp.sum(p[:, None] >= ends[None, :], axis=1)
-    k = p - (ends - sizes)[jnp.minimum(j, sizes.shape[0] - 1)]
-    in_off = jnp.cumsum(routing.send_sizes) - routing.send_sizes
-    target = jnp.where(p < ends[-1], in_off[jnp.minimum(j, sizes.shape[0] - 1)] + k, t)
-
-    def unsort(a: Any) -> Any:
-        ordered = jnp.zeros_like(a).at[target].add(a, mode="drop")
-        return jnp.zeros_like(a).at[routing.order].set(ordered)
-
-    return jax.tree_util.tree_map(unsort, back)
+    back = ragged_return(y, axis_name, routing.plan, out_size=t)  # in the sorted order
+    return jax.tree_util.tree_map(lambda a: jnp.zeros_like(a).at[routing.order].set(a), back)

@@ -213,6 +213,41 @@ class Strategy:
             )
         return list(specs)
 
+    def held_axes(self, tree: PyTree) -> list[tuple[str, ...]]:
+        """Per leaf of ``tree`` (shaped like the params), the data axes its model spec
+        splits it over (an MoE's experts over the expert axis they borrow); () for most.
+        Such a leaf is neither split further over those axes nor averaged over them: its
+        local gradient already sums every token of its group (the all-to-all's backward
+        brought them), so :meth:`reduce_held` sums it over the other data axes alone."""
+        names = axis_names(self._bound().axis_name)
+        return [
+            tuple(
+                a
+                for e in m
+                if e is not None
+                for a in (e if isinstance(e, tuple) else (e,))
+                if a in names
+            )
+            for m in self.model_leaf_specs(tree)
+        ]
+
+    def reduce_held(self, grads: list[jax.Array], held: list[tuple[str, ...]]) -> list[jax.Array]:
+        """Per rank: the gradients of leaves split over data axes (:meth:`held_axes`) ->
+        their slices of the global mean, summed over the other data axes (one all-reduce
+        each, in the policy's reduce dtype) and divided by every data rank's count."""
+        names = axis_names(self.axis_name)
+        wire = None if self.mp_policy is None else self.mp_policy.wire_dtype
+        out = []
+        for g, axes in zip(grads, held, strict=True):
+            rest = tuple(a for a in names if a not in axes)
+            g = g / np.asarray(self.n, g.dtype)
+            if rest:
+                # Gradients cross devices here: summed over the data axes the leaf is whole on.
+                moved = g if wire is None else g.astype(wire)
+                g = jax.lax.psum(moved, rest).astype(g.dtype)
+            out.append(g)
+        return out
+
     def model_specs(self, tree: PyTree) -> PyTree:
         """:meth:`model_leaf_specs` as a tree shaped like ``tree``."""
         treedef = jax.tree_util.tree_structure(tree)

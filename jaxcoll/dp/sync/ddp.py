@@ -56,6 +56,9 @@ class DDP(Strategy):
     def reduce(
         self, grads: PyTree, comm_state: PyTree, step: jax.Array, like: PyTree = None
     ) -> tuple[PyTree, PyTree]:
+        held = self.held_axes(grads)
+        if any(held):
+            return self._reduce_with_held(grads, comm_state, step, held)
         count = len(plan_buckets(jax.tree_util.tree_leaves(grads), self.bucket_bytes))
         states = list(comm_state) if comm_state else [() for _ in range(count)]
         # Gradients cross devices here: each bucket through the hook (one all-reduce each
@@ -70,6 +73,40 @@ class DDP(Strategy):
             algorithm=self.algorithm,
         )
         return means, (states if comm_state else comm_state)
+
+    def _reduce_with_held(
+        self, grads: PyTree, comm_state: PyTree, step: jax.Array, held: list[tuple[str, ...]]
+    ) -> tuple[PyTree, PyTree]:
+        """The leaves split over a data axis (experts) summed over the others
+        (:meth:`~jaxcoll.dp.sync.Strategy.reduce_held`), the rest by buckets."""
+        if comm_state:
+            raise ValueError(
+                f"{self.api}: hook={self.hook!r} keeps state per bucket, and these params "
+                f"hold experts split over a data axis, which do not travel in buckets; use "
+                f"a stateless hook (dp.hooks.Compress) or none."
+            )
+        leaves, treedef = jax.tree_util.tree_flatten(grads)
+        whole = [i for i, h in enumerate(held) if not h]
+        means, _ = sync_buckets(
+            [leaves[i] for i in whole],
+            self.axis_name,
+            bucket_bytes=self.bucket_bytes,
+            hook=self.bucket_hook,
+            states=[() for _ in plan_buckets([leaves[i] for i in whole], self.bucket_bytes)],
+            step=step,
+            algorithm=self.algorithm,
+        )
+        out = list(leaves)
+        for i, g in zip(whole, means, strict=True):
+            out[i] = g
+        split = [i for i, h in enumerate(held) if h]
+        for i, g in zip(
+            split,
+            self.reduce_held([leaves[i] for i in split], [held[i] for i in split]),
+            strict=True,
+        ):
+            out[i] = g
+        return jax.tree_util.tree_unflatten(treedef, out), comm_state
 
     def update(self, grads: PyTree, opt_state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
         updates, opt_state = self.optimizer.update(grads, opt_state, params)

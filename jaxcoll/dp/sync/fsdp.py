@@ -159,9 +159,10 @@ class FSDP(ZeRO1):
         when it divides it, else None (replicated)."""
         n = self.n_shard
         models = self.model_leaf_specs(params)
+        held = self.held_axes(params)
         return [
-            fsdp_dim(tuple(np.shape(leaf)), n, used_dims(m))
-            for leaf, m in zip(jax.tree_util.tree_leaves(params), models, strict=True)
+            None if h else fsdp_dim(tuple(np.shape(leaf)), n, used_dims(m))
+            for leaf, m, h in zip(jax.tree_util.tree_leaves(params), models, held, strict=True)
         ]
 
     def _plan(self, dims: list[int], dtypes: tuple[Any, ...]) -> _Plan:

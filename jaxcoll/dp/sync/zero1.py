@@ -168,9 +168,10 @@ class ZeRO1(Strategy):
         the global leaf and for the local slice the step sees)."""
         n = self.n_shard
         models = self.model_leaf_specs(params)
+        held = self.held_axes(params)
         return [
-            shard_dim(leaf_shape(leaf), n, used_dims(m))
-            for leaf, m in zip(jax.tree_util.tree_leaves(params), models, strict=True)
+            None if h else shard_dim(leaf_shape(leaf), n, used_dims(m))
+            for leaf, m, h in zip(jax.tree_util.tree_leaves(params), models, held, strict=True)
         ]
 
     def param_specs(self, params: PyTree) -> PyTree:
@@ -197,7 +198,15 @@ class ZeRO1(Strategy):
         wire_dtype = hook_wire_dtype(self.bucket_hook)
         leaves, treedef = jax.tree_util.tree_flatten(grads)
         out: list[Any] = list(leaves)
-        kept = [i for i, d in enumerate(dims) if d is None]
+        held = self.held_axes(grads)
+        owned = [i for i, h in enumerate(held) if h]  # split over a data axis: experts
+        for i, g in zip(
+            owned,
+            self.reduce_held([leaves[i] for i in owned], [held[i] for i in owned]),
+            strict=True,
+        ):
+            out[i] = g
+        kept = [i for i, d in enumerate(dims) if d is None and not held[i]]
         if kept:
             # Gradients of the replicated leaves cross devices here: one all-reduce per bucket.
             means = mean_gradients(

@@ -1,0 +1,180 @@
+"""MoE: a mixture-of-experts MLP, its experts split over the expert axis."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen
+from flax.typing import Dtype, Initializer
+
+from .. import parallel
+from .._core import roles
+from ..parallel.experts import SCORE_FUNCS, Load, load_metrics
+from . import _params
+from .mlp import ParallelMLP
+
+
+class MoE(linen.Module):
+    """A mixture of experts: each token goes through ``k`` of ``num_experts`` MLPs, chosen by
+    a router, and (optionally) a shared expert every token goes through.
+
+    Equivalent to, on one device (:func:`jaxcoll.parallel.moe_mlp`)::
+
+        scores = softmax(x @ router)                    # or sigmoid; (B, S, E)
+        gate, e = top_k(scores, k)                      # gate / sum(gate) when normalize
+        y[t] = sum(gate[t, j] * activation(x[t] @ w_in[e[t, j]]) @ w_out[e[t, j]]
+                   for j in range(k) if kept(t, j))     # kept: within the capacity
+        y = y + shared(x)                               # a ParallelMLP, when shared_hidden
+
+    With ``capacity_factor=None`` (dropless) every assignment is kept; with a factor, each
+    expert keeps ``ceil(factor * S * k / E)`` assignments per sequence, first choices before
+    second ones (GShard), so a token's fate depends on its own sequence only, in any layout.
+
+    Params, declared whole and boxed with their split (``axis`` is a role: inside a
+    ``dp.Trainer`` the layout's expert axis, which borrows the data-shard devices)::
+
+        router  (d, E)          (None, None)        replicated
+        w_in    (E, d, hidden)  (axis, None, None)  expert e on rank e // (E / n)
+        w_out   (E, hidden, d)  (axis, None, None)
+        shared/ fc1, fc2        a ParallelMLP(d, shared_hidden, use_bias=False)
+
+    Under ``jax.shard_map`` with ``axis`` bound, each device runs its own experts on the
+    tokens routed to them: one ragged all-to-all takes the tokens there and one brings the
+    outputs back (two more in the backward). Where ``axis`` is not bound every expert is
+    local and nothing travels.
+
+    Each call sows its :class:`~jaxcoll.parallel.experts.Load` (the assignments per
+    expert and the kept ones over the whole batch, and the load-balancing loss) in the
+    ``"intermediates"`` collection; :func:`moe_metrics` reads them: apply the model with
+    ``mutable=["intermediates"]`` and add ``aux_weight * metrics["moe_aux"]`` to the loss.
+
+    Attributes:
+        num_experts: the routed experts, E (the expert axis must divide it).
+        hidden: each expert's hidden width.
+        k: experts per token.
+        axis: the expert axis (a role or a mesh axis); None: every expert local.
+        data_axes: the axes the tokens are split over, for the load and the auxiliary loss
+            over the whole batch (the role ``"batch"``: inside a Trainer, its data axes);
+            None or not bound: this device's tokens.
+        score_func: ``"softmax"`` or ``"sigmoid"``.
+        normalize: divide the chosen gates by their sum.
+        capacity_factor: None: dropless; else the per-sequence capacity factor.
+        shared_hidden: the shared expert's hidden width (None: no shared expert). It is a
+            :class:`ParallelMLP`, split over the tensor axis where one is bound.
+        activation: the experts' nonlinearity (torch's exact ``nn.GELU()``).
+        kernel_init: the experts' initializer (per expert: fan-in ``d`` or ``hidden``).
+        router_init: the router's initializer.
+        dtype: the experts' computation dtype (None: the input's); the router computes in
+            float32.
+        param_dtype: the params' dtype.
+
+    Example (one device; inside a ``dp.Trainer`` with ``Layout(shard=8, expert=8)`` the same
+    model runs its experts over 8 devices)::
+
+        >>> moe = MoE(num_experts=8, hidden=64, k=2)
+        >>> x = jnp.ones((2, 16, 32))
+        >>> variables = moe.init(jax.random.key(0), x)
+        >>> y, sown = moe.apply(variables, x, mutable=["intermediates"])
+        >>> y.shape, sorted(moe_metrics(sown["intermediates"]))
+        ((2, 16, 32), ['moe_aux', 'moe_dropped', 'moe_imbalance'])
+    """
+
+    num_experts: int
+    hidden: int
+    k: int = 2
+    axis: str | None = "expert"
+    data_axes: Any = "batch"
+    score_func: str = "softmax"
+    normalize: bool = False
+    capacity_factor: float | None = None
+    shared_hidden: int | None = None
+    activation: Callable[[jax.Array], jax.Array] = parallel.gelu
+    kernel_init: Initializer = linen.initializers.lecun_normal(batch_axis=(0,))
+    router_init: Initializer = linen.initializers.normal(0.02)
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+
+    @linen.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        api = _params.where(self)
+        num = _params.positive_int(api, "num_experts", self.num_experts)
+        hidden = _params.positive_int(api, "hidden", self.hidden)
+        k = _params.positive_int(api, "k", self.k)
+        if k > num:
+            raise ValueError(f"{api}: k={k} experts per token, of num_experts={num}.")
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"{api}: score_func={self.score_func!r}; pass one of {SCORE_FUNCS}.")
+        cf = self.capacity_factor
+        if cf is not None and not (isinstance(cf, (int, float)) and cf > 0):
+            raise ValueError(
+                f"{api}: capacity_factor={cf!r} must be a positive number, or None (dropless)."
+            )
+        if jnp.ndim(x) != 3:
+            raise ValueError(
+                f"{api}: x has shape {jnp.shape(x)}; pass a batch of sequences, "
+                f"(batch, length, features)."
+            )
+        axis = roles.axis(self.axis)
+        ranks = _params.bound_size(axis)
+        _params.divides(api, "num_experts", num, ranks, axis)
+        d = x.shape[-1]
+        split = (self.axis, None, None)
+        local = num // (ranks or 1)  # where the axis is bound, this device's experts
+        router: Any = self.param(
+            "router",
+            linen.with_partitioning(self.router_init, (None, None)),
+            (d, num),
+            self.param_dtype,
+        )
+        w_in = self.param(
+            "w_in",
+            linen.with_partitioning(self.kernel_init, split),
+            (local, d, hidden),
+            self.param_dtype,
+        )
+        w_out = self.param(
+            "w_out",
+            linen.with_partitioning(self.kernel_init, split),
+            (local, hidden, d),
+            self.param_dtype,
+        )
+        x, w_in, w_out = linen.dtypes.promote_dtype(x, w_in, w_out, dtype=self.dtype)
+        y, load = parallel.moe_mlp(
+            x,
+            router,
+            w_in,
+            w_out,
+            k=k,
+            axis=axis,
+            data_axes=self.data_axes,
+            score_func=self.score_func,
+            normalize=self.normalize,
+            capacity_factor=cf,
+            activation=self.activation,
+        )
+        self.sow("intermediates", "moe_load", load)
+        if self.shared_hidden is not None:
+            shared = ParallelMLP(
+                features=d,
+                hidden=self.shared_hidden,
+                use_bias=False,
+                activation=self.activation,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                name="shared",
+            )
+            y = y + shared(x)
+        return y
+
+
+def moe_metrics(intermediates: Any) -> dict[str, jax.Array]:
+    """The step's MoE metrics from the ``"intermediates"`` a model's apply sowed
+    (:class:`MoE`): ``moe_aux`` (the load-balancing losses summed over the layers),
+    ``moe_dropped`` (the share of assignments over the capacity) and ``moe_imbalance`` (the
+    busiest expert's assignments over the mean, in the worst layer), each over the whole
+    batch; ``{}`` when no MoE layer ran."""
+    loads = jax.tree_util.tree_leaves(intermediates, is_leaf=lambda v: isinstance(v, Load))
+    return load_metrics([v for v in loads if isinstance(v, Load)])

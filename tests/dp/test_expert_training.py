@@ -1,0 +1,143 @@
+"""Expert parallel inside the Trainer: 20 steps of a model with a mixture-of-experts layer
+(jaxcoll.nn.MoE, its auxiliary loss in the loss), its experts split over an expert axis that
+borrows the data devices (2, 4, 8; under DDP, FSDP and HSDP; dropless and with a capacity that
+drops tokens), equal 20 steps of plain optax on one device, Adam and plain SGD (twin copies);
+and the lowered step moves tokens with 2 all-to-alls forward and 2 backward."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxcoll import dp
+from jaxcoll import nn as pnn
+from tests.dp._models import twin_optimizer
+
+VOCAB, WIDTH, SEQ, BATCH, STEPS, EXPERTS = 16, 16, 8, 16, 20, 8
+AUX = 0.1
+
+
+class Tiny(nn.Module):
+    """An embedding, one MoE layer (8 experts, top-2, a shared expert), a head."""
+
+    capacity_factor: float | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Embed(VOCAB, WIDTH)(x)
+        moe = pnn.MoE(
+            EXPERTS, 24, k=2, capacity_factor=self.capacity_factor, shared_hidden=8,
+            router_init=nn.initializers.normal(0.5),
+        )  # fmt: skip
+        return nn.Dense(VOCAB)(h + moe(h))
+
+
+def _loss(capacity_factor):
+    model = Tiny(capacity_factor)
+
+    def loss(params, batch, rng=None):
+        total, metrics = 0.0, {}
+        for copy in ("adam", "sgd"):
+            logits, sown = model.apply(
+                {"params": params[copy]}, batch["x"], mutable=["intermediates"]
+            )
+            logp = jax.nn.log_softmax(logits)
+            ce = -jnp.mean(jnp.take_along_axis(logp, batch["y"][..., None], -1))
+            metrics = pnn.moe_metrics(sown["intermediates"])
+            total += ce + AUX * metrics["moe_aux"]
+        return total, metrics
+
+    return loss
+
+
+def _params(boxed=False):
+    x = jnp.zeros((1, SEQ), jnp.int32)
+    params = {
+        copy: Tiny().init(jax.random.key(i), x)["params"] for i, copy in enumerate(("adam", "sgd"))
+    }
+    return params if boxed else nn.unbox(params)
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(STEPS):
+        x = rng.integers(0, VOCAB, size=(BATCH, SEQ + 1))
+        out.append({"x": x[:, :-1].astype(np.int32), "y": x[:, 1:].astype(np.int32)})
+    return out
+
+
+def _reference(capacity_factor):
+    loss = _loss(capacity_factor)
+    tx = twin_optimizer()
+    params = _params()
+    opt = tx.init(params)
+    grad = jax.jit(jax.grad(lambda p, b: loss(p, b)[0]))
+    metrics = jax.jit(lambda p, b: loss(p, b)[1])
+    first = metrics(params, _batches()[0])
+    for b in _batches():
+        updates, opt = tx.update(grad(params, b), opt, params)
+        params = optax.apply_updates(params, updates)
+    return jax.device_get(params), jax.device_get(first)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {cf: _reference(cf) for cf in (None, 1.0)}
+
+
+LAYOUTS = {
+    "ep8": (dp.Layout(expert=8), None),  # DDP for the rest
+    "fsdp8-ep8": (dp.Layout(shard=8, expert=8), None),
+    "hsdp2x4-ep4": (dp.Layout(replicate=2, shard=4, expert=4), None),
+    "zero1-4x2-ep2": (dp.Layout(replicate=4, shard=2, expert=2), dp.sync.ZeRO1()),
+    "fsdp4-ep4-capacity": (dp.Layout(replicate=2, shard=4, expert=4), "capacity"),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_layouts_train_as_one_device(name, references):
+    layout, extra = LAYOUTS[name]
+    cf = 1.0 if extra == "capacity" else None
+    sync = extra if isinstance(extra, dp.sync.Strategy) else None
+    reference, first = references[cf]
+    trainer = dp.Trainer(_loss(cf), twin_optimizer(), layout=layout, sync=sync)
+    state = trainer.init(_params(boxed=True), jax.random.key(0))
+    for i, b in enumerate(_batches()):
+        state, metrics = trainer.step(state, b)
+        if i == 0:  # the load over the whole batch, as one device counts it
+            for key in ("moe_aux", "moe_dropped", "moe_imbalance"):
+                np.testing.assert_allclose(metrics[key], first[key], rtol=1e-5)
+    if cf is not None:
+        assert float(first["moe_dropped"]) > 0.02  # the capacity does drop tokens
+    got = trainer.host_params(state)
+    for copy in ("adam", "sgd"):
+        diffs = jax.tree.map(
+            lambda a, b: float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)),
+            got[copy],
+            reference[copy],
+        )
+        assert max(jax.tree.leaves(diffs)) <= 1e-5, (copy, diffs)
+
+
+def test_the_experts_stay_split_and_the_step_moves_tokens_by_four_all_to_alls():
+    trainer = dp.Trainer(_loss(None), optax.sgd(0.1), layout=dp.Layout(shard=8, expert=8))
+    state = trainer.init(_params(boxed=True), jax.random.key(0))
+    w_in = state.params["adam"]["MoE_0"]["w_in"]
+    assert w_in.sharding.shard_shape(w_in.shape) == (1, WIDTH, 24)  # one expert per device
+    step, args = trainer.step_program(state, _batches()[0])
+    hlo = step.lower(*args).compile().as_text()
+    moves = re.findall(r"= \((u8\[[\d,]+\])[^\n]*\) all-to-all\(", hlo)
+    # two MoE layers (the twin copies), each 2 all-to-alls forward and 2 backward, every
+    # one carrying the tokens (rows of bytes)
+    assert len(moves) == 8, moves
+    counts = re.findall(r"= s32\[([\d,]+)\][^=]* all-gather\(", hlo)
+    # and one small exchange of counts (8 x 8 int32) per layer: the combine and the backward
+    # reuse the dispatch's plan
+    assert counts == ["8,8", "8,8"], counts
