@@ -5,6 +5,7 @@
     python examples/gpt.py --layout fsdp2xtp2xpp2   # ... x 2 pipeline stages (GPipe)
     python examples/gpt.py --layout fsdp2xtp2xpp2:1f1b   # ... by 1F1B (or :zb-h1)
     python examples/gpt.py --layout fsdp2xcp2xtp2   # ... each sequence split over 2 (ring)
+    python examples/gpt.py --layout fsdp8 --experts 8    # an MoE GPT, one expert per device
     python examples/gpt.py --layout single          # the same model on one device
     jaxcoll-run --nprocs 2 --devices-per-proc 4 examples/gpt.py --layout fsdp2xtp2xpp2
 
@@ -20,20 +21,24 @@ each batch; batch s is the same whatever the layout or the number of processes.
 
 ``--layout`` picks the roles' degrees and the schedule, one ``dp.Layout``: ``dp`` (data
 replicas), ``fsdp`` (data shards: FSDP, or HSDP beside ``dp``), ``cp`` (context parallel:
-each sequence split over the devices, ring attention over the whole), ``tp`` (tensor parallel: the
-attention heads and the MLP's hidden units split, jaxcoll.nn's layers) and ``pp`` (pipeline
-stages over the stacked blocks, run by parallel.pipeline_loss), then ``:gpipe`` (the
-default), ``:1f1b`` or ``:zb-h1``. The model is written once and names no mesh axis: its
-layers split over the role "tensor", its stacked blocks carry the logical axis "layers", and
-the layout maps both to its mesh (or to none: on one device it runs dense). Every layout
-trains the same model to the same params as ``--layout single`` (tests/test_gpt.py checks it
-within 1e-5). The loop is ``Trainer.fit``, as nanoGPT's: every ``--eval-every`` steps it
-evaluates on train and val batches and prints both losses, the learning rate, tokens/s and
-(with ``--peak-flops``) MFU. With ``--ckpt DIR`` a run resumes from the newest checkpoint in
-DIR, in its own layout whatever layout wrote it, and saves there when the validation loss
-improves and at the last step. Logs come from process 0 only. Expect the validation loss
-to fall from about 3.4 (a uniform guess over the 31 characters) to about 0.5 in 300 steps
-(dp8: 1.20 at step 100, 0.48 at step 300).
+each sequence split over the devices, ring attention over the whole), ``tp`` (tensor
+parallel: the attention heads and the MLP's hidden units split, jaxcoll.nn's layers) and
+``pp`` (pipeline stages over the stacked blocks, run by parallel.pipeline_loss), then
+``:gpipe`` (the default), ``:1f1b`` or ``:zb-h1``. The model is written once and names no
+mesh axis: its layers split over the role "tensor", its stacked blocks carry the logical
+axis "layers", and the layout maps both to its mesh (or to none: on one device it runs
+dense). Every layout trains the same model to the same params as ``--layout single``
+(tests/test_gpt.py checks it within 1e-5). ``--experts E`` makes each block's MLP a mixture
+of E experts (jaxcoll.nn.MoE: top-2 of E, each expert half the dense MLP's width, dropless,
+its load-balancing loss added), the experts split over the data shards (the replicas without
+fsdp): ``fsdp8 --experts 8`` holds one expert per device, FSDP holds the rest. The loop is
+``Trainer.fit``, as nanoGPT's: every ``--eval-every`` steps it evaluates on train and val
+batches and prints both losses, the learning rate, tokens/s and (with ``--peak-flops``) MFU.
+With ``--ckpt DIR`` a run resumes from the newest checkpoint in DIR, in its own layout
+whatever layout wrote it, and saves there when the validation loss improves and at the last
+step. Logs come from process 0 only. Expect the validation loss to fall from about 3.4 (a
+uniform guess over the 31 characters) to about 0.5 in 300 steps (dp8: 1.20 at step 100, 0.48
+at step 300).
 """
 
 from __future__ import annotations
@@ -81,6 +86,9 @@ DECAY_STEPS = 300  # the cosine reaches MIN_LR here (nanoGPT's lr_decay_iters)
 WEIGHT_DECAY, CLIP = 0.1, 1.0
 STEPS = 300  # optimizer steps to run (--steps; a resumed run goes on to this step)
 EVAL_EVERY, EVAL_BATCHES = 50, 4
+EXPERTS = 0  # --experts: each block's MLP a mixture of this many experts (0: dense)
+AUX = 0.01  # the MoE load-balancing loss's weight
+ROUTER_STD = 0.02
 
 
 def use_tiny() -> None:
@@ -158,13 +166,32 @@ class Block(nn.Module):
     def __call__(self, h):
         attn = pnn.ParallelSelfAttention(HEADS, use_bias=BIAS, causal=True)
         h = h + attn(nn.LayerNorm(use_bias=BIAS)(h))
-        mlp = pnn.ParallelMLP(features=WIDTH, hidden=4 * WIDTH, use_bias=BIAS)
+        if EXPERTS:  # top-2 of EXPERTS experts, each half as wide: the dense MLP's FLOPs
+            mlp = pnn.MoE(
+                EXPERTS, hidden=2 * WIDTH, k=2, router_init=nn.initializers.normal(ROUTER_STD)
+            )
+        else:
+            mlp = pnn.ParallelMLP(features=WIDTH, hidden=4 * WIDTH, use_bias=BIAS)
         return h + mlp(nn.LayerNorm(use_bias=BIAS)(h))
 
 
 def stage(blocks, h):
     """This stage's blocks in order (all of them when nothing splits the stack)."""
     return jax.lax.scan(lambda h, p: (Block().apply({"params": p}, h), None), h, blocks)[0]
+
+
+def moe_stage(blocks, h):
+    """Every block in order, and the metrics of their mixtures of experts (their load over
+    the whole batch and their load-balancing loss, ``moe_aux``)."""
+
+    def block(h, p):
+        h, sown = Block().apply({"params": p}, h, mutable=["intermediates"])
+        return h, sown["intermediates"]
+
+    h, sown = jax.lax.scan(block, h, blocks)
+    stacked = jax.tree_util.tree_leaves(sown, is_leaf=lambda v: isinstance(v, parallel.Load))
+    loads = [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked[0]) for i in range(LAYERS)]
+    return h, pnn.moe_metrics(loads)
 
 
 def head_loss(head, h, y):
@@ -184,6 +211,10 @@ def loss_fn(params, batch, rng):
     # backward, the head on the last stage; with no pipeline axis, every block in order, then
     # the head.
     head = {"ln_f": params["ln_f"], "wte": params["wte"]}
+    if EXPERTS:  # the blocks in order, their load-balancing loss added
+        h, metrics = moe_stage(params["blocks"], h)
+        loss = head_loss(head, h, batch["y"])
+        return loss + AUX * metrics["moe_aux"], {"lm_loss": loss, **metrics}
     return parallel.pipeline_loss(stage, head_loss, params["blocks"], head, h, batch["y"]), {}
 
 
@@ -257,7 +288,10 @@ def layout(name: str) -> dp.Layout:
     schedule = parts[6] or "gpipe"
     if schedule not in SCHEDULES:
         raise SystemExit(f"--layout {name!r}: the schedule is one of {sorted(SCHEDULES)}")
+    if EXPERTS and "pp" in sizes:
+        raise SystemExit(f"--layout {name!r} --experts {EXPERTS}: no pipeline with experts")
     return dp.Layout(
+        expert=(sizes.get("fsdp") or sizes.get("dp")) if EXPERTS else None,
         replicate=sizes.get("dp"),
         shard=sizes.get("fsdp"),
         tensor=sizes.get("tp"),
@@ -293,7 +327,7 @@ def trainer_for(name: str, precision: str = "fp32") -> dp.Trainer:
 
 
 def main(argv=None) -> None:
-    global DATA
+    global DATA, EXPERTS
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--layout",
@@ -313,6 +347,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", help="write the final params here (.npz, process 0)")
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
     parser.add_argument(
+        "--experts", type=int, default=0, help="each MLP a mixture of this many experts"
+    )
+    parser.add_argument(
         "--data", default=DATA, help="where train.bin and val.bin are (written if missing)"
     )
     parser.add_argument(
@@ -326,7 +363,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.tiny:
         use_tiny()
-    DATA = args.data
+    DATA, EXPERTS = args.data, args.experts
     me = jax.process_index()
     trainer = trainer_for(args.layout, args.precision)
     state = trainer.init(init_params(), jax.random.key(0))
@@ -385,10 +422,15 @@ class Log(dp.Callback):
             return
         m = self.last
         mfu = f", mfu {m['mfu']:.1%}" if "mfu" in m else ""
+        # with experts the loss holds the load-balancing term: print the model's own loss
+        lm = "_lm_loss" if "val_lm_loss" in results else "_loss"
+        moe = ""
+        if "moe_imbalance" in m:
+            moe = f", experts' busiest {float(m['moe_imbalance']):.2f}x the mean"
         print(
-            f"step {step}: train loss {results['train_loss']:.3f}, val loss "
-            f"{results['val_loss']:.3f}, lr {float(self.lr(step - 1)):.2e}, "
-            f"{m.get('tokens_per_s', 0):.0f} tokens/s{mfu}"
+            f"step {step}: train loss {results['train' + lm]:.3f}, val loss "
+            f"{results['val' + lm]:.3f}, lr {float(self.lr(step - 1)):.2e}, "
+            f"{m.get('tokens_per_s', 0):.0f} tokens/s{mfu}{moe}"
         )
 
 

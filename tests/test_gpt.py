@@ -80,6 +80,33 @@ def test_a_context_layout_trains_the_single_device_params(name, single):
     assert abs(loss - single[1]) <= 1e-5
 
 
+@pytest.fixture
+def experts():
+    # Without accumulation: the load-balancing loss is a product of the micro-batch's
+    # means, and which sequences share a micro-batch depends on the layout (each device
+    # splits its own rows), so with accum_steps > 1 layouts differ by that grouping.
+    gpt.EXPERTS, gpt.ACCUM = 8, 1
+    try:
+        yield
+    finally:
+        gpt.EXPERTS, gpt.ACCUM = 0, 2
+
+
+def test_an_moe_gpt_trains_the_single_device_params_with_its_experts_split(experts):
+    # --experts 8: every block's MLP a mixture of 8 experts (top-2, dropless, the
+    # load-balancing loss in the loss); fsdp8 holds one expert per device (FSDP for the
+    # rest), dp2xfsdp4 two per device (HSDP); one device runs them all.
+    want, want_loss = _train("single")
+    for name, per_device in (("fsdp8", 1), ("dp2xfsdp4", 2)):
+        trainer = gpt.trainer_for(name)
+        state = trainer.init(gpt.init_params(), jax.random.key(0))
+        w_in = state.params["blocks"]["MoE_0"]["w_in"]
+        assert w_in.sharding.shard_shape(w_in.shape)[1] == per_device
+        params, loss = _train(name)
+        assert _max_rel(_flat(params), _flat(want)) <= TOL, name
+        assert abs(loss - want_loss) <= 1e-5
+
+
 def test_1f1b_trains_the_single_device_params(single):
     # The pipeline's own 1F1B backward (parallel.pipeline_loss) inside the Trainer, under
     # FSDP x tensor x pipeline with gradient accumulation; the layout's schedule.

@@ -51,6 +51,11 @@ class MoE(linen.Module):
     ``"intermediates"`` collection; :func:`moe_metrics` reads them: apply the model with
     ``mutable=["intermediates"]`` and add ``aux_weight * metrics["moe_aux"]`` to the loss.
 
+    The load and the auxiliary loss are those of the batch the step computes: with a
+    Trainer's ``accum_steps``, of each micro-batch, and since each device splits its own
+    rows into micro-batches, which sequences share one depends on the layout (the loss is a
+    product of two means over them); without accumulation every layout computes the same.
+
     Attributes:
         num_experts: the routed experts, E (the expert axis must divide it).
         hidden: each expert's hidden width.

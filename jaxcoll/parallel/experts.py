@@ -24,6 +24,7 @@ from .. import primitives
 from .._core import roles
 from .axes import is_bound
 from .moe import combine, dispatch
+from .tensor import gelu
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -143,7 +144,7 @@ def moe_mlp(
     score_func: str = "softmax",
     normalize: bool = False,
     capacity_factor: float | None = None,
-    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+    activation: Callable[[jax.Array], jax.Array] = gelu,
 ) -> tuple[jax.Array, Load]:
     """A mixture-of-experts MLP on ``x`` ``(B, S, d)``, its experts split over ``axis``.
 
@@ -176,7 +177,7 @@ def moe_mlp(
         normalize: divide the gates by their sum (DeepSeek's sigmoid routing does).
         capacity_factor: None: dropless; else each expert keeps ``ceil(factor * S * k / E)``
             assignments per sequence (:func:`route`).
-        activation: the experts' nonlinearity.
+        activation: the experts' nonlinearity (torch's exact ``nn.GELU()``).
 
     Returns:
         ``(y, load)``: ``y`` like ``x``, and the :class:`Load` of the whole batch.
@@ -191,6 +192,13 @@ def moe_mlp(
         raise ValueError(
             f"parallel.moe_mlp: w_in holds {local} experts on each of {n} devices, and the "
             f"router scores {num_experts}; give each device num_experts / n experts."
+        )
+    context = roles.axis("context")
+    if capacity_factor is not None and context != "context" and is_bound(context):
+        raise ValueError(
+            f"parallel.moe_mlp: capacity_factor={capacity_factor} counts each expert's "
+            f"assignments per sequence, and the context axis {context!r} splits every "
+            f"sequence; use the dropless layer (capacity_factor=None) with context parallel."
         )
     data_axes = roles.axis(data_axes)
     if data_axes is not None and not is_bound(data_axes):

@@ -1,0 +1,137 @@
+"""parallel.moe_mlp: a mixture of experts split over 2, 4 and 8 devices equals a NumPy oracle
+of the whole batch (softmax and sigmoid routing, dropless and with a capacity), its gradients
+equal the one-device run's, and the load it reports is the whole batch's."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcoll import parallel
+
+E, D, H, K, B, S = 8, 8, 12, 2, 8, 6
+_erf = np.vectorize(math.erf)
+
+
+def _gelu(v):
+    return 0.5 * v * (1.0 + _erf(v / math.sqrt(2.0)))
+
+
+def oracle(x, router, w_in, w_out, *, score_func, normalize, factor):
+    """The layer in float64 over the whole batch, token by token."""
+    x, router, w_in, w_out = (np.asarray(a, np.float64) for a in (x, router, w_in, w_out))
+    logits = x @ router
+    if score_func == "softmax":
+        z = np.exp(logits - logits.max(-1, keepdims=True))
+        scores = z / z.sum(-1, keepdims=True)
+    else:
+        scores = 1.0 / (1.0 + np.exp(-logits))
+    choice = np.argsort(-scores, axis=-1, kind="stable")[..., :K]  # (B, S, K)
+    gate = np.take_along_axis(scores, choice, -1)
+    if normalize:
+        gate = gate / gate.sum(-1, keepdims=True)
+    cap = math.inf if factor is None else max(1, math.ceil(factor * S * K / E))
+    y = np.zeros_like(x)
+    kept = np.zeros(E)
+    for b in range(B):
+        used = np.zeros(E)
+        for j in range(K):  # every first choice of the sequence before any second one
+            for s in range(S):
+                e = choice[b, s, j]
+                if used[e] < cap:
+                    used[e] += 1
+                    kept[e] += 1
+                    y[b, s] += gate[b, s, j] * (_gelu(x[b, s] @ w_in[e]) @ w_out[e])
+    routed = np.bincount(choice.reshape(-1), minlength=E).astype(np.float64)
+    aux = E * np.sum(routed / (B * S * K) * scores.reshape(-1, E).mean(0))
+    return y, routed, kept, aux
+
+
+def _inputs(seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(ks[0], (B, S, D))
+    router = jax.random.normal(ks[1], (D, E))
+    w_in = jax.random.normal(ks[2], (E, D, H)) / math.sqrt(D)
+    w_out = jax.random.normal(ks[3], (E, H, D)) / math.sqrt(H)
+    return x, router, w_in, w_out
+
+
+ROUTINGS = {
+    "softmax-dropless": dict(score_func="softmax", normalize=False, factor=None),
+    "sigmoid-normalized-dropless": dict(score_func="sigmoid", normalize=True, factor=None),
+    "softmax-capacity": dict(score_func="softmax", normalize=False, factor=1.0),
+}
+
+
+def _layer(routing, axis):
+    def f(x, router, w_in, w_out):
+        return parallel.moe_mlp(
+            x, router, w_in, w_out, k=K, axis=axis, data_axes=axis,
+            score_func=routing["score_func"], normalize=routing["normalize"],
+            capacity_factor=routing["factor"],
+        )  # fmt: skip
+
+    return f
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("name", list(ROUTINGS))
+def test_split_over_n_devices_equals_the_oracle_and_one_device(n, name):
+    routing = ROUTINGS[name]
+    args = _inputs()
+    y_want, routed, kept, aux = oracle(*args, **routing)
+    if routing["factor"] is not None:
+        assert kept.sum() < routed.sum()  # the capacity drops some assignments
+
+    mesh = jax.make_mesh((n,), ("expert",), devices=jax.devices()[:n])
+    specs = (P("expert"), P(), P("expert"), P("expert"))
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+    out_specs = (P("expert"), P())
+    layer = _layer(routing, "expert")
+    split = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=specs, out_specs=out_specs))
+    y, load = split(*placed)
+    np.testing.assert_allclose(y, y_want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(load.routed, routed)
+    np.testing.assert_array_equal(load.kept, kept)
+    np.testing.assert_allclose(load.aux, aux, rtol=1e-5)
+
+    # gradients: the loss of the whole batch, split (each device's share of it, the
+    # replicated router's gradient summed over the devices) against one device
+    def loss_one(x, router, w_in, w_out):
+        y, load = _layer(routing, None)(x, router, w_in, w_out)
+        return jnp.mean(y**2) + 0.1 * load.aux
+
+    def grads_split(x, router, w_in, w_out):
+        def loss(x, router, w_in, w_out):
+            y, load = _layer(routing, "expert")(x, router, w_in, w_out)
+            return jnp.sum(y**2) / (B * S * D) + 0.1 * load.aux / n
+
+        router = jax.lax.pcast(router, "expert", to="varying")
+        g = jax.grad(loss, argnums=(0, 1, 2, 3))(x, router, w_in, w_out)
+        return g[0], jax.lax.psum(g[1], "expert"), g[2], g[3]
+
+    want = jax.jit(jax.grad(loss_one, argnums=(0, 1, 2, 3)))(*args)
+    got = jax.jit(jax.shard_map(grads_split, mesh=mesh, in_specs=specs, out_specs=specs))(*placed)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-5)
+
+
+def test_without_an_expert_axis_every_expert_is_local():
+    args = _inputs(1)
+    y, load = jax.jit(_layer(ROUTINGS["softmax-capacity"], None))(*args)
+    y_want, routed, kept, aux = oracle(*args, **ROUTINGS["softmax-capacity"])
+    np.testing.assert_allclose(y, y_want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(load.kept, kept)
+    np.testing.assert_allclose(load.aux, aux, rtol=1e-5)
+
+
+def test_experts_that_do_not_match_the_router_are_refused():
+    x, router, w_in, w_out = _inputs()
+    with pytest.raises(ValueError, match=r"w_in holds 4 experts on each of 1 devices"):
+        parallel.moe_mlp(x, router, w_in[:4], w_out[:4], k=K, axis=None)
