@@ -5,6 +5,7 @@ equal the one-device run's, and the load it reports is the whole batch's."""
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -135,3 +136,35 @@ def test_experts_that_do_not_match_the_router_are_refused():
     x, router, w_in, w_out = _inputs()
     with pytest.raises(ValueError, match=r"w_in holds 4 experts on each of 1 devices"):
         parallel.moe_mlp(x, router, w_in[:4], w_out[:4], k=K, axis=None)
+
+
+def test_on_gpus_the_tokens_travel_by_four_ragged_all_to_alls_and_one_count_exchange():
+    # What a GPU runs, checked here by jax.export for cuda: the dispatch and the combine
+    # forward, their mirrors backward, each one XLA ragged-all-to-all (exactly the rows
+    # routed, no padding), and the sizes settled once, by one all-gather of n x n int32.
+    n = 8
+    mesh = jax.make_mesh((n,), ("expert",))
+    specs = (P("expert"), P(), P("expert"), P("expert"))
+    layer = _layer(ROUTINGS["softmax-dropless"], "expert")
+
+    def grads(x, router, w_in, w_out):
+        def loss(x, router, w_in, w_out):
+            return jnp.sum(layer(x, router, w_in, w_out)[0] ** 2)
+
+        router = jax.lax.pcast(router, "expert", to="varying")
+        g = jax.grad(loss, argnums=(0, 1, 2, 3))(x, router, w_in, w_out)
+        return g[0], jax.lax.psum(g[1], "expert"), g[2], g[3]
+
+    f = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=specs, out_specs=specs))
+    shapes = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))
+        for a, s in zip(_inputs(), specs)
+    ]
+    ok = [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
+    text = jax.export.export(f, platforms=("cuda",), disabled_checks=ok)(*shapes).mlir_module()
+    assert len(re.findall(r"ragged_all_to_all", text)) >= 4
+    calls = re.findall(r"stablehlo\.custom_call @ragged_all_to_all", text)
+    assert len(calls) == 4, len(calls)
+    assert not re.findall(r"stablehlo\.all_to_all", text)
+    counts = re.findall(r"stablehlo\.all_gather.*?-> tensor<(\w+)>", text)
+    assert counts == [f"{n}x{n}xi32"], counts
