@@ -94,12 +94,14 @@ import time
 
 import jaxcoll
 
-ROWS = ("jaxcoll-fsdp8", "jaxcoll-ddp8", "gspmd", "gspmd-ragged")
+ROWS = ("jaxcoll-fsdp8", "jaxcoll-fsdp8-capacity", "jaxcoll-ddp8", "gspmd", "gspmd-ragged")
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the rows")
 parser.add_argument("--steps", type=int, default=3, help="steps per row per round")
 parser.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {ROWS}")
-parser.add_argument("--capacity-factor", type=float, default=2.0, help="GSPMD's, per group")
+parser.add_argument(
+    "--capacity-factor", type=float, default=2.0, help="GSPMD's and the capacity row's"
+)
 parser.add_argument(
     "--jaxcoll-scheduler",
     action="store_true",
@@ -140,11 +142,14 @@ MIB = 2**20
 class Model(nn.Module):
     """Embedding -> LAYERS x (h + MoE(LayerNorm(h))) -> head."""
 
+    capacity_factor: float | None = None  # None: dropless
+
     @nn.compact
     def __call__(self, x):
         h = nn.Embed(VOCAB, WIDTH, name="embed")(x)
         for i in range(LAYERS):
-            moe = pnn.MoE(EXPERTS, HIDDEN, k=K, name=f"moe{i}")
+            cf = self.capacity_factor
+            moe = pnn.MoE(EXPERTS, HIDDEN, k=K, capacity_factor=cf, name=f"moe{i}")
             h = h + moe(nn.LayerNorm(name=f"ln{i}")(h))
         return nn.Dense(VOCAB, name="head")(h)
 
@@ -157,11 +162,14 @@ def cross_entropy(logits, y):
     return -jnp.mean(jnp.take_along_axis(logp, y[..., None], -1))
 
 
-def jaxcoll_loss(params, batch, rng=None):
-    logits, sown = MODEL.apply({"params": params}, batch["x"], mutable=["intermediates"])
-    ce = cross_entropy(logits, batch["y"])
-    metrics = pnn.moe_metrics(sown["intermediates"])
-    return ce + AUX * metrics["moe_aux"], {"lm_loss": ce, **metrics}
+def jaxcoll_loss(model=MODEL):
+    def loss(params, batch, rng=None):
+        logits, sown = model.apply({"params": params}, batch["x"], mutable=["intermediates"])
+        ce = cross_entropy(logits, batch["y"])
+        metrics = pnn.moe_metrics(sown["intermediates"])
+        return ce + AUX * metrics["moe_aux"], {"lm_loss": ce, **metrics}
+
+    return loss
 
 
 def top2(p, x):
@@ -258,8 +266,9 @@ class Row:
         self.times: list[float] = []
 
 
-def row_jaxcoll(layout: dp.Layout) -> Row:
-    trainer = dp.Trainer(jaxcoll_loss, optax.adamw(1e-3), layout=layout)
+def row_jaxcoll(layout: dp.Layout, capacity_factor: float | None = None) -> Row:
+    loss = jaxcoll_loss(Model(capacity_factor))
+    trainer = dp.Trainer(loss, optax.adamw(1e-3), layout=layout)
     state = trainer.init(init_params(), jax.random.key(0))
     step, abstract = trainer.step_program(state, BATCH_NP)
     compiled = step.lower(*abstract).compile()
@@ -316,6 +325,9 @@ def main() -> None:
     dropped = None
     if "jaxcoll-fsdp8" in names:
         rows["jaxcoll fsdp8+ep8"] = row_jaxcoll(dp.Layout(shard=8, expert=8))
+    if "jaxcoll-fsdp8-capacity" in names:
+        name = f"jaxcoll fsdp8+ep8 capacity {args.capacity_factor}"
+        rows[name] = row_jaxcoll(dp.Layout(shard=8, expert=8), args.capacity_factor)
     if "jaxcoll-ddp8" in names:
         rows["jaxcoll ddp8+ep8"] = row_jaxcoll(dp.Layout(replicate=8, expert=8))
     if "gspmd" in names:

@@ -85,11 +85,13 @@ def _from_bytes(b: jax.Array, like: Any) -> jax.Array:
 def _packed(lowering_fn):
     """Run a one-buffer lowering on every leaf at once: leaves as bytes, side by side."""
 
-    def run(*args, ax, out_size, count):
+    def run(*args, ax, out_size, count, rows):
         leaves, plan = args[:count], args[count : count + 5]
         flat = [_to_bytes(leaf) for leaf in leaves]
         widths = [f.shape[1] for f in flat]
-        moved = lowering_fn(jnp.concatenate(flat, axis=1), *plan, ax=ax, out_size=out_size)
+        moved = lowering_fn(
+            jnp.concatenate(flat, axis=1), *plan, ax=ax, out_size=out_size, rows=rows
+        )
         cuts = np.cumsum(widths)[:-1].tolist()
         return [
             _from_bytes(part, jax.typeof(leaf))
@@ -99,14 +101,15 @@ def _packed(lowering_fn):
     return run
 
 
-def _ragged_padded(x, in_off, send, out_off, recv, recv_off, *, ax, out_size):
+def _ragged_padded(x, in_off, send, out_off, recv, recv_off, *, ax, out_size, rows=None):
     """Where XLA has no ragged all-to-all (CPU; vmap): every sender fills ``n`` chunks of
-    ``min(m, out_size)`` rows (zeros past ``send[j]``), one ``lax.all_to_all`` moves them, and
-    a scatter-add puts chunk j's first ``recv[j]`` rows at ``recv_off[j]``. Moves
-    ``n * min(m, out_size)`` rows per rank whatever the sizes: correct, not lean."""
+    ``min(m, out_size, rows)`` rows (zeros past ``send[j]``), one ``lax.all_to_all`` moves
+    them, and a scatter-add puts chunk j's first ``recv[j]`` rows at ``recv_off[j]``. Moves
+    ``n * min(m, out_size, rows)`` rows per rank whatever the sizes: correct, not lean.
+    ``rows``: the most rows any rank sends to any one rank, which the caller guarantees."""
     del out_off
     m, rest = x.shape[0], x.shape[1:]
-    cap = min(m, out_size)
+    cap = min(m, out_size, m if rows is None else rows)
     out = ensure_varying(jnp.zeros((out_size, *rest), x.dtype), ax)
     if cap == 0:
         return out
@@ -119,10 +122,12 @@ def _ragged_padded(x, in_off, send, out_off, recv, recv_off, *, ax, out_size):
     return out.at[pos].add(got, mode="drop")
 
 
-def _ragged_native(x, in_off, send, out_off, recv, recv_off, *, ax, out_size):
+def _ragged_native(x, in_off, send, out_off, recv, recv_off, *, ax, out_size, rows=None):
     """GPU: one ``lax.ragged_all_to_all`` (HLO ragged-all-to-all) into a zero buffer."""
     if min(x.shape[0], out_size) == 0 or ax.size == 1:  # nothing to move between devices
-        return _ragged_padded(x, in_off, send, out_off, recv, recv_off, ax=ax, out_size=out_size)
+        return _ragged_padded(
+            x, in_off, send, out_off, recv, recv_off, ax=ax, out_size=out_size, rows=rows
+        )
     out = ensure_varying(jnp.zeros((out_size, *x.shape[1:]), x.dtype), ax)
     return lax.ragged_all_to_all(x, out, in_off, send, out_off, recv, axis_name=ax.name)
 
@@ -134,7 +139,7 @@ def _ragged_native(x, in_off, send, out_off, recv, recv_off, *, ax, out_size):
 ragged_p = Primitive("jaxcoll_ragged_all_to_all")
 ragged_p.multiple_results = True
 ragged_p.def_abstract_eval(
-    lambda *avals, ax, out_size, count: [
+    lambda *avals, ax, out_size, count, rows: [
         a.update(shape=(out_size, *a.shape[1:])) for a in avals[:count]
     ]
 )
@@ -143,14 +148,16 @@ register_gpu_or_portable(
 )
 
 
-def _ragged_jvp(primals, tangents, *, ax, out_size, count):
-    out = ragged_p.bind(*primals, ax=ax, out_size=out_size, count=count)
+def _ragged_jvp(primals, tangents, *, ax, out_size, count, rows):
+    out = ragged_p.bind(*primals, ax=ax, out_size=out_size, count=count, rows=rows)
     # Only the float leaves have tangents (an int leaf beside them, an MoE's expert ids,
     # has float0 ones): they move alone, the others' tangents are symbolic zeros.
     diff = [i for i in range(count) if jnp.issubdtype(primals[i].dtype, jnp.inexact)]
     ts = [instantiate_zeros(tangents[i]) for i in diff]
     moved = (
-        ragged_p.bind(*ts, *primals[count:], ax=ax, out_size=out_size, count=len(ts)) if ts else []
+        ragged_p.bind(*ts, *primals[count:], ax=ax, out_size=out_size, count=len(ts), rows=rows)
+        if ts
+        else []
     )
     out_t: list[Any] = [Zero(jax.typeof(o).to_tangent_aval()) for o in out]
     for i, t in zip(diff, moved, strict=True):
@@ -158,14 +165,16 @@ def _ragged_jvp(primals, tangents, *, ax, out_size, count):
     return out, out_t
 
 
-def _ragged_transpose(cts, *args, ax, out_size, count):
+def _ragged_transpose(cts, *args, ax, out_size, count, rows):
     leaves, plan = args[:count], args[count:]
     cts = [ensure_varying(instantiate_zeros(ct), ax) for ct in cts]
-    back = ragged_p.bind(*cts, *reverse(plan), ax=ax, out_size=leaves[0].aval.shape[0], count=count)
+    back = ragged_p.bind(
+        *cts, *reverse(plan), ax=ax, out_size=leaves[0].aval.shape[0], count=count, rows=rows
+    )
     return [*back, *([None] * len(plan))]
 
 
-def _ragged_batcher(vals, dims, *, ax, out_size, count):
+def _ragged_batcher(vals, dims, *, ax, out_size, count, rows):
     """A vmap over another axis: one ragged all-to-all per batch entry."""
     size = next(v.shape[d] for v, d in zip(vals, dims) if d is not None)
     vals = [
@@ -173,7 +182,7 @@ def _ragged_batcher(vals, dims, *, ax, out_size, count):
         for v, d in zip(vals, dims)
     ]
     outs = [
-        ragged_p.bind(*(v[b] for v in vals), ax=ax, out_size=out_size, count=count)
+        ragged_p.bind(*(v[b] for v in vals), ax=ax, out_size=out_size, count=count, rows=rows)
         for b in range(size)
     ]
     return [jnp.stack(o) for o in zip(*outs)], [0] * count
@@ -185,7 +194,11 @@ primitive_batchers[ragged_p] = _ragged_batcher
 
 
 def ragged_all_to_all(
-    leaves: list[jax.Array], ax: Axis, plan: tuple[jax.Array, ...], out_size: int
+    leaves: list[jax.Array],
+    ax: Axis,
+    plan: tuple[jax.Array, ...],
+    out_size: int,
+    rows: int | None = None,
 ) -> list[jax.Array]:
     """Move the leaves (one leading row count) by ``plan`` (from :func:`ragged_plan`) into
     ``out_size`` rows each, all leaves in one transfer.
@@ -198,5 +211,7 @@ def ragged_all_to_all(
     leaves = [ensure_varying(leaf, ax) for leaf in leaves]
     plan = tuple(ensure_varying(p, ax) for p in plan)
     if ax.vmapped:  # per leaf: jax differentiates this path itself, and bitcasts have no grad
-        return [_ragged_padded(leaf, *plan[:5], ax=ax, out_size=out_size) for leaf in leaves]
-    return ragged_p.bind(*leaves, *plan, ax=ax, out_size=out_size, count=len(leaves))
+        return [
+            _ragged_padded(leaf, *plan[:5], ax=ax, out_size=out_size, rows=rows) for leaf in leaves
+        ]
+    return ragged_p.bind(*leaves, *plan, ax=ax, out_size=out_size, count=len(leaves), rows=rows)

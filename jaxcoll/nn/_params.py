@@ -65,6 +65,8 @@ _FIX = {  # what to do when the layer's argument does not divide by n
     "{value}.",
     "num_heads": "Each rank owns whole heads: pick a number of heads divisible by {n}, or split "
     "over an axis whose size divides {value}.",
+    "num_experts": "Each rank owns whole experts: pick a number of experts divisible by {n}, or "
+    "an expert degree that divides {value}.",
 }
 
 
@@ -116,9 +118,12 @@ class Split(meta.Partitioned):
     axis: str | None = struct.field(default=None, pytree_node=False)
 
     def indivisible(self, size: int, n: int, axes: tuple) -> str | None:
-        if not self.argname or size != self.size or tuple(axes) != (self.axis,):
+        # axis None: split over whichever axis its role names (an MoE's experts)
+        if not self.argname or size != self.size or len(axes) != 1:
             return None
-        return _indivisible(self.layer, self.argname, self.size, n, self.axis)
+        if self.axis is not None and tuple(axes) != (self.axis,):
+            return None
+        return _indivisible(self.layer, self.argname, self.size, n, axes[0])
 
 
 def _plain(value: Any) -> jax.Array:

@@ -134,17 +134,17 @@ class MoE(linen.Module):
             (d, num),
             self.param_dtype,
         )
-        w_in = self.param(
-            "w_in",
-            linen.with_partitioning(self.kernel_init, split),
-            (local, d, hidden),
-            self.param_dtype,
+
+        def boxed(key: jax.Array, shape: tuple[int, ...], dtype: Dtype) -> _params.Split:
+            # nn.with_partitioning's box, naming the argument its split dimension is
+            value = self.kernel_init(key, shape, dtype)
+            return _params.Split(value, split, layer=api, argname="num_experts", size=num)
+
+        w_in = _params._plain(
+            self.param("w_in", boxed, (local, d, hidden), self.param_dtype, unbox=False)
         )
-        w_out = self.param(
-            "w_out",
-            linen.with_partitioning(self.kernel_init, split),
-            (local, hidden, d),
-            self.param_dtype,
+        w_out = _params._plain(
+            self.param("w_out", boxed, (local, hidden, d), self.param_dtype, unbox=False)
         )
         x, w_in, w_out = linen.dtypes.promote_dtype(x, w_in, w_out, dtype=self.dtype)
         y, load = parallel.moe_mlp(

@@ -166,7 +166,8 @@ def moe_mlp(
     Args:
         x: the tokens, ``(B, S, d)``: a batch of sequences.
         router: ``(d, E)``, the router's kernel (its logits are computed in float32).
-        w_in, w_out: the local experts' kernels, ``(E_local, d, h)`` and ``(E_local, h, d)``.
+        w_in: the local experts' first kernels, ``(E_local, d, h)``.
+        w_out: their second kernels, ``(E_local, h, d)``.
         k: experts per token.
         axis: the expert axis (a role: inside a ``dp.Trainer`` the layout's expert axis);
             not bound: every expert is local.
@@ -221,7 +222,13 @@ def moe_mlp(
     else:
         per_sender = b * s * k if capacity is None else min(b * s * k, b * capacity * local)
         got, mine, valid, routing = dispatch(
-            rows, expert, axis, experts_per_rank=local, capacity=n * per_sender, keep=keep
+            rows,
+            expert,
+            axis,
+            experts_per_rank=local,
+            capacity=n * per_sender,
+            keep=keep,
+            max_per_rank=None if capacity is None else per_sender,
         )
         out = combine(_grouped(got, mine, valid, local, ffn), routing, axis)
     weights = (routes.gate * routes.keep).astype(out.dtype).reshape(-1, 1)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from .. import primitives
 from .._core.typing import AxisName, PyTree
-from ..primitives._ragged import ragged_return
+from ..primitives._ragged import ragged_exchange, ragged_return
 
 
 class Routing(NamedTuple):
@@ -25,6 +25,7 @@ class Routing(NamedTuple):
     send_sizes: jax.Array  # (n,) tokens this rank sent to each rank
     recv_sizes: jax.Array  # (n,) tokens this rank kept from each rank
     plan: tuple[jax.Array, ...]  # the exchange's offsets, to send the rows back
+    rows: int | None = None  # the most rows sent to any one rank (static), or None
 
 
 def dispatch(
@@ -35,6 +36,7 @@ def dispatch(
     experts_per_rank: int,
     capacity: int | None = None,
     keep: jax.Array | None = None,
+    max_per_rank: int | None = None,
 ) -> tuple[PyTree, jax.Array, jax.Array, Routing]:
     """Send each token to the rank holding its expert; return what this rank's experts get.
 
@@ -59,6 +61,10 @@ def dispatch(
             Tokens past it are dropped and come back from :func:`combine` as zeros.
         keep: ``(T,)`` bool, the tokens to send (None: all); the others are not sent and
             come back from :func:`combine` as zeros (a capacity the router applied).
+        max_per_rank: the most tokens sent to any one rank (None: no bound): past it, a
+            rank's tokens are not sent (zeros from :func:`combine`). A router's capacity
+            gives it; where XLA has no ragged all-to-all (CPU) the exchange then moves
+            ``n * max_per_rank`` rows per rank instead of ``n * T``.
 
     Returns:
         ``(tokens, local_expert, valid, routing)``: the received tokens ``(capacity, ...)``,
@@ -71,17 +77,19 @@ def dispatch(
     dest = expert // experts_per_rank
     if keep is not None:  # not sent: sorted past every rank's rows, counted nowhere
         dest = jnp.where(keep, dest, n)
+    if max_per_rank is not None:  # each rank's first max_per_rank tokens, in token order
+        onehot = jax.nn.one_hot(dest, n + 1, dtype=jnp.int32)
+        ahead = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+        dest = jnp.where(ahead < max_per_rank, dest, n)
     order = jnp.argsort(dest, stable=True)
     send = jnp.zeros((n,), jnp.int32).at[dest].add(1, mode="drop")
     payload = {
         "x": jax.tree_util.tree_map(lambda a: a[order], x),
         "e": (expert % experts_per_rank)[order].astype(jnp.int32),
     }
-    got, recv, plan = primitives.ragged_all_to_all(
-        payload, axis_name, send, out_size=cap, plan=True
-    )
+    got, recv, plan = ragged_exchange(payload, axis_name, send, out_size=cap, rows=max_per_rank)
     valid = jnp.arange(cap) < jnp.sum(recv)
-    return got["x"], got["e"], valid, Routing(order, send, recv, plan)
+    return got["x"], got["e"], valid, Routing(order, send, recv, plan, max_per_rank)
 
 
 def combine(y: PyTree, routing: Routing, axis_name: AxisName) -> PyTree:
@@ -103,5 +111,6 @@ def combine(y: PyTree, routing: Routing, axis_name: AxisName) -> PyTree:
         Leaves ``(T, ...)`` in this rank's token order.
     """
     t = routing.order.shape[0]
-    back = ragged_return(y, axis_name, routing.plan, out_size=t)  # in the sorted order
+    rows = routing.rows
+    back = ragged_return(y, axis_name, routing.plan, out_size=t, rows=rows)  # sorted order
     return jax.tree_util.tree_map(lambda a: jnp.zeros_like(a).at[routing.order].set(a), back)

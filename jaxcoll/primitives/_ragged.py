@@ -88,8 +88,7 @@ def ragged_all_to_all(
     send_sizes: jax.typing.ArrayLike,
     *,
     out_size: int | None = None,
-    plan: bool = False,
-) -> tuple[Any, ...]:
+) -> tuple[PyTree, jax.Array]:
     """Each rank sends ``send_sizes[j]`` rows to rank j; each receives them packed in rank order.
 
     The SPMD form of ``torch.distributed.all_to_all_single(out, x, output_split_sizes,
@@ -124,9 +123,6 @@ def ragged_all_to_all(
         send_sizes: int array of shape ``(n,)``, traced or not. Negative entries count as 0;
             rows past ``m`` are not sent (the sizes are clipped to the buffer).
         out_size: static row count of the result (the receive capacity); default ``m``.
-        plan: also return the exchange's plan, for :func:`ragged_return` (sends the rows
-            back with no new exchange of sizes): the result is then ``(out, recv_sizes,
-            plan)``.
 
     Returns:
         ``(out, recv_sizes)``: ``out`` like ``x`` with ``out_size`` rows, the received rows
@@ -148,8 +144,24 @@ def ragged_all_to_all(
         >>> g(jnp.array([[1., 2., 2.], [3., 4., 0.]]), jnp.array([[1, 2], [1, 1]]))
         (Array([[1., 3., 0.], [2., 2., 4.]], dtype=float32), Array([[1, 1], [2, 1]], ...))
     """
-    if (own := handler(axis_name)) is not None and not plan:
+    if (own := handler(axis_name)) is not None:
         return delegate(own, ragged_all_to_all, x, send_sizes=send_sizes, out_size=out_size)
+    out, recv, _ = ragged_exchange(x, axis_name, send_sizes, out_size=out_size)
+    return out, recv
+
+
+def ragged_exchange(
+    x: PyTree,
+    axis_name: AxisName,
+    send_sizes: jax.typing.ArrayLike,
+    *,
+    out_size: int | None = None,
+    rows: int | None = None,
+) -> tuple[PyTree, jax.Array, tuple[jax.Array, ...]]:
+    """:func:`ragged_all_to_all`, with the exchange's plan for :func:`ragged_return` (which
+    sends the rows back with no new exchange of sizes): ``(out, recv_sizes, plan)``.
+    ``rows``: the most rows any rank sends to any one rank, when the caller knows it (an MoE
+    capacity): the CPU lowering then moves ``n * rows`` rows per rank."""
     api = "ragged_all_to_all"
     ax = resolve(api, axis_name)
     leaves, treedef = as_array_leaves(api, x)
@@ -161,21 +173,23 @@ def ragged_all_to_all(
             f"rank can receive (>= 0)."
         )
     sizes = _int_array(api, "send_sizes", send_sizes, (ax.size,))
-    moves = ragged_lowering.ragged_plan(sizes, ax, m, cap)
-    out = ragged_lowering.ragged_all_to_all(leaves, ax, moves, cap)
-    if plan:
-        return jax.tree_util.tree_unflatten(treedef, out), moves[3], moves
-    return jax.tree_util.tree_unflatten(treedef, out), moves[3]
+    plan = ragged_lowering.ragged_plan(sizes, ax, m, cap)
+    out = ragged_lowering.ragged_all_to_all(leaves, ax, plan, cap, rows)
+    return jax.tree_util.tree_unflatten(treedef, out), plan[3], plan
 
 
-def ragged_return(y: PyTree, axis_name: AxisName, plan: tuple, out_size: int) -> PyTree:
-    """Send the rows a :func:`ragged_all_to_all` delivered (``y``, in the order they
-    arrived) back to where each came from, into ``out_size`` rows (zeros where nothing came
-    back), by the plan ``ragged_all_to_all(..., plan=True)`` returned: one ragged all-to-all,
-    no exchange of sizes (MoE's combine after its dispatch)."""
+def ragged_return(
+    y: PyTree, axis_name: AxisName, plan: tuple, *, out_size: int, rows: int | None = None
+) -> PyTree:
+    """Send the rows a :func:`ragged_exchange` delivered (``y``, in the order they arrived)
+    back to where each came from, into ``out_size`` rows (zeros where nothing came back), by
+    its plan: one ragged all-to-all, no exchange of sizes (MoE's combine after its
+    dispatch)."""
     ax = resolve("ragged_return", axis_name)
     leaves, treedef = as_array_leaves("ragged_return", y)
-    back = ragged_lowering.ragged_all_to_all(leaves, ax, ragged_lowering.reverse(plan), out_size)
+    back = ragged_lowering.ragged_all_to_all(
+        leaves, ax, ragged_lowering.reverse(plan), out_size, rows
+    )
     return jax.tree_util.tree_unflatten(treedef, back)
 
 

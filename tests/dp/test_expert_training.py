@@ -94,6 +94,10 @@ def references():
 
 LAYOUTS = {
     "ep8": (dp.Layout(expert=8), None),  # DDP for the rest
+    # alone over 2 and 4 of the 8 devices: DDP over both axes of the mesh, the experts
+    # split over one of them (and replicated over the other)
+    "ep2": (dp.Layout(replicate=("rep", "ep"), expert="ep"), (4, 2)),
+    "ep4": (dp.Layout(replicate=("rep", "ep"), expert="ep"), (2, 4)),
     "fsdp8-ep8": (dp.Layout(shard=8, expert=8), None),
     "hsdp2x4-ep4": (dp.Layout(replicate=2, shard=4, expert=4), None),
     "zero1-4x2-ep2": (dp.Layout(replicate=4, shard=2, expert=2), dp.sync.ZeRO1()),
@@ -106,8 +110,9 @@ def test_expert_layouts_train_as_one_device(name, references):
     layout, extra = LAYOUTS[name]
     cf = 1.0 if extra == "capacity" else None
     sync = extra if isinstance(extra, dp.sync.Strategy) else None
+    mesh = jax.make_mesh(extra, ("rep", "ep")) if isinstance(extra, tuple) else None
     reference, first = references[cf]
-    trainer = dp.Trainer(_loss(cf), twin_optimizer(), layout=layout, sync=sync)
+    trainer = dp.Trainer(_loss(cf), twin_optimizer(), layout=layout, sync=sync, mesh=mesh)
     state = trainer.init(_params(boxed=True), jax.random.key(0))
     for i, b in enumerate(_batches()):
         state, metrics = trainer.step(state, b)
@@ -141,3 +146,38 @@ def test_the_experts_stay_split_and_the_step_moves_tokens_by_four_all_to_alls():
     # and one small exchange of counts (8 x 8 int32) per layer: the combine and the backward
     # reuse the dispatch's plan
     assert counts == ["8,8", "8,8"], counts
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: dp.Layout(shard=4, expert=2), r"the expert role borrows the devices of the data"),
+        (
+            lambda: dp.Layout(replicate="data", tensor="model", expert="model"),
+            r"must name the axis of the data shards",
+        ),
+        (lambda: dp.Layout(shard=2, rules={"experts": "shard"}), r"rules map a logical axis"),
+    ],
+)
+def test_an_expert_role_that_borrows_no_data_devices_is_refused(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_experts_the_expert_axis_does_not_divide_are_named():
+    class Five(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return pnn.MoE(5, 8, k=2)(nn.Embed(VOCAB, WIDTH)(x))
+
+    model = Five()
+    params = model.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))["params"]
+
+    def loss(p, batch, rng=None):
+        return jnp.mean(model.apply({"params": p}, batch["x"]) ** 2), {}
+
+    trainer = dp.Trainer(loss, optax.sgd(0.1), layout=dp.Layout(shard=8, expert=8))
+    with pytest.raises(
+        ValueError, match=r"num_experts=5 is not divisible by the 8 ranks of mesh axis 'shard'"
+    ):
+        trainer.init(params, jax.random.key(0))
