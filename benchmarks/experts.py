@@ -24,6 +24,10 @@ Rows:
   room for every assignment of every device (8 x 512 rows), the device's expert runs on its
   rows by ``jax.lax.ragged_dot``, one ragged all-to-all brings the outputs back (two more in
   the backward); the load over the whole batch is summed over the devices.
+- ``jaxcoll fsdp8+ep8 capacity 2.0``: the same layout, ``MoE(..., capacity_factor=2.0)``:
+  each expert keeps 64 assignments per sequence, in GShard's order (so the same as the GShard
+  row below drops), each device sends at most ``2 sequences x 64`` rows to each expert's
+  device, and its receive buffer holds ``8 x 128`` rows.
 - ``jaxcoll ddp8+ep8``: the same with ``dp.Layout(replicate=8, expert=8)``: the dense params
   replicated (DDP), the experts still one per device.
 - ``gspmd gshard``: the same model and math in plain JAX under ``jax.jit``
@@ -65,18 +69,18 @@ every row in turn, A, B, C, A, B, C, ...); ``args`` / ``temp`` the compiled step
 program's ``cost_analysis()`` flops; the collectives of the compiled per-device program per
 step, count x result MiB (``benchmarks/hlo_stats.py``). Then jaxcoll / GSPMD ratios.
 
-What the default run gave (jax 0.10.2, 2 cores): jaxcoll fsdp8+ep8 480 ms and 69.7 MiB per
-device, ddp8+ep8 498 ms and 60.9 MiB, GSPMD GShard 90 ms and 17.5 MiB, GSPMD ragged_dot 335
-ms and 34.4 MiB; every step-0 loss 5.59523 (GShard dropped nothing). jaxcoll's dropless
-buffer is sized for the worst case, every assignment of every device on one expert: 8 x 512
-= 4096 rows per device per layer, 8 times the mean load (512) and 4 times GShard's
-``G/8 x C = 128`` rows per device at capacity factor 2. Its all-to-alls carry that whole
-buffer (8 per step of 2 MiB each, against GShard's 12 of 0.44 MiB), and
-``jax.lax.ragged_dot`` on XLA:CPU costs the same for 512 valid rows of 4096 as for 4096
-(1.6 vs 1.2 ms for a (4096, 128) x (128, 256) one, measured beside this script): the experts
-compute every padding row, 4.0 GFLOP per device per step against GShard's 1.25. The
-GSPMD ragged_dot row moves no tokens by all-to-all: it all-gathers the sorted rows (59
-all-gathers, 40 MiB a step).
+What the default run gave (jax 0.10.2, 2 cores; ms, peak MiB per device): jaxcoll
+fsdp8+ep8 284 / 69.7, with capacity 2.0 60 / 21.6, ddp8+ep8 248 / 60.9; GSPMD GShard 77 /
+17.5, GSPMD ragged_dot 219 / 34.4; every step-0 loss 5.59523 (GShard dropped nothing). With
+GShard's capacity jaxcoll takes 0.79x its time and 1.24x its memory. Dropless, it takes 3.7x
+and 4.0x: its buffer is sized for the worst case, every assignment of every device on one
+expert (8 x 512 = 4096 rows per device per layer, 8 times the mean load and 4 times GShard's
+``G/8 x C = 128`` rows per device at capacity factor 2); on XLA:CPU its all-to-alls carry
+that whole buffer and ``jax.lax.ragged_dot`` costs the same for 512 valid rows of 4096 as for
+4096 (1.6 vs 1.2 ms for a (4096, 128) x (128, 256) one), so the experts compute every padding
+row (4.0 GFLOP per device per step against GShard's 1.25). On GPUs the ragged all-to-all
+moves only the routed rows; the buffer's memory stays. The GSPMD ragged_dot row moves no
+tokens by all-to-all: it all-gathers the sorted rows (59 all-gathers, 40 MiB a step).
 
 XLA:CPU flags: jaxcoll's (``jaxcoll.xla_cpu_flags``: collective timeouts) except its
 scheduler setting: the concurrency-optimized scheduler stays on, XLA's default, as in
