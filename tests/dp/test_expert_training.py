@@ -100,6 +100,7 @@ LAYOUTS = {
     "ep4": (dp.Layout(replicate=("rep", "ep"), expert="ep"), (2, 4)),
     "fsdp8-ep8": (dp.Layout(shard=8, expert=8), None),
     "hsdp2x4-ep4": (dp.Layout(replicate=2, shard=4, expert=4), None),
+    "hsdp4x2-ep2": (dp.Layout(replicate=4, shard=2, expert=2), None),
     "zero1-4x2-ep2": (dp.Layout(replicate=4, shard=2, expert=2), dp.sync.ZeRO1()),
     "fsdp4-ep4-capacity": (dp.Layout(replicate=2, shard=4, expert=4), "capacity"),
 }
