@@ -35,8 +35,8 @@ Printed per variant, from ``memory_analysis()`` and the scheduled HLO (``as_text
   a synchronous one counts as its start and its done);
 - param all-gathers: the all-gathers whose operand comes from model params (walked back
   through the entry, not across collectives; each is labelled by those params) and whose
-  result holds them whole; backward re-gathers: those of them that depend on another
-  all-gather's result (through the cotangent) or gather params an earlier one gathered;
+  result holds them whole; backward re-gathers: those of them that gather params an
+  earlier one gathered (without labels: that depend on another all-gather's result);
 - for each re-gather, in scheduled order: the compute ops (fusion, custom-call, dot,
   convolution) scheduled strictly between its start and its done (``win``) and how many of
   them are matrix products (``gemm``: a dot, a cuBLAS custom-call, or a fusion containing a
@@ -47,15 +47,17 @@ Printed per variant, from ``memory_analysis()`` and the scheduled HLO (``as_text
 ``--isolate S`` (the default without ``--cpu``, S = 60) compiles each variant in a child
 process stopped after S seconds, so one compile that hangs costs only its own row.
 
-Read on one H200 (jax 0.11.2, the flags above): XLA:GPU's combiners merge the forward's 32
-gathers into one synchronous all-gather at the top and the 32 gradient reduce-scatters into
-one at the end, so FSDP's args+temp is 24.10 MiB per device, as the competent GSPMD row's
-(8.82 on XLA:CPU). The 15 backward re-gathers stay one per block in both FSDP variants, each
-started just before the block's own gemm with 1 or 2 small kernels in its window and none
-ahead of the previous block's gemm (0/14 with and without prefetch, GSPMD the same); only
-the last one (l1.w) spans 27 kernels, 12 of them gemms. With prefetch the data dependencies
-would let block k's re-gather start before block k+1's gemm; the scheduler does not start it
-there.
+Read on one H200 (jax 0.11.2, the flags above). With XLA's combiners on
+(``--xla-combiners``, XLA's default) they merge FSDP's forward gathers (23 all-gathers left
+of 47) and its 32 gradient reduce-scatters into one at the end: args+temp 24.11 MiB per
+device, as the competent GSPMD row's 24.10 (FSDP: 8.82 on XLA:CPU). With jaxcoll's flags
+(``jaxcoll.xla_gpu_flags()``: the combiners off; the default here, and what ``jaxcoll.init``
+and ``jaxcoll-run`` set): FSDP 9.27 MiB per device, its ideal (GSPMD competent 22.23, naive
+22.22), 47 all-gathers and 32 reduce-scatters, one per block and matrix. Either way the
+scheduler starts each backward re-gather just before its own block's gemm (none ahead of
+the previous block's: 0/14, with and without prefetch, GSPMD the same; 1 compute op in each
+window with the combiners off): the overlap prefetch allows is not taken by XLA:GPU's
+scheduler in this compile (autotuning off, mock topology).
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ from collections import defaultdict
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cpu", action="store_true", help="8 XLA:CPU devices, no mock GPUs")
+parser.add_argument(
+    "--xla-combiners",
+    action="store_true",
+    help="keep XLA:GPU's collective combiners on (jaxcoll's flags turn them off)",
+)
 parser.add_argument("--dump", default=None, help="folder to write each variant's HLO text to")
 parser.add_argument(
     "--isolate",
@@ -103,6 +110,8 @@ _argv, _flags = sys.argv, os.environ.get("XLA_FLAGS")
 sys.argv = [sys.argv[0]]
 import memory  # noqa: E402
 
+import jaxcoll  # noqa: E402
+
 sys.argv = _argv
 #: XLA:GPU flags: no command buffers (the entry lists the kernels in their scheduled order);
 #: autotuning off and not sharded over the (mock) processes, which the compile would wait on.
@@ -112,7 +121,12 @@ GPU_FLAGS = (
     "--xla_gpu_shard_autotuning=false",
 )
 if not args.cpu:
-    os.environ["XLA_FLAGS"] = " ".join(filter(None, [_flags or "", *GPU_FLAGS]))
+    # jaxcoll's XLA:GPU flags (its collective combiners off), as jaxcoll.init and jaxcoll-run
+    # set them, unless --xla-combiners; flags of the environment win.
+    ours = [] if args.xla_combiners else jaxcoll.xla_gpu_flags()
+    given = {f.split("=", 1)[0] for f in (_flags or "").split()}
+    ours = [f for f in ours if f.split("=", 1)[0] not in given]
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [_flags or "", *ours, *GPU_FLAGS]))
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -417,7 +431,9 @@ def analyse(compiled, specs) -> dict:
         ):
             continue  # without labels (arguments dropped) every all-gather counts
         param_gathers += 1
-        if after_gather(start) or (got and got <= earlier):
+        # a re-gather gathers params an earlier gather gathered (the forward's gathers may
+        # depend on earlier gathers too: each waits for the previous block's inputs)
+        if (got and got <= earlier) or (not got and after_gather(start)):
             regathers.append({"start": start, "done": done, "params": sorted(got)})
         earlier |= got
     for k, g in enumerate(regathers):

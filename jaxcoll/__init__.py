@@ -24,6 +24,7 @@ from ._watch import preemption_requested as preemption_requested
 from ._watch import watch as watch
 from ._watch import watch_outputs as watch_outputs
 from ._xla_flags import xla_cpu_flags as xla_cpu_flags
+from ._xla_flags import xla_gpu_flags as xla_gpu_flags
 from .distributed import init as init
 
 # ``import jaxcoll.dist`` finds the same module object; nothing is loaded twice. (Private
@@ -49,4 +50,5 @@ __all__ = [
     "watch",
     "watch_outputs",
     "xla_cpu_flags",
+    "xla_gpu_flags",
 ]

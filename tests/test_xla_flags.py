@@ -42,6 +42,12 @@ def test_the_flags_and_how_they_merge():
     assert merged["--xla_cpu_collective_timeout_seconds"] == "5"
     assert merged["--xla_cpu_collective_call_terminate_timeout_seconds"] == str(XLA_CPU_TIMEOUT_S)
     assert "device_count" not in with_xla_cpu_flags("")
+    # XLA:GPU's combiners off (jaxcoll groups its own collectives), the user's threshold wins
+    gpu = _values(with_xla_cpu_flags("--xla_gpu_all_reduce_combine_threshold_bytes=1024"))
+    assert gpu["--xla_gpu_all_gather_combine_threshold_bytes"] == "0"
+    assert gpu["--xla_gpu_reduce_scatter_combine_threshold_bytes"] == "0"
+    assert gpu["--xla_gpu_all_reduce_combine_threshold_bytes"] == "1024"
+    assert set(jaxcoll.xla_gpu_flags()) <= set(with_xla_cpu_flags("").split())
     with pytest.raises(ValueError, match="devices=0 must be a positive int"):
         jaxcoll.xla_cpu_flags(devices=0)
 

@@ -9,6 +9,7 @@ being merged with the forward's), and against a single-device run for the values
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -183,25 +184,51 @@ def _ancestors(nodes, name: str) -> set[str]:
     return seen
 
 
-def _waits_for_the_next_block(sync) -> dict[int, bool]:
-    """Per block k of the unrolled model (1 <= k < LAYERS - 2), whether one of its
-    re-gathers in the compiled step has, among its ancestors, an instruction that uses block
-    k+1's re-gathered kernels (block k+1's backward matmuls)."""
+def _nearest_parameter(nodes, name: str) -> str:
+    """The entry parameter closest to ``name`` among its ancestors (breadth first): the
+    slice a gather gathers (a tie's token comes from farther away)."""
+    level = [name]
+    while level:
+        found = sorted(x for x in level if " parameter(" in nodes[x][0])
+        if found:
+            return found[0]
+        level = [o for x in level for o in nodes[x][1]]
+    raise AssertionError(f"{name} reads no parameter")
+
+
+@functools.lru_cache(maxsize=2)
+def _step_graph(sync):
+    """The compiled step's entry of the unrolled model under ``sync``: ``(nodes, anc,
+    forward, regathers, block, source, users)``: the kernel gathers of the forward in block
+    order and the backward's re-gathers, each gather's ancestors and users, and the block
+    of each kernel slice."""
     nodes = _hlo_graph(_compiled(_unrolled_loss, _params(), _batch(), sync).as_text())
     kernel = f"f32[8,{2 * WIDTH * WIDTH // N}]"
     gathers = [g for g, (rest, _) in nodes.items() if " all-gather(" in rest]
     anc = {g: _ancestors(nodes, g) for g in gathers}
-    # A gather of the forward reads its slice alone; a re-gather reads it tied to a
-    # cotangent, so other gathers are among its ancestors. Its source: the slice.
+    # A gather of the forward waits for an earlier block's inputs, so the gathers of the
+    # blocks before are among its ancestors; a re-gather is tied to a cotangent, which
+    # waits for the whole forward: every forward gather is among its ancestors. So the
+    # 2 * LAYERS kernel gathers with the fewest gathers among their ancestors are the
+    # forward's. Its source: the slice.
     kernels = [g for g in gathers if nodes[g][0].startswith(kernel)]
-    forward = [g for g in kernels if not set(anc[g]) & set(gathers)]
-    regathers = [g for g in kernels if set(anc[g]) & set(gathers)]
-    source = {g: nodes[nodes[g][1][0]][1][0] for g in kernels}
+    fewest = sorted(kernels, key=lambda g: len(anc[g] & set(gathers)))
+    forward, regathers = fewest[: 2 * LAYERS], fewest[2 * LAYERS :]
+    assert len(anc[regathers[0]] & set(forward)) == len(forward)
+    source = {g: _nearest_parameter(nodes, g) for g in kernels}
     users = {g: {u for u, (_, ops) in nodes.items() if g in ops} for g in gathers}
     # Forward order: block k's kernels are used after block k-1's (more ancestors).
     order = sorted(forward, key=lambda g: min(len(_ancestors(nodes, u)) for u in users[g]))
     block = {source[g]: i // 2 for i, g in enumerate(order)}  # two kernels a block
     assert len(order) == 2 * LAYERS and len(block) == 2 * LAYERS
+    return nodes, anc, order, regathers, block, source, users
+
+
+def _waits_for_the_next_block(sync) -> dict[int, bool]:
+    """Per block k of the unrolled model (1 <= k < LAYERS - 2), whether one of its
+    re-gathers in the compiled step has, among its ancestors, an instruction that uses block
+    k+1's re-gathered kernels (block k+1's backward matmuls)."""
+    _, anc, _, regathers, block, source, users = _step_graph(sync)
     of = {k: [g for g in regathers if block[source[g]] == k] for k in range(LAYERS)}
     waits = {}
     for k in range(1, LAYERS - 2):  # the last two blocks wait for their own cotangent
@@ -209,6 +236,29 @@ def _waits_for_the_next_block(sync) -> dict[int, bool]:
         after = set().union(*(users[g] for g in of[k + 1]))
         waits[k] = any(after & anc[g] for g in of[k])
     return waits
+
+
+def _forward_waits_for(sync) -> dict[int, int]:
+    """Per block k, the latest block whose forward gathers are among the ancestors of
+    block k's forward gathers (-1: none: the gather may be hoisted to the step's start)."""
+    _, anc, order, _, block, source, _ = _step_graph(sync)
+    latest = {}
+    for k in range(LAYERS):
+        mine = [g for g in order if block[source[g]] == k]
+        before = [block[source[a]] for g in mine for a in anc[g] if a in order]
+        latest[k] = max(before, default=-1)
+    return latest
+
+
+def test_the_forward_gathers_one_block_ahead_not_all_at_the_start():
+    # torch FSDP's limit_all_gathers: block k's forward gather waits for block k-1's
+    # inputs (prefetch: it may overlap block k-1's compute), so XLA cannot hoist every
+    # block's gather to the start of the step and keep them all alive (XLA:GPU's combiners
+    # merge such gathers into one). prefetch=False: it waits for its own inputs.
+    ahead = _forward_waits_for(dp.sync.FSDP())
+    assert [ahead[k] for k in range(2, LAYERS)] == list(range(LAYERS - 2)), ahead
+    own = _forward_waits_for(dp.sync.FSDP(prefetch=False))
+    assert [own[k] for k in range(1, LAYERS)] == list(range(LAYERS - 1)), own
 
 
 def test_the_backward_prefetches_the_next_block():

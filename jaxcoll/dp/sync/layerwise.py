@@ -35,7 +35,7 @@ from jax import lax
 
 from ..._jax import CALLS, Literal, jaxpr_parts, scan_counts
 from ..buckets import plan_buckets
-from .regather import regathered
+from .regather import forward_token, regathered, tie
 
 #: Gathers lazy params: ``gather(slices, dims) -> wholes`` (FSDP's differentiable
 #: all-gather, batched: the params a scope gathers are gathered together).
@@ -296,6 +296,7 @@ def _eval_segments(eqns: Sequence[Any], outvars: Sequence[Any], scope: _Scope) -
         for eqn in segments[k]:
             used_after.update(v for v in eqn.invars if not isinstance(v, Literal))
     link = None  # the backward's prefetch: see regather.py
+    before = None  # the previous segment's inputs, as one token (the forward's gathers wait)
     for k, segment in enumerate(segments):
         defined = [v for eqn in segment for v in eqn.outvars]
         own = set(defined)
@@ -319,6 +320,15 @@ def _eval_segments(eqns: Sequence[Any], outvars: Sequence[Any], scope: _Scope) -
             return _eval(segment, outputs, inner)
 
         flat = [a.slice if isinstance(a, Lazy) else a for a in args]
+        # The forward's gathers wait too (torch FSDP's limit_all_gathers): a segment's
+        # gather starts once the previous segment's inputs exist (with prefetch: it may
+        # overlap that segment's compute), or its own's, so XLA cannot hoist every block's
+        # gather to the top of the step (XLA:GPU's combiners merge them all into one there).
+        mine = forward_token([a for a in args if not isinstance(a, Lazy)])
+        wait = before if scope.config.prefetch else mine
+        if k > 0 and wait is not None:
+            flat = [tie(x, wait) if i in lazy else x for i, x in enumerate(flat)]
+        before = mine
         # A param a scan gathers layer by layer is gathered again by the backward's loop,
         # which XLA cannot merge with the forward's: only the others are tied.
         tied = [i for i in sorted(lazy) if not _layered_only(inputs[i], segment, scope)]

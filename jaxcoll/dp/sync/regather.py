@@ -64,7 +64,7 @@ def regathered(
         leaves, treedef = jax.tree_util.tree_flatten(pullback)
         if token is not None:
             for j in at:
-                leaves[j] = _tie(leaves[j], token)
+                leaves[j] = tie(leaves[j], token)
         grads = list(jax.tree_util.tree_unflatten(treedef, leaves)(ct))
         if link is None:
             return grads, None
@@ -90,7 +90,7 @@ def _token(ct: Any) -> jax.Array | None:
     return jnp.where(jnp.isfinite(c), c, jnp.zeros_like(c))
 
 
-def _tie(x: jax.Array, token: jax.Array) -> jax.Array:
+def tie(x: jax.Array, token: jax.Array) -> jax.Array:
     """``x``, bit for bit, computed from ``token`` too: ``x * (1 + 0 * token)``."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return x
@@ -98,3 +98,10 @@ def _tie(x: jax.Array, token: jax.Array) -> jax.Array:
     tied = x * one
     extra = (varying_axes(tied) or frozenset()) - (varying_axes(x) or frozenset())
     return as_invariant(tied, tuple(extra)) if extra else tied
+
+
+def forward_token(values: Sequence[Any]) -> jax.Array | None:
+    """A scalar that exists once every float array of ``values`` does (:func:`_token`),
+    without a gradient: what a forward gather tied to it (:func:`tie`) waits for."""
+    token = _token(list(values))
+    return None if token is None else jax.lax.stop_gradient(token)
