@@ -85,7 +85,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxcoll.dp.layout import merge, restrict, used_dims  # noqa: E402
+from jaxcoll.dp.specs import merge, restrict, used_dims  # noqa: E402
 from jaxcoll.dp.sync.base import mirror_specs  # noqa: E402
 from jaxcoll.dp.sync.fsdp import fsdp_dim  # noqa: E402
 

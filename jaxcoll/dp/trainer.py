@@ -22,17 +22,13 @@ from .._core.vma import axis_names
 from .._watch import process, watchdog
 from . import layout_sync, loop
 from .adapters import Model
-from .checks import (
-    LossOutputError,
-    check_state,
-    float_params,
-    unbound_axis,
-)
+from .checks import LossOutputError, check_state, float_params, unbound_axis
 from .data import Batches
 from .extra import Extra
 from .host import to_host
-from .layout import Layout, check_placed_specs, model_specs, restrict, unbox
+from .layout import Layout
 from .placement import first_state
+from .specs import check_placed_specs, model_specs, restrict, unbox
 from .state import TrainState
 from .step import BatchSplit, build_eval, build_step
 from .step_loss import LossFn, check_optimizer, in_layout, step_loss
@@ -169,7 +165,7 @@ class Trainer:
         self.layout = layout
         self._loss = in_layout(loss, layout.binding())
         self.sync = sync.bind(optimizer, mesh, self.axis_name)
-        self._model_specs: tuple[P, ...] | None = None  # known at init (dp.layout)
+        self._model_specs: tuple[P, ...] | None = None  # known at init (dp.specs)
         self._specs_known = False  # init (or a state's placement) has set them
         self._placed: Any = None  # the params the last step returned (their specs checked)
         self.accum_steps = accum_steps

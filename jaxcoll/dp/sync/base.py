@@ -191,7 +191,7 @@ class Strategy:
 
     def with_model_specs(self, specs: tuple[P, ...] | None) -> Strategy:
         """A copy bound as this one is, for params whose leaves carry the model specs
-        ``specs`` (:mod:`jaxcoll.dp.layout`: their split over the tensor and pipeline axes,
+        ``specs`` (:mod:`jaxcoll.dp.specs`: their split over the tensor and pipeline axes,
         one ``PartitionSpec`` per leaf, in leaf order; None: every leaf whole). The strategy
         places each leaf over the data axes on top of its model spec."""
         bound = copy.copy(self)

@@ -28,7 +28,7 @@ from ..._core.typing import AxisName, PyTree
 from ..._core.vma import as_invariant, axis_names, to_varying
 from ..._jax import jaxpr_parts
 from ..hooks.base import wire_dtype as hook_wire_dtype
-from ..layout import used_dims
+from ..specs import used_dims
 from .blocks import block_units
 from .layerwise import gather_per_layer
 from .packing import gather_leaves, scatter_leaves, sum_leaves

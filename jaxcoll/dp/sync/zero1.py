@@ -26,7 +26,7 @@ from ..._core.vma import axis_names
 from ..buckets import mean_gradients
 from ..hooks.base import is_elementwise
 from ..hooks.base import wire_dtype as hook_wire_dtype
-from ..layout import merge, used_dims
+from ..specs import merge, used_dims
 from .base import Binding, Strategy, leaf_shape
 from .packing import gather_leaves, scatter_leaves, sum_leaves
 
