@@ -182,3 +182,32 @@ def test_experts_the_expert_axis_does_not_divide_are_named():
         ValueError, match=r"num_experts=5 is not divisible by the 8 ranks of mesh axis 'shard'"
     ):
         trainer.init(params, jax.random.key(0))
+
+
+def test_a_checkpoint_moves_between_expert_layouts(tmp_path, references):
+    # 10 steps with one expert per device (FSDP over 8), saved; restored into 2 experts per
+    # device (HSDP: 2 x FSDP over 4) and 10 more steps: the 20 steps of one device.
+    batches = _batches()
+    first = dp.Trainer(_loss(None), twin_optimizer(), layout=dp.Layout(shard=8, expert=8))
+    state = first.init(_params(boxed=True), jax.random.key(0))
+    for b in batches[:10]:
+        state, _ = first.step(state, b)
+    ckpt = dp.Checkpointer(str(tmp_path / "run"))
+    ckpt.save(state)
+    ckpt.wait()
+    second = dp.Trainer(
+        _loss(None), twin_optimizer(), layout=dp.Layout(replicate=2, shard=4, expert=4)
+    )
+    state = ckpt.restore(10, second.init(_params(boxed=True), jax.random.key(0)))
+    w_in = state.params["adam"]["MoE_0"]["w_in"]
+    assert w_in.sharding.shard_shape(w_in.shape)[0] == 2  # two experts per device now
+    for b in batches[10:]:
+        state, _ = second.step(state, b)
+    got, want = second.host_params(state), references[None][0]
+    for copy in ("adam", "sgd"):
+        diffs = jax.tree.map(
+            lambda a, b: float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)),
+            got[copy],
+            want[copy],
+        )
+        assert max(jax.tree.leaves(diffs)) <= 1e-5, (copy, diffs)
