@@ -128,6 +128,7 @@ if not args.cpu:
     ours = [f for f in ours if f.split("=", 1)[0] not in given]
     os.environ["XLA_FLAGS"] = " ".join(filter(None, [_flags or "", *ours, *GPU_FLAGS]))
 
+import hlo_stats  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import plain_step  # noqa: E402
@@ -205,7 +206,6 @@ def gspmd_compiled(params, batch, competent: bool):
 
 # ------------------------------------------------------------------------------- the schedule
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _PARAM = re.compile(r"\bparameter\((\d+)\)")
 
@@ -236,17 +236,7 @@ def _operands(rest: str) -> list[str]:
 def parse(text: str):
     """``(entry, comps)``: the entry computation's instructions in scheduled order, each a dict
     (name, op, operands, line), and every computation's lines by name."""
-    comps: dict[str, list[str]] = {}
-    entry, name = None, None
-    for line in text.splitlines():
-        m = _HEADER.match(line)
-        if m and not line.startswith(" "):
-            name = m.group(2)
-            comps[name] = []
-            entry = name if m.group(1) else entry
-            continue
-        if name is not None and line.strip() != "}":
-            comps[name].append(line)
+    entry, comps = hlo_stats.computations(text)
     instrs = []
     for line in comps.get(entry, []):
         m = _INSTR.match(line)

@@ -37,9 +37,9 @@ def _bytes(shapes: str) -> int:
     return total
 
 
-def collectives(text: str) -> dict[str, tuple[int, int, bool]]:
-    """``{kind: (count per step, result bytes per step, some trip count unknown)}`` of the
-    optimized HLO module ``text`` (``compiled.as_text()``)."""
+def computations(text: str) -> tuple[str | None, dict[str, list[str]]]:
+    """``(entry, comps)`` of the HLO module ``text``: the entry computation's name and every
+    computation's lines (its body, without the closing brace) by name."""
     comps: dict[str, list[str]] = {}
     entry, name = None, None
     for line in text.splitlines():
@@ -47,11 +47,17 @@ def collectives(text: str) -> dict[str, tuple[int, int, bool]]:
         if m and not line.startswith(" "):
             name = m.group(2)
             comps[name] = []
-            if m.group(1):
-                entry = name
+            entry = name if m.group(1) else entry
             continue
-        if name is not None:
+        if name is not None and line.strip() != "}":
             comps[name].append(line)
+    return entry, comps
+
+
+def collectives(text: str) -> dict[str, tuple[int, int, bool]]:
+    """``{kind: (count per step, result bytes per step, some trip count unknown)}`` of the
+    optimized HLO module ``text`` (``compiled.as_text()``)."""
+    entry, comps = computations(text)
     mult: dict[str, tuple[int, bool]] = {}
 
     def visit(comp: str, k: int, unsure: bool) -> None:

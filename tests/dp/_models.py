@@ -158,3 +158,14 @@ def max_rel_diff(a, b) -> float:
         b,
     )
     return max(jax.tree_util.tree_leaves(diffs))
+
+
+def token_batches(steps: int, batch: int, length: int, vocab: int, seed: int = 0) -> list:
+    """``steps`` batches of ``batch`` random token sequences: ``x`` the first ``length``
+    tokens of each, ``y`` the next token at every position (int32)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        x = rng.integers(0, vocab, size=(batch, length + 1))
+        out.append({"x": x[:, :-1].astype(np.int32), "y": x[:, 1:].astype(np.int32)})
+    return out

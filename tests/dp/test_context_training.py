@@ -7,13 +7,12 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
 from jaxcoll import dp, parallel
 from jaxcoll import nn as pnn
-from tests.dp._models import twin_optimizer
+from tests.dp._models import max_rel_diff, token_batches, twin_optimizer
 
 VOCAB, WIDTH, HEADS, SEQ, BATCH, STEPS = 16, 16, 4, 16, 8, 20
 
@@ -60,12 +59,7 @@ def _params(boxed=False):
 
 
 def _batches():
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(STEPS):
-        x = rng.integers(0, VOCAB, size=(BATCH, SEQ + 1))
-        out.append({"x": x[:, :-1].astype(np.int32), "y": x[:, 1:].astype(np.int32)})
-    return out
+    return token_batches(STEPS, BATCH, SEQ, VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +93,7 @@ def test_context_layouts_train_as_one_device(name, reference):
         state, _ = trainer.step(state, b)
     got = trainer.host_params(state)
     for copy in ("adam", "sgd"):
-        diffs = jax.tree.map(
-            lambda a, b: float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)),
-            got[copy],
-            reference[copy],
-        )
-        assert max(jax.tree.leaves(diffs)) <= 1e-5, (copy, diffs)
+        assert max_rel_diff(got[copy], reference[copy]) <= 1e-5, copy
 
 
 class _Unsupported(nn.Module):

@@ -17,7 +17,7 @@ import pytest
 
 from jaxcoll import dp
 from jaxcoll import nn as pnn
-from tests.dp._models import twin_optimizer
+from tests.dp._models import max_rel_diff, token_batches, twin_optimizer
 
 VOCAB, WIDTH, SEQ, BATCH, STEPS, EXPERTS = 16, 16, 8, 16, 20, 8
 AUX = 0.1
@@ -65,12 +65,7 @@ def _params(boxed=False):
 
 
 def _batches():
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(STEPS):
-        x = rng.integers(0, VOCAB, size=(BATCH, SEQ + 1))
-        out.append({"x": x[:, :-1].astype(np.int32), "y": x[:, 1:].astype(np.int32)})
-    return out
+    return token_batches(STEPS, BATCH, SEQ, VOCAB)
 
 
 def _reference(capacity_factor):
@@ -124,12 +119,7 @@ def test_expert_layouts_train_as_one_device(name, references):
         assert float(first["moe_dropped"]) > 0.02  # the capacity does drop tokens
     got = trainer.host_params(state)
     for copy in ("adam", "sgd"):
-        diffs = jax.tree.map(
-            lambda a, b: float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)),
-            got[copy],
-            reference[copy],
-        )
-        assert max(jax.tree.leaves(diffs)) <= 1e-5, (copy, diffs)
+        assert max_rel_diff(got[copy], reference[copy]) <= 1e-5, copy
 
 
 def test_the_experts_stay_split_and_the_step_moves_tokens_by_four_all_to_alls():
@@ -205,9 +195,4 @@ def test_a_checkpoint_moves_between_expert_layouts(tmp_path, references):
         state, _ = second.step(state, b)
     got, want = second.host_params(state), references[None][0]
     for copy in ("adam", "sgd"):
-        diffs = jax.tree.map(
-            lambda a, b: float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)),
-            got[copy],
-            want[copy],
-        )
-        assert max(jax.tree.leaves(diffs)) <= 1e-5, (copy, diffs)
+        assert max_rel_diff(got[copy], want[copy]) <= 1e-5, copy
