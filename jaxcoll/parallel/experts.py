@@ -96,10 +96,12 @@ def load(routes: Routes, num_experts: int, data_axes: Any) -> Load:
     kept = jnp.sum(onehot * routes.keep[..., None], axis=tuple(range(onehot.ndim - 1)))
     probs = jnp.sum(routes.scores.astype(jnp.float32), axis=tuple(range(routes.scores.ndim - 1)))
     tokens = jnp.asarray(math.prod(routes.expert.shape[:-1]), jnp.float32)
-    if data_axes is not None:
-        routed, kept, probs, tokens = (
-            primitives.all_reduce(v, data_axes) for v in (routed, kept, probs, tokens)
+    if data_axes is not None:  # one all-reduce of the four, side by side
+        e = num_experts
+        both = primitives.all_reduce(
+            jnp.concatenate([routed, kept, probs, tokens[None]]), data_axes
         )
+        routed, kept, probs, tokens = both[:e], both[e : 2 * e], both[2 * e : 3 * e], both[3 * e]
     k = routes.expert.shape[-1]
     fraction = routed / (tokens * k)  # f_e: the share of assignments routed to e
     aux = num_experts * jnp.sum(fraction * probs / tokens)

@@ -248,6 +248,19 @@ class Strategy:
             out.append(g)
         return out
 
+    def reduce_held_leaves(
+        self, leaves: list[jax.Array], held: list[tuple[str, ...]]
+    ) -> tuple[list[jax.Array], list[int]]:
+        """``leaves`` (the gradients, in leaf order) with those split over a data axis
+        reduced by :meth:`reduce_held`, and the indices of the others, left for the
+        strategy's own collectives."""
+        out = list(leaves)
+        split = [i for i, h in enumerate(held) if h]
+        reduced = self.reduce_held([leaves[i] for i in split], [held[i] for i in split])
+        for i, g in zip(split, reduced, strict=True):
+            out[i] = g
+        return out, [i for i, h in enumerate(held) if not h]
+
     def model_specs(self, tree: PyTree) -> PyTree:
         """:meth:`model_leaf_specs` as a tree shaped like ``tree``."""
         treedef = jax.tree_util.tree_structure(tree)

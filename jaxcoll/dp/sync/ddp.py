@@ -86,7 +86,7 @@ class DDP(Strategy):
                 f"a stateless hook (dp.hooks.Compress) or none."
             )
         leaves, treedef = jax.tree_util.tree_flatten(grads)
-        whole = [i for i, h in enumerate(held) if not h]
+        out, whole = self.reduce_held_leaves(leaves, held)
         means, _ = sync_buckets(
             [leaves[i] for i in whole],
             self.axis_name,
@@ -96,15 +96,7 @@ class DDP(Strategy):
             step=step,
             algorithm=self.algorithm,
         )
-        out = list(leaves)
         for i, g in zip(whole, means, strict=True):
-            out[i] = g
-        split = [i for i, h in enumerate(held) if h]
-        for i, g in zip(
-            split,
-            self.reduce_held([leaves[i] for i in split], [held[i] for i in split]),
-            strict=True,
-        ):
             out[i] = g
         return jax.tree_util.tree_unflatten(treedef, out), comm_state
 

@@ -14,7 +14,7 @@ unsharded one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -197,16 +197,9 @@ class ZeRO1(Strategy):
         ``scatter`` the split leaves reduce-scattered, else passed through."""
         wire_dtype = hook_wire_dtype(self.bucket_hook)
         leaves, treedef = jax.tree_util.tree_flatten(grads)
-        out: list[Any] = list(leaves)
-        held = self.held_axes(grads)
-        owned = [i for i, h in enumerate(held) if h]  # split over a data axis: experts
-        for i, g in zip(
-            owned,
-            self.reduce_held([leaves[i] for i in owned], [held[i] for i in owned]),
-            strict=True,
-        ):
-            out[i] = g
-        kept = [i for i, d in enumerate(dims) if d is None and not held[i]]
+        # leaves split over a data axis (experts) first; the others' collectives below
+        out, others = self.reduce_held_leaves(leaves, self.held_axes(grads))
+        kept = [i for i in others if dims[i] is None]
         if kept:
             # Gradients of the replicated leaves cross devices here: one all-reduce per bucket.
             means = mean_gradients(
