@@ -54,7 +54,7 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxcoll import dp, parallel  # noqa: E402
-from jaxcoll.parallel._zero_bubble import _Split  # noqa: E402
+from jaxcoll.parallel._backward_split import _Split  # noqa: E402
 
 STAGES, LAYERS, WIDTH = 4, 8, 128
 

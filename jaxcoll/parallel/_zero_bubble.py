@@ -1,20 +1,25 @@
 """The lowering of :class:`~jaxcoll.parallel.ZeroBubble` (ZB-H1): a table of F, B and W slots.
 
 The schedule's :meth:`~jaxcoll.parallel.ZeroBubble.table` is computed on the host and baked
-into the program as two small int arrays (operation and micro-batch, stage x slot). One
-``lax.scan`` runs its slots; in each, every stage runs its own entry (a ``lax.switch``:
-nothing, a forward (the last stage's with the head, a branch of its own so that the other
-stages skip the head's FLOPs), B or W), then one ``sendrecv`` moves every forward's output one
-stage up and one moves every B's input gradient one stage down.
+into the program as small int arrays (stage x slot). One ``lax.scan`` runs its slots; in each,
+every stage runs its own entry: a forward (the last stage's with the head, a branch of its own
+so that the other stages skip the head's FLOPs), B or W (:mod:`._backward_split`), each a
+``lax.cond`` of its own that touches only what it changes (the accumulated gradient is passed
+through a W-less slot, not copied; B writes what W needs into W's buffers in place), then
+one ``sendrecv``.
 
-B and W are the two halves of one backward (:class:`_Split`): the stage's vjp is traced once
-as a jaxpr and cut, equation by equation (a ``scan`` over layers cut into two scans), into
-what the input's gradient needs, which B runs after recomputing the forward from the kept
-stage input, and the rest, the params' gradient, which W runs from what B saved for it (each
-layer's inputs and output cotangents: those of the weight-gradient matmuls). So a micro-batch
-costs a stage one forward, one recomputed forward and one backward, as 1F1B's does; W
-recomputes nothing. What arrives is kept by micro-batch until the stage's B (stage inputs,
-output cotangents), what B saves for W until its W (:func:`kept_for_w` buffers).
+One per slot: :func:`transfers` plans every message (a forward's output one stage up, a B's
+input gradient one stage down) so that a stage sends at most one and receives at most one a
+slot, a B's gradient waiting a slot in a one-message outbox where the stage below receives a
+forward's output that slot; every message still arrives in time for the table (checked for
+2-8 stages and 1-24 micro-batches by the tests). Which stages send where differs from slot to
+slot; the slot's pattern (a handful per table) picks one ``sendrecv`` of a ``lax.switch``
+whose index is the same on every stage. On XLA:CPU each collective is a rendezvous of every
+device's thread, and one a slot instead of two took the step from 1.5x to about 1x 1F1B's
+time (benchmarks/pipeline_schedules.py).
+
+What arrives is kept by micro-batch until the stage's B (stage inputs, output cotangents),
+what B saves for W until its W (:func:`kept_for_w` buffers).
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ from jax import lax
 from .. import primitives
 from .._core.typing import PyTree
 from .._core.vma import cast_varying
-from .._jax import Literal, jaxpr_parts, scan_counts, varying_of
+from ._backward_split import _Split
 from ._lowering import Staged, axes_of
 
-IDLE, FORWARD, BACKWARD, WEIGHT, HEAD = 0, 1, 2, 3, 4
+IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 _KINDS = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT}
-_SCAN = "scan"
+#: What a stage sends in a slot (:func:`transfers`).
+NOTHING, OUT, GRAD, HELD = 0, 1, 2, 3
+#: What a stage receives in a slot.
+STAGE_INPUT, COTANGENT = 1, 2
 
 
 def tables(rows: list) -> tuple[np.ndarray, np.ndarray]:
@@ -62,285 +70,58 @@ def kept_for_w(rows: list) -> int:
     return most
 
 
-# ------------------------------------------------------------------ the backward, cut in two
-
-
-def _atoms(vs: Any) -> list:
-    """The variables among ``vs`` (not the literals)."""
-    return [v for v in vs if not isinstance(v, Literal)]
-
-
-def _live(eqns: list, needed: set, skip: list[bool] | None = None) -> list[bool]:
-    """Which of ``eqns`` compute something in ``needed`` (which grows by their inputs), last
-    first; ``skip``: equations the other half runs (their outputs stay in ``needed``)."""
-    live = [False] * len(eqns)
-    for i in reversed(range(len(eqns))):
-        if (skip is None or not skip[i]) and any(v in needed for v in eqns[i].outvars):
-            live[i] = True
-            needed.update(_atoms(eqns[i].invars))
-    return live
-
-
-def _bind(eqn: Any, args: list) -> list:
-    """The equation applied to ``args``, as ``jax.core.eval_jaxpr`` applies it."""
-    bound = eqn.primitive.get_bind_params(eqn.params)
-    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-    ctx = getattr(eqn, "ctx", None)
-    if ctx is None:
-        out = eqn.primitive.bind(*subfuns, *args, **params)
-    else:
-        with ctx.manager:
-            out = eqn.primitive.bind(*subfuns, *args, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _read(env: dict, v: Any) -> Any:
-    return v.val if isinstance(v, Literal) else env[v]
-
-
-def _run(eqns: list, which: list[bool], env: dict) -> None:
-    for eqn, on in zip(eqns, which, strict=True):
-        if on:
-            env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
-
-
-class _ScanCut:
-    """A ``scan`` of the vjp that B needs part of (the backward over a stage's layers: the
-    carried cotangent): B runs that part, exporting iteration by iteration what the rest
-    reads of it (a layer's output cotangent, ...); W runs the rest (the weight-gradient
-    matmuls) in a scan of its own over the exports, of the same length and direction."""
-
-    def __init__(self, eqn: Any, need: list[bool]) -> None:
-        p = eqn.params
-        self.eqn, self.length, self.reverse, self.unroll = (
-            eqn,
-            p["length"],
-            p["reverse"],
-            p["unroll"],
-        )
-        self.body, self.consts = jaxpr_parts(p["jaxpr"])
-        self.nc, self.nk = scan_counts(p)
-        body, nc, nk = self.body, self.nc, self.nk
-        carry = list(need[:nk])
-        while True:  # B's carries: those it needs, and those they need (a fixed point)
-            needed = set(_atoms(v for v, n in zip(body.outvars, carry + need[nk:]) if n))
-            self.b_live = _live(body.eqns, needed)
-            grown = [c or body.invars[nc + i] in needed for i, c in enumerate(carry)]
-            if grown == carry:
+def transfers(rows: list) -> dict[str, Any]:
+    """Every message of the table ``rows``, one out of and one into a stage a slot: in slot t
+    stage s sends ``send[s, t]`` (NOTHING, OUT: this slot's forward output, one stage up;
+    GRAD: this slot's B gradient, one stage down; HELD: the one its outbox kept from the slot
+    before, down) and puts this slot's B gradient in its outbox when ``hold[s, t]``; it
+    receives ``recv[s, t]`` (STAGE_INPUT or COTANGENT) of micro-batch ``recv_mb[s, t]``; the
+    slot's sendrecv pairs are ``patterns[pattern[t]]``. A forward's output is sent in its
+    slot, a B's gradient in its slot or the next (to a stage receiving a forward's output in
+    the first), in time for the table (which assumes one slot's latency): a table where that
+    fails is refused."""
+    stages, slots = len(rows), len(rows[0])
+    out = {k: np.zeros((stages, slots), np.int32) for k in ("send", "hold", "recv", "recv_mb")}
+    pattern, patterns = np.zeros(slots, np.int32), []
+    held: list[Any] = [None] * stages
+    for t in range(slots):
+        fresh: list[Any] = [None] * stages  # (direction, micro-batch) made this slot
+        for s in range(stages):
+            op = rows[s][t]
+            if op is not None and op[0] == "F" and s < stages - 1:
+                fresh[s] = ("up", op[1])
+            if op is not None and op[0] == "B" and s > 0:
+                fresh[s] = ("down", op[1])
+        taken, pairs = set(), []
+        for s in range(stages):  # a held gradient first, then what this slot made
+            for what, (way, k) in ((HELD, held[s] or (None, 0)), (None, fresh[s] or (None, 0))):
+                dst = s + 1 if way == "up" else s - 1
+                if way is None or dst in taken:
+                    continue
+                taken.add(dst)
+                pairs.append((s, dst))
+                out["send"][s, t] = what or (OUT if way == "up" else GRAD)
+                out["recv"][dst, t] = STAGE_INPUT if way == "up" else COTANGENT
+                out["recv_mb"][dst, t] = k
+                if what == HELD:
+                    held[s] = None
+                else:
+                    fresh[s] = None
                 break
-            carry = grown
-        self.b_carry = carry
-        # The consts and scanned inputs B's part reads, by their place among the scan's inputs.
-        self.b_ins = [i for i, v in enumerate(body.invars) if v in needed and not nc <= i < nc + nk]
-        self.b_computed = {body.invars[nc + i] for i, c in enumerate(carry) if c}
-        self.b_computed |= {v for e, on in zip(body.eqns, self.b_live) if on for v in e.outvars}
-        self.b_has = self.b_computed | {body.invars[i] for i in self.b_ins}
-        self.b_ys = [j for j in range(len(body.outvars) - nk) if need[nk + j]]
-        self.exports: list = []
-        self.w_outs: list[int] = []
-        self.w_carry = [False] * nk
-        self.w_ins: list[int] = []
-        self.w_live = [False] * len(body.eqns)
-
-    def b_reads(self) -> list:
-        """The scan's inputs B's part reads (the initial values of its carries among them)."""
-        ins, nc = self.eqn.invars, self.nc
-        return [ins[i] for i in self.b_ins] + [ins[nc + i] for i, c in enumerate(self.b_carry) if c]
-
-    def b_computes(self, j: int) -> bool:
-        """Whether B's part has the scan's output ``j`` (or can export it at no cost)."""
-        if j < self.nk:
-            return self.b_carry[j]
-        v = self.body.outvars[j]
-        return isinstance(v, Literal) or v in self.b_has
-
-    def plan_w(self, wanted: list[int]) -> list:
-        """The outputs ``wanted`` by W: B's part returns those it has, W's part computes the
-        others. Returns the scan's inputs W's part reads."""
-        body, nc, nk = self.body, self.nc, self.nk
-        for j in wanted:
-            if j >= nk and self.b_computes(j) and j - nk not in self.b_ys:
-                self.b_ys.append(j - nk)
-        wanted = [j for j in wanted if not self.b_computes(j)]
-        if not wanted:
-            return []
-        carry = [j in wanted for j in range(nk)]
-        while True:  # W's carries (a fixed point, as B's)
-            outs = [j for j in range(len(body.outvars)) if j in wanted or (j < nk and carry[j])]
-            needed = set(_atoms(body.outvars[j] for j in outs))
-            self.w_live = _live(body.eqns, needed, skip=self.b_live)
-            grown = [
-                c or (not self.b_carry[i] and body.invars[nc + i] in needed)
-                for i, c in enumerate(carry)
-            ]
-            if grown == carry:
-                break
-            carry = grown
-        self.w_carry, self.w_outs = carry, outs
-        self.w_ins = [i for i, v in enumerate(body.invars) if v in needed and not nc <= i < nc + nk]
-        # What W's part reads of B's (in the order computed): exported per iteration.
-        order = [body.invars[nc + i] for i in range(nk)]
-        order += [v for e in body.eqns for v in e.outvars]
-        self.exports = [v for v in order if v in needed and v in self.b_computed]
-        ins = self.eqn.invars
-        return [ins[i] for i in self.w_ins] + [ins[nc + i] for i, c in enumerate(carry) if c]
-
-    def _inner(self, which: list[int], values: list) -> dict:
-        env = dict(zip(self.body.constvars, self.consts))
-        env.update(zip([self.body.invars[i] for i in which], values))
-        return env
-
-    def run_b(self, env: dict) -> None:
-        ins, body, nc, nk = self.eqn.invars, self.body, self.nc, self.nk
-        consts = [i for i in self.b_ins if i < nc]
-        scanned = [i for i in self.b_ins if i >= nc]
-        carried = [nc + i for i, c in enumerate(self.b_carry) if c]
-        const_values = [_read(env, ins[i]) for i in consts]
-
-        def step(carry: list, x: list) -> tuple:
-            inner = self._inner(consts + scanned + carried, [*const_values, *x, *carry])
-            _run(body.eqns, self.b_live, inner)
-            out = [_read(inner, body.outvars[i - nc]) for i in carried]
-            ys = [_read(inner, body.outvars[nk + j]) for j in self.b_ys]
-            return out, ys + [inner[v] for v in self.exports]
-
-        ys: list
-        carry, ys = lax.scan(
-            step,
-            [_read(env, ins[i]) for i in carried],
-            [_read(env, ins[i]) for i in scanned],
-            length=self.length,
-            reverse=self.reverse,
-            unroll=self.unroll,
-        )
-        outs = self.eqn.outvars
-        env.update(zip([outs[i - nc] for i in carried], carry))
-        env.update(zip([outs[nk + j] for j in self.b_ys], ys))
-        env.update(zip([(self, v) for v in self.exports], ys[len(self.b_ys) :]))
-
-    def run_w(self, env: dict) -> None:
-        ins, body, nc, nk = self.eqn.invars, self.body, self.nc, self.nk
-        consts = [i for i in self.w_ins if i < nc]
-        scanned = [i for i in self.w_ins if i >= nc]
-        carried = [nc + i for i, c in enumerate(self.w_carry) if c]
-        const_values = [_read(env, ins[i]) for i in consts]
-        n = len(scanned)
-
-        def step(carry: list, x: list) -> tuple:
-            inner = self._inner(consts + scanned + carried, [*const_values, *x[:n], *carry])
-            inner.update(zip(self.exports, x[n:]))
-            _run(body.eqns, self.w_live, inner)
-            out = [_read(inner, body.outvars[i - nc]) for i in carried]
-            return out, [_read(inner, body.outvars[j]) for j in self.w_outs if j >= nk]
-
-        xs = [_read(env, ins[i]) for i in scanned] + [env[(self, v)] for v in self.exports]
-        ys: list
-        carry, ys = lax.scan(
-            step,
-            [_read(env, ins[i]) for i in carried],
-            xs,
-            length=self.length,
-            reverse=self.reverse,
-            unroll=self.unroll,
-        )
-        outs = self.eqn.outvars
-        env.update(zip([outs[i - nc] for i in carried], carry))
-        env.update(zip([outs[j] for j in self.w_outs if j >= nk], ys))
-
-
-class _Split:
-    """A stage's backward cut into B and W: ``run_b(params, h, ct) -> (d_h, saved)`` recomputes
-    the forward and computes the input's gradient, ``run_w(saved) -> d_params`` the params'.
-
-    The vjp ``(params, h, ct) -> (d_params, d_h)`` is traced once as a jaxpr. B runs every
-    equation the input's gradient needs; W every other equation the params' gradient needs,
-    reading what B computed of it from ``saved``. A ``scan`` B needs part of (the layers'
-    backward) is cut: B's scan carries the cotangent down the layers and exports each
-    layer's values that W's scan reads. An equation B needs whole (a ``jit``, a
-    ``checkpoint``) is not cut: B runs it, and W only reads its outputs. Every value is
-    computed by the same equation as in the vjp, so the gradients are the vjp's.
-    """
-
-    def __init__(self, stage_fn: Any, own: PyTree, h: jax.Array) -> None:
-        def vjp(params: PyTree, x: jax.Array, ct: jax.Array) -> tuple:
-            return jax.vjp(stage_fn, params, x)[1](ct)
-
-        closed = jax.make_jaxpr(vjp)(own, h, h)
-        self.treedef = jax.tree_util.tree_structure(own)
-        jaxpr = self.jaxpr = closed.jaxpr
-        self.consts = closed.consts
-        eqns = jaxpr.eqns
-        # B: what the input's gradient (the last output) needs.
-        needed = set(_atoms(jaxpr.outvars[-1:]))
-        self.b_part: list = [None] * len(eqns)  # True: the whole equation; a _ScanCut: its B part
-        for i in reversed(range(len(eqns))):
-            eqn = eqns[i]
-            need = [v in needed for v in eqn.outvars]
-            if not any(need):
-                continue
-            if str(eqn.primitive) == _SCAN:
-                self.b_part[i] = _ScanCut(eqn, need)
-                needed.update(_atoms(self.b_part[i].b_reads()))
-            else:
-                self.b_part[i] = True
-                needed.update(_atoms(eqn.invars))
-        has = set(jaxpr.invars)
-        for eqn, b in zip(eqns, self.b_part, strict=True):
-            if b is True:
-                has.update(eqn.outvars)
-            elif b is not None:
-                has.update(v for j, v in enumerate(eqn.outvars) if b.b_computes(j))
-        # W: what the params' gradient needs that B does not compute.
-        needed = set(_atoms(jaxpr.outvars[:-1]))
-        self.w_part: list = [None] * len(eqns)
-        for i in reversed(range(len(eqns))):
-            eqn, b = eqns[i], self.b_part[i]
-            wanted = [j for j, v in enumerate(eqn.outvars) if v in needed]
-            if not wanted or b is True:
-                continue
-            if b is None:
-                self.w_part[i] = True
-                needed.update(_atoms(eqn.invars))
-            else:
-                needed.update(_atoms(b.plan_w(wanted)))
-                self.w_part[i] = b if b.w_outs else None
-        # Saved: what W reads of B's values, in the order B computes them.
-        order = list(jaxpr.invars) + [v for eqn in eqns for v in eqn.outvars]
-        self.saved: list = [v for v in order if v in needed and v in has]
-        for b in self.b_part:
-            if isinstance(b, _ScanCut):
-                self.saved += [(b, v) for v in b.exports]
-
-    def saved_types(self) -> list[tuple[tuple, Any, tuple]]:
-        """Each saved value's ``(shape, dtype, axes)``."""
-        out = []
-        for key in self.saved:
-            cut, v = key if isinstance(key, tuple) else (None, key)
-            shape = v.aval.shape if cut is None else (cut.length, *v.aval.shape)
-            axes = tuple(sorted(varying_of(v.aval) or (), key=str))
-            out.append((shape, v.aval.dtype, axes))
-        return out
-
-    def run_b(self, own: PyTree, h: jax.Array, ct: jax.Array) -> tuple[jax.Array, list]:
-        env = dict(zip(self.jaxpr.constvars, self.consts))
-        env.update(zip(self.jaxpr.invars, [*jax.tree_util.tree_leaves(own), h, ct]))
-        for eqn, b in zip(self.jaxpr.eqns, self.b_part, strict=True):
-            if b is True:
-                env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
-            elif b is not None:
-                b.run_b(env)
-        return _read(env, self.jaxpr.outvars[-1]), [env[k] for k in self.saved]
-
-    def run_w(self, saved: list) -> PyTree:
-        env = dict(zip(self.jaxpr.constvars, self.consts))
-        env.update(zip(self.saved, saved))
-        for eqn, w in zip(self.jaxpr.eqns, self.w_part, strict=True):
-            if w is True:
-                env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
-            elif w is not None:
-                w.run_w(env)
-        leaves = [_read(env, v) for v in self.jaxpr.outvars[:-1]]
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+        for s in range(stages):
+            if fresh[s] is not None:
+                if fresh[s][0] == "up" or held[s] is not None:
+                    raise AssertionError(f"ZB-H1: no slot for stage {s}'s message at slot {t}")
+                held[s], out["hold"][s, t] = fresh[s], 1
+        if tuple(pairs) not in patterns:
+            patterns.append(tuple(pairs))
+        pattern[t] = patterns.index(tuple(pairs))
+    when = {(s, op): t for s, row in enumerate(rows) for t, op in enumerate(row) if op}
+    for s, t in zip(*np.nonzero(out["recv"])):
+        needs = "F" if out["recv"][s, t] == STAGE_INPUT else "B"
+        if when[(int(s), (needs, int(out["recv_mb"][s, t])))] <= t or any(held):
+            raise AssertionError(f"ZB-H1: stage {s}'s {needs} runs before its input arrives")
+    return {**out, "pattern": pattern, "patterns": patterns}
 
 
 # ------------------------------------------------------------------ the table, slot by slot
@@ -357,12 +138,15 @@ def zero_bubble(
     gradient summed over micro-batches of the mean loss, the head's gradient (the last
     stage's) and the inputs' (stage 0's)."""
     stage_fn, loss_fn, own, xs, ys, stage_axis, head = p.parts()
-    n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
-    last = n_stages - 1
+    last = primitives.world_size(stage_axis) - 1
     m = xs.shape[0]
     kind_np, mb_np = tables(rows)
+    plan = transfers(rows)
     kinds, mbs = jnp.asarray(kind_np), jnp.asarray(mb_np)
+    send, hold, recv, recv_mb, pattern = (
+        jnp.asarray(plan[k]) for k in ("send", "hold", "recv", "recv_mb", "pattern")
+    )
     zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
     split = _Split(stage_fn, own, zero)
     wkeep = kept_for_w(rows)
@@ -378,65 +162,81 @@ def zero_bubble(
         jnp.zeros((), jnp.float32), tuple(sorted(set(act).union(*map(axes_of, leaves)), key=str))
     )
     d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
-    kept0 = [buf[0] for buf in saved0]
-    template = (zero, zero, zero, kept0, zeros, head0, loss0)
-    up = [(i, i + 1) for i in range(last)]
-    down = [(i + 1, i) for i in range(last)]
 
-    def typed(tree: PyTree) -> PyTree:
-        return jax.tree_util.tree_map(lambda v, r: cast_varying(v, axes_of(r)), tree, template)
+    def typed(tree: PyTree, like: PyTree) -> PyTree:
+        """``tree`` typed as ``like`` (every branch of a cond alike)."""
+        return jax.tree_util.tree_map(lambda v, r: cast_varying(v, axes_of(r)), tree, like)
 
-    def one_slot(carry, t):
-        inputs, cts, saved, acc, acc_head, loss, d_xs = carry
+    def mover(pairs: tuple) -> Any:
+        return lambda x: primitives.sendrecv(x, stage_axis, list(pairs)) if pairs else x
+
+    movers = [mover(pairs) for pairs in plan["patterns"]]
+    f_like = (zero, zero, head0, loss0)
+
+    def one_slot(carry: tuple, t: jax.Array) -> tuple:
+        inputs, cts, saved, acc, acc_head, loss, d_xs, outbox = carry
         kind, k = kinds[s, t], mbs[s, t]
         i, w = k % keep, k % wkeep
         inp = cast_varying(jnp.where(s == 0, xs[k], inputs[i]), act)  # F's and B's
-        ct, kept = cts[i], [buf[w] for buf in saved]
-        # The switch returns slot-sized values and the accumulators; the buffers are updated
-        # in place after it (passed through a branch, XLA copies a buffer whole).
 
-        def idle():
-            return typed((zero, zero, ct, kept, acc, acc_head, loss))
+        # Each operation a cond of its own over what it changes (passed through, not copied,
+        # in the slots it does not run).
+        def no_forward(inp: jax.Array, acc_head: PyTree, loss: jax.Array) -> tuple:
+            return typed((zero, zero, acc_head, loss), f_like)
 
-        def forward():
-            return typed((stage_fn(own, inp), zero, ct, kept, acc, acc_head, loss))
+        def forward(inp: jax.Array, acc_head: PyTree, loss: jax.Array) -> tuple:
+            return typed((stage_fn(own, inp), zero, acc_head, loss), f_like)
 
-        def forward_head():  # the last stage's: the head, its loss and B's cotangent
+        def forward_head(inp: jax.Array, acc_head: PyTree, loss: jax.Array) -> tuple:
+            """The last stage's forward: the head, its loss and B's cotangent too."""
             out = stage_fn(own, inp)
             y = jax.tree_util.tree_map(lambda v: v[k], ys)
             value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
-            acc_head_new = jax.tree_util.tree_map(lambda a, d: a + d / m, acc_head, d_head)
-            loss_new = loss + value.astype(jnp.float32)
-            return typed((out, zero, d_out / m, kept, acc, acc_head_new, loss_new))
+            acc_head = jax.tree_util.tree_map(lambda a, d: a + d / m, acc_head, d_head)
+            return typed((out, d_out / m, acc_head, loss + value.astype(jnp.float32)), f_like)
 
-        def backward():  # B: the input's gradient, which the stage below waits for
-            d_input, kept_new = split.run_b(own, inp, ct)
-            return typed((zero, d_input, ct, kept_new, acc, acc_head, loss))
-
-        def weight():  # W: the params' gradient, which nobody waits for
-            acc_new = jax.tree_util.tree_map(jnp.add, acc, split.run_w(kept))
-            return typed((zero, zero, ct, kept, acc_new, acc_head, loss))
-
-        branch = jnp.where((kind == FORWARD) & (s == last), HEAD, kind)
-        out, d_input, ct, kept, acc, acc_head, loss = lax.switch(
-            branch, (idle, forward, backward, weight, forward_head)
+        head_now = (kind == FORWARD) & (s == last)
+        which = jnp.where(kind == FORWARD, jnp.where(s == last, 2, 1), 0)
+        out, d_out, acc_head, loss = lax.switch(
+            which, (no_forward, forward, forward_head), inp, acc_head, loss
         )
-        cts = cts.at[i].set(ct)
-        saved = [buf.at[w].set(v) for buf, v in zip(saved, kept, strict=True)]
-        d_xs = d_xs.at[k].set(jnp.where((s == 0) & (kind == BACKWARD), d_input, d_xs[k]))
-        # -> every forward's output one stage up, <- every B's input gradient one stage down
-        got_up = primitives.sendrecv(out, stage_axis, up)
-        got_down = primitives.sendrecv(d_input, stage_axis, down)
-        below, above = jnp.maximum(s - 1, 0), jnp.minimum(s + 1, last)
-        from_below = (s > 0) & (kinds[below, t] == FORWARD)
-        from_above = (s < last) & (kinds[above, t] == BACKWARD)
-        i, j = mbs[below, t] % keep, mbs[above, t] % keep
-        inputs = inputs.at[i].set(jnp.where(from_below, got_up, inputs[i]))
-        cts = cts.at[j].set(jnp.where(from_above, got_down, cts[j]))
-        return (inputs, cts, saved, acc, acc_head, loss, d_xs), None
 
-    carry = (inputs0, inputs0, saved0, zeros, head0, loss0, d_xs0)
-    (_, _, _, grads, d_head, loss, d_xs), _ = lax.scan(
+        def backward(inp: jax.Array, ct: jax.Array, saved: list) -> tuple:
+            """B: the input's gradient, which the stage below waits for; what W will need
+            written into W's buffers at ``w``."""
+            return typed(split.run_b(own, inp, ct, into=(saved, w)), (zero, saved0))
+
+        def no_backward(inp: jax.Array, ct: jax.Array, saved: list) -> tuple:
+            return typed((zero, saved), (zero, saved0))
+
+        d_input, saved = lax.cond(kind == BACKWARD, backward, no_backward, inp, cts[i], saved)
+
+        def weight(acc: PyTree, saved: list) -> PyTree:
+            """W: the params' gradient, which nobody waits for."""
+            return typed(jax.tree_util.tree_map(jnp.add, acc, split.run_w(saved, w)), zeros)
+
+        def no_weight(acc: PyTree, saved: list) -> PyTree:
+            return typed(acc, zeros)
+
+        acc = lax.cond(kind == WEIGHT, weight, no_weight, acc, saved)
+        d_xs = d_xs.at[k].set(jnp.where((s == 0) & (kind == BACKWARD), d_input, d_xs[k]))
+        # One sendrecv: this slot's forward output up, or a B's gradient (this slot's or the
+        # outbox's) down; the slot's pattern is the same on every stage.
+        what = send[s, t]
+        message = jnp.where(what == OUT, out, jnp.where(what == GRAD, d_input, outbox))
+        outbox = jnp.where(hold[s, t] == 1, d_input, outbox)
+        got = lax.switch(pattern[t], movers, message)
+        j = recv_mb[s, t] % keep
+        inputs = inputs.at[j].set(jnp.where(recv[s, t] == STAGE_INPUT, got, inputs[j]))
+        # One write a slot into the cotangents: the head's (the last stage, which receives
+        # none) or the one received.
+        c = jnp.where(head_now, i, j)
+        ct = jnp.where(recv[s, t] == COTANGENT, got, cts[c])
+        cts = cts.at[c].set(jnp.where(head_now, d_out, ct))
+        return (inputs, cts, saved, acc, acc_head, loss, d_xs, outbox), None
+
+    carry = (inputs0, inputs0, saved0, zeros, head0, loss0, d_xs0, zero)
+    (_, _, _, grads, d_head, loss, d_xs, _), _ = lax.scan(
         one_slot, carry, jnp.arange(kind_np.shape[1])
     )
     return loss / m, grads, d_head, d_xs
