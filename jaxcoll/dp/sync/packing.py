@@ -265,11 +265,9 @@ def _scaled(shape: tuple[int, ...], d: int, by: int, div: int = 1) -> tuple[int,
 
 
 def _row(x: jax.Array, d: int, n: int) -> jax.Array:
-    """``x`` as ``(n, m)``: row ``r`` its ``r``-th of ``n`` contiguous parts along dimension
-    ``d``, each part in ``x``'s own order (only the parts move ahead of the dimensions before
-    ``d``: a gradient split along its last dimension is not transposed whole)."""
-    parts = x.reshape(x.shape[:d] + (n, x.shape[d] // n) + x.shape[d + 1 :])
-    return jnp.moveaxis(parts, d, 0).reshape(n, int(np.prod(x.shape)) // n)
+    """``x`` as ``(n, m)``: dimension ``d`` to the front, row ``r`` its ``r``-th of ``n``
+    contiguous parts along it."""
+    return jnp.moveaxis(x, d, 0).reshape(n, int(np.prod(x.shape)) // n)
 
 
 def _columns(buf: jax.Array, rows: list[jax.Array]) -> list[jax.Array]:
@@ -285,6 +283,5 @@ def _columns(buf: jax.Array, rows: list[jax.Array]) -> list[jax.Array]:
 
 def _unrow(part: jax.Array, d: int, shape: tuple[int, ...]) -> jax.Array:
     """Inverse of :func:`_row`: ``part`` (rows of parts along ``d``, in order) as ``shape``."""
-    k = part.shape[0]
-    parts = part.reshape((k,) + shape[:d] + (shape[d] // k,) + shape[d + 1 :])
-    return jnp.moveaxis(parts, 0, d).reshape(shape)
+    front = (shape[d],) + shape[:d] + shape[d + 1 :]
+    return jnp.moveaxis(part.reshape(front), 0, d)
