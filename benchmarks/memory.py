@@ -221,7 +221,7 @@ def flax_model(layers: int):
                 split_rngs={"params": True},
                 length=layers,
             )
-            return scan()(act(x), None)[0]
+            return scan(name="layers")(act(x), None)[0]  # one name, remat or not
 
     module = Stack()
     params = module.init(jax.random.key(0), jnp.zeros((1, WIDTH)))["params"]
