@@ -342,6 +342,7 @@ class StepMetrics:
         self.clock = self.sent = time.perf_counter()  # the last completion, the last dispatch
         self.turn = self.done_turn = 0  # the loop's turns (one dispatch each), the last report's
         self.seen: tuple[int, float] | None = None  # (a step in flight, when it was seen done)
+        self.last: float | None = None  # the last step's time
 
     def key(self, host_step: int) -> Any:
         """The step program's identity: the strategy's phase for a phased one."""
@@ -407,17 +408,18 @@ class StepMetrics:
         restart to the start of the turn that found it done (the next batch built), or to
         when it was waited for, so it measures its own turn, not two. A step read in the
         same turn as the one before (the step before an evaluation, a save or the end) gets
-        the time between the two steps' dispatches instead: the device may have finished
-        both before the host asked.
+        the step before's time (the same program): the device may have finished both before
+        the host asked, and the time between their reads, or between their dispatches, can
+        be microseconds (a step of 4 examples read at 234327 examples/s).
         """
         now = time.perf_counter()
         seen, self.seen = self.seen, None
         end = seen[1] if seen is not None and seen[0] == step else now
         if self.done_turn == self.turn:  # the second report of this turn
-            dt = max(sent[0] - sent[1], 1e-9)
+            dt = self.last if self.last is not None else max(sent[0] - sent[1], 1e-9)
         else:
             dt = max(end - self.clock, 1e-9)
-        self.clock, self.done_turn = end, self.turn
+        self.clock, self.done_turn, self.last = end, self.turn, dt
         out = {"step_time_s": dt, "examples_per_s": examples / dt}
         if costs.flops is not None:
             out["flops_per_step"] = costs.flops

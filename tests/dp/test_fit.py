@@ -526,3 +526,36 @@ def test_tensorboard_plot_and_profile(run, tmp_path):
         dp.Profile(tmp_path, steps=2)
     with pytest.raises(TypeError, match=r"dp.Profile: directory must be a path"):
         dp.Profile(None, steps=(2, 4))
+
+
+def test_a_step_read_in_the_turn_of_the_one_before_gets_its_time_not_the_dispatch_gap(
+    monkeypatch,
+):
+    # The step clock driven by hand, with the times the runner's calls see when evaluating
+    # every 2 steps: after the evaluation (restart), step 3 is dispatched with nothing to
+    # read, step 4 a few microseconds later, and both are read in the next turn (the drain
+    # before the next evaluation), each when the device finishes it, 0.5 s apart. Before,
+    # step 4 got the 10 us between the two dispatches: 4 examples at 400000 examples/s
+    # (`examples/gpt.py --tiny --layout single --eval-every 2` logged such readings).
+    from types import SimpleNamespace
+
+    from jaxcoll.dp import metrics as m
+
+    now = [0.0]
+    monkeypatch.setattr(m.time, "perf_counter", lambda: now[0])
+    meter = m.StepMetrics(SimpleNamespace(mesh=None, donate=True), SimpleNamespace(opt_state=()))
+    costs = m.Costs(None, None)
+
+    def at(t, f, *args):
+        now[0] = t
+        return f(*args)
+
+    at(10.0, meter.restart)
+    sent3 = at(10.0, meter.dispatched)
+    sent4 = at(10.00001, meter.dispatched)
+    got = [
+        at(10.5, meter.complete, 3, 4, costs, sent3),
+        at(11.0, meter.complete, 4, 4, costs, sent4),
+    ]
+    assert [g["step_time_s"] for g in got] == pytest.approx([0.5, 0.5])
+    assert [g["examples_per_s"] for g in got] == pytest.approx([8.0, 8.0])
