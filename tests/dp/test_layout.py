@@ -381,11 +381,15 @@ def test_a_checkpoint_moves_between_model_layouts(tmp_path):
             assert _max_rel(got[k], want[k]) <= TOL, (name, k)
 
 
-def test_the_3d_step_exports_for_gpus_and_the_export_runs_here():
+@pytest.mark.parametrize(
+    "schedule", [None, parallel.ZeroBubble(nd_model.MICRO)], ids=["default", "zb-h1"]
+)
+def test_the_3d_step_exports_for_gpus_and_the_export_runs_here(schedule):
     # What a GPU would get: the FSDP x tensor x pipeline step exported for cuda and cpu at
     # once; its cuda module holds the layout's collectives, and the export, called on these
-    # CPU devices, takes the same step as the Trainer.
-    trainer = _trainer("fsdp2xtp2xpp2")
+    # CPU devices, takes the same step as the Trainer. ZB-H1's slot runs its sendrecv in a
+    # switch on the slot's pattern (the same branch on every device).
+    trainer = _trainer("fsdp2xtp2xpp2", schedule=schedule)
     state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
     batch = data()[0]
     step, args = trainer.step_program(state, batch)
