@@ -113,12 +113,15 @@ def op_costs(params: dict, rows: int) -> dict[str, tuple[float, float]]:
     out = {}
     for counted, fn in ((True, unrolled), (False, stage)):
         split = _Split(fn, own, h)
-        saved = jax.jit(split.run_b)(own, h, h)[1]
+        bufs = [jnp.zeros((1, *shape), dtype) for shape, dtype, _ in split.saved_types()]
         ops = {
             "F": (jax.jit(fn), (own, h)),
             "BW": (jax.jit(lambda o, x, c, fn=fn: jax.vjp(fn, o, x)[1](c)), (own, h, h)),
-            "B": (jax.jit(split.run_b), (own, h, h)),
-            "W": (jax.jit(split.run_w), (saved,)),
+            "B": (
+                jax.jit(lambda o, x, c, b, sp=split: sp.run_b(o, x, c, into=(b, 0))),
+                (own, h, h, bufs),
+            ),
+            "W": (jax.jit(lambda b, sp=split: sp.run_w(b, 0)), (bufs,)),
         }
         for name, (f, args) in ops.items():
             if counted:

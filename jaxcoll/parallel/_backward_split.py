@@ -174,7 +174,7 @@ class _ScanCut:
         env.update(zip([self.body.invars[i] for i in which], values))
         return env
 
-    def run_b(self, env: dict, into: tuple[dict, jax.Array] | None = None) -> None:
+    def run_b(self, env: dict, into: tuple[dict, jax.Array]) -> None:
         """B's part; ``into``: ``({saved: buffer}, w)``, each iteration's values that W reads
         (exports, stacked outputs) written into their buffers at ``[w, iteration]`` in place."""
         ins, body, nc, nk = self.eqn.invars, self.body, self.nc, self.nk
@@ -183,10 +183,10 @@ class _ScanCut:
         scanned = [i for i in self.b_ins if i >= nc]
         carried = [nc + i for i, c in enumerate(self.b_carry) if c]
         const_values = [_read(env, ins[i]) for i in consts]
-        sink, w = into if into is not None else ({}, None)
+        sink, w = into
         kept = [j for j in self.b_ys if outs[nk + j] in sink]  # outputs written for W
         stacked = [j for j in self.b_ys if j not in kept]
-        exports = [] if into is None else self.exports
+        exports = self.exports
         bufs = [sink[(self, v)] for v in exports] + [sink[outs[nk + j]] for j in kept]
         nb = len(bufs)
         arrays, at = _scanned([_raw(env, ins[i]) for i in scanned])
@@ -197,8 +197,6 @@ class _ScanCut:
             _run(body.eqns, self.b_live, inner)
             out = [_read(inner, body.outvars[i - nc]) for i in carried]
             ys = [_read(inner, body.outvars[nk + j]) for j in stacked]
-            if into is None:
-                return out, ys + [inner[v] for v in self.exports]
             new = [inner[v] for v in exports] + [_read(inner, body.outvars[nk + j]) for j in kept]
             return [b.at[w, x[0]].set(v) for b, v in zip(carry[:nb], new)] + out, ys
 
@@ -213,21 +211,17 @@ class _ScanCut:
         )
         env.update(zip([outs[i - nc] for i in carried], carry[nb:]))
         env.update(zip([outs[nk + j] for j in stacked], ys))
-        if into is None:
-            env.update(zip([(self, v) for v in self.exports], ys[len(stacked) :]))
-        else:
-            env.update(zip([(self, v) for v in exports], carry[: len(exports)]))
-            slots = [_Slot(b, into[1]) for b in carry[len(exports) : nb]]
-            env.update(zip([outs[nk + j] for j in kept], slots))
+        env.update(zip([(self, v) for v in exports], carry[: len(exports)]))
+        env.update(zip([outs[nk + j] for j in kept], [_Slot(b, w) for b in carry[len(exports) :]]))
 
-    def run_w(self, env: dict, w: jax.Array | None = None) -> None:
-        """W's part; ``w``: the exports are whole buffers, read at ``[w, iteration]``."""
+    def run_w(self, env: dict, w: jax.Array) -> None:
+        """W's part: the exports are whole buffers, read at ``[w, iteration]``."""
         ins, body, nc, nk = self.eqn.invars, self.body, self.nc, self.nk
         consts = [i for i in self.w_ins if i < nc]
         scanned = [i for i in self.w_ins if i >= nc]
         carried = [nc + i for i, c in enumerate(self.w_carry) if c]
         const_values = [_read(env, ins[i]) for i in consts]
-        exported = [env[(self, v)] if w is None else _Slot(env[(self, v)], w) for v in self.exports]
+        exported = [_Slot(env[(self, v)], w) for v in self.exports]
         arrays, at = _scanned([_raw(env, ins[i]) for i in scanned] + exported)
 
         def step(carry: list, x: list) -> tuple:
@@ -326,38 +320,36 @@ class _Split:
         return out
 
     def run_b(
-        self, own: PyTree, h: jax.Array, ct: jax.Array, into: tuple[list, jax.Array] | None = None
+        self, own: PyTree, h: jax.Array, ct: jax.Array, into: tuple[list, jax.Array]
     ) -> tuple[jax.Array, list]:
-        """``(d_h, saved)``; with ``into=(buffers, w)`` (one per :meth:`saved_types`, micro-batch
-        first), ``saved`` is the buffers with what W needs written at ``w``, in place."""
+        """``(d_h, buffers)``: the input's gradient, and ``into = (buffers, w)`` (one per
+        :meth:`saved_types`, micro-batch first) with what W needs written at ``w``, in place."""
         env = dict(zip(self.jaxpr.constvars, self.consts))
         env.update(zip(self.jaxpr.invars, [*jax.tree_util.tree_leaves(own), h, ct]))
-        sink = None if into is None else (dict(zip(self.saved, into[0])), into[1])
+        buffers, w = into
+        sink = (dict(zip(self.saved, buffers)), w)
         for eqn, b in zip(self.jaxpr.eqns, self.b_part, strict=True):
             if b is True:
                 env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
             elif b is not None:
                 b.run_b(env, sink)
         d_h = _read(env, self.jaxpr.outvars[-1])
-        if into is None:
-            return d_h, [env[k] for k in self.saved]
-        w = into[1]
         return d_h, [
             env[k]
             if isinstance(k, tuple)
             else env[k].buf
             if isinstance(env[k], _Slot)
             else buf.at[w].set(env[k])
-            for k, buf in zip(self.saved, into[0], strict=True)
+            for k, buf in zip(self.saved, buffers, strict=True)
         ]
 
-    def run_w(self, saved: list, w: jax.Array | None = None) -> PyTree:
-        """The params' gradient from what B saved; with ``w``, ``saved`` is B's buffers and
-        micro-batch ``w``'s entries are read (a scan's, layer by layer inside W's scan)."""
+    def run_w(self, buffers: list, w: jax.Array) -> PyTree:
+        """The params' gradient from what B wrote into ``buffers`` at micro-batch ``w`` (a
+        scan's entries read layer by layer inside W's scan)."""
         env = dict(zip(self.jaxpr.constvars, self.consts))
         env.update(
-            (k, v if w is None or isinstance(k, tuple) else _Slot(v, w))
-            for k, v in zip(self.saved, saved, strict=True)
+            (k, v if isinstance(k, tuple) else _Slot(v, w))
+            for k, v in zip(self.saved, buffers, strict=True)
         )
         for eqn, part in zip(self.jaxpr.eqns, self.w_part, strict=True):
             if part is True:

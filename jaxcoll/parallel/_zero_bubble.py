@@ -92,18 +92,23 @@ def transfers(rows: list) -> dict[str, Any]:
                 fresh[s] = ("up", op[1])
             if op is not None and op[0] == "B" and s > 0:
                 fresh[s] = ("down", op[1])
-        taken, pairs = set(), []
+        taken: set[int] = set()
+        pairs: list[tuple[int, int]] = []
         for s in range(stages):  # a held gradient first, then what this slot made
-            for what, (way, k) in ((HELD, held[s] or (None, 0)), (None, fresh[s] or (None, 0))):
+            for kept in (True, False):
+                message = held[s] if kept else fresh[s]
+                if message is None:
+                    continue
+                way, k = message
                 dst = s + 1 if way == "up" else s - 1
-                if way is None or dst in taken:
+                if dst in taken:
                     continue
                 taken.add(dst)
                 pairs.append((s, dst))
-                out["send"][s, t] = what or (OUT if way == "up" else GRAD)
+                out["send"][s, t] = HELD if kept else OUT if way == "up" else GRAD
                 out["recv"][dst, t] = STAGE_INPUT if way == "up" else COTANGENT
                 out["recv_mb"][dst, t] = k
-                if what == HELD:
+                if kept:
                     held[s] = None
                 else:
                     fresh[s] = None

@@ -30,15 +30,15 @@ def unrolled(blocks, h):
     return jax.lax.scan(block, h, blocks, unroll=True)[0]
 
 
-def _problem():
+def _problem(rows=4, width=8):
     rng = np.random.default_rng(0)
     own = {
-        "a": jnp.asarray(rng.normal(size=(3, 8, 16)) * 0.3, jnp.float32),
-        "b": jnp.asarray(rng.normal(size=(3, 16, 8)) * 0.3, jnp.float32),
-        "c": jnp.asarray(rng.normal(size=(3, 16)) * 0.1, jnp.float32),
+        "a": jnp.asarray(rng.normal(size=(3, width, 2 * width)) * 0.3, jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(3, 2 * width, width)) * 0.3, jnp.float32),
+        "c": jnp.asarray(rng.normal(size=(3, 2 * width)) * 0.1, jnp.float32),
     }
-    h = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
-    ct = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
+    h = jnp.asarray(rng.normal(size=(rows, width)), jnp.float32)
+    ct = jnp.asarray(rng.normal(size=(rows, width)), jnp.float32)
     return own, h, ct
 
 
@@ -47,25 +47,18 @@ def _flops(f, *args):
     return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
 
-def test_b_and_w_are_the_stage_s_vjp():
-    own, h, ct = _problem()
-    for fn in (stage, unrolled, lambda p, x: jnp.tanh(x @ p["a"][0]) @ p["b"][0]):
-        split = _Split(fn, own, h)
-        d_h, saved = jax.jit(split.run_b)(own, h, ct)
-        d_own = jax.jit(split.run_w)(saved)
-        want_own, want_h = jax.vjp(fn, own, h)[1](ct)
-        np.testing.assert_allclose(d_h, want_h, rtol=1e-6, atol=1e-6)
-        for name in own:
-            np.testing.assert_allclose(d_own[name], want_own[name], rtol=1e-6, atol=1e-6)
-
-
 def test_w_recomputes_nothing():
     # B and W together cost 1F1B's backward (the forward recomputed once, every gradient
-    # once); W alone costs the weight-gradient matmuls, no more than a forward.
-    own, h, ct = _problem()
+    # once); W alone costs the weight-gradient matmuls, no more than a forward. (Matmuls of
+    # some size: B's and W's index arithmetic into their buffers is a few hundred FLOPs.)
+    own, h, ct = _problem(rows=32, width=64)
     split = _Split(unrolled, own, h)
-    saved = jax.jit(split.run_b)(own, h, ct)[1]
-    b, w = _flops(split.run_b, own, h, ct), _flops(split.run_w, saved)
+    bufs = [jnp.zeros((1, *shape), dtype) for shape, dtype, _ in split.saved_types()]
+
+    def run_b(own, h, ct, bufs):
+        return split.run_b(own, h, ct, into=(bufs, 0))
+
+    b, w = _flops(run_b, own, h, ct, bufs), _flops(lambda b: split.run_w(b, 0), bufs)
     both = _flops(lambda o, x, c: jax.vjp(unrolled, o, x)[1](c), own, h, ct)
     forward = _flops(unrolled, own, h)
     assert b + w <= both * 1.01, (b, w, both)
@@ -79,9 +72,10 @@ def test_what_b_saves_is_kept_until_its_w():
     assert kept_for_w(parallel.ZeroBubble(2).table(4)) == 2
 
 
-def test_b_and_w_through_w_s_buffers_are_the_stage_s_vjp():
+def test_b_and_w_are_the_stage_s_vjp():
     # B writes what W needs into micro-batch 1's entries of 3-deep buffers (in place, inside
-    # its scans); W reads them there. The gradients are the vjp's; the other entries untouched.
+    # its scans); W reads them there. The gradients are the vjp's, for a scan over layers, the
+    # same unrolled and no scan; the other entries untouched.
     own, h, ct = _problem()
     for fn in (stage, unrolled, lambda p, x: jnp.tanh(x @ p["a"][0]) @ p["b"][0]):
         split = _Split(fn, own, h)
