@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.hlo_stats import computations
 from jaxcoll import parallel
 from jaxcoll.parallel._backward_split import _Split
 from jaxcoll.parallel._zero_bubble import COTANGENT, GRAD, HELD, OUT, kept_for_w, transfers
@@ -131,17 +132,6 @@ def test_every_message_goes_one_stage_a_slot_and_arrives_in_time():
             assert len(arrived) == 2 * m * (stages - 1)
 
 
-def _computations(hlo: str) -> dict[str, list[str]]:
-    comps, name = {}, None
-    for line in hlo.splitlines():
-        if line and not line.startswith(" ") and line.endswith("{"):
-            name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
-            comps[name.lstrip("%")] = []
-        elif name and line.startswith("  "):
-            comps[name.lstrip("%")].append(line)
-    return comps
-
-
 def _called(comps: dict, name: str) -> set:
     """``name`` and every computation it calls, transitively."""
     seen, todo = {name}, [name]
@@ -187,7 +177,7 @@ def test_a_slot_runs_one_sendrecv_and_copies_no_buffer():
 
     spec = {k: P("stage") for k in blocks}
     grad = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(spec, P()), out_specs=spec))
-    comps = _computations(grad.lower(blocks, h).compile().as_text())
+    comps = computations(grad.lower(blocks, h).compile().as_text())[1]
     loops = {  # the while loops that run a sendrecv: the slots' scan alone
         line.split("body=")[1].split(",")[0].lstrip("%")
         for lines in comps.values()
