@@ -186,8 +186,7 @@ class _ScanCut:
         sink, w = into
         kept = [j for j in self.b_ys if outs[nk + j] in sink]  # outputs written for W
         stacked = [j for j in self.b_ys if j not in kept]
-        exports = self.exports
-        bufs = [sink[(self, v)] for v in exports] + [sink[outs[nk + j]] for j in kept]
+        bufs = [sink[(self, v)] for v in self.exports] + [sink[outs[nk + j]] for j in kept]
         nb = len(bufs)
         arrays, at = _scanned([_raw(env, ins[i]) for i in scanned])
 
@@ -197,7 +196,9 @@ class _ScanCut:
             _run(body.eqns, self.b_live, inner)
             out = [_read(inner, body.outvars[i - nc]) for i in carried]
             ys = [_read(inner, body.outvars[nk + j]) for j in stacked]
-            new = [inner[v] for v in exports] + [_read(inner, body.outvars[nk + j]) for j in kept]
+            new = [inner[v] for v in self.exports] + [
+                _read(inner, body.outvars[nk + j]) for j in kept
+            ]
             return [b.at[w, x[0]].set(v) for b, v in zip(carry[:nb], new)] + out, ys
 
         ys: list
@@ -211,8 +212,10 @@ class _ScanCut:
         )
         env.update(zip([outs[i - nc] for i in carried], carry[nb:]))
         env.update(zip([outs[nk + j] for j in stacked], ys))
-        env.update(zip([(self, v) for v in exports], carry[: len(exports)]))
-        env.update(zip([outs[nk + j] for j in kept], [_Slot(b, w) for b in carry[len(exports) :]]))
+        env.update(zip([(self, v) for v in self.exports], carry[: len(self.exports)]))
+        env.update(
+            zip([outs[nk + j] for j in kept], [_Slot(b, w) for b in carry[len(self.exports) :]])
+        )
 
     def run_w(self, env: dict, w: jax.Array) -> None:
         """W's part: the exports are whole buffers, read at ``[w, iteration]``."""
