@@ -7,7 +7,10 @@ in tests/multihost/test_trainer.py.
 
 from __future__ import annotations
 
+import re
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -145,3 +148,40 @@ def test_ema_evaluate_to_module_and_resume_with_sharded_params(tmp_path):
     ):
         np.testing.assert_array_equal(a, b)
     assert resumed.params["Dense_0"]["kernel"].sharding == kernel.sharding
+
+
+_DEF = re.compile(r"^\s*(%[\w]+) = (?:stablehlo\.(\w+)|(?:func\.)?call @(\w+))[ (](.*)$", re.M)
+
+
+def _scatters_of_divided(text: str) -> list[bool]:
+    """Per reduce-scatter of the lowered step: whether its operand was made, through the
+    packing's reshapes, transposes, concatenations and casts, from a division."""
+    found = []
+    for body in _functions(text).values():
+        defs = {m.group(1): (m.group(2) or m.group(3), m.group(4)) for m in _DEF.finditer(body)}
+        for op, rest in defs.values():
+            if op != "reduce_scatter":
+                continue
+            todo, divided = re.findall(r"%\w+", rest.split(":")[0]), False
+            while todo:
+                kind, args = defs.get(todo.pop(), (None, ""))
+                divided |= kind == "divide"
+                if kind in ("reshape", "transpose", "concatenate", "convert"):
+                    todo += re.findall(r"%\w+", args.split(":")[0])
+            found.append(divided)
+    return found
+
+
+def test_the_mean_divides_the_slice_after_the_reduce_scatter():
+    # In the gradients' own dtype the division by n runs on each rank's slice after the sum:
+    # 1/n of the bytes, one rounding. Cast to a narrower wire dtype it runs before, so the
+    # sum stays in range.
+    for sync, before in (
+        (dp.sync.FSDP(), False),
+        (dp.sync.FSDP(hook=dp.hooks.Compress(jnp.bfloat16)), True),
+        (dp.sync.ZeRO1(), False),
+    ):
+        trainer, params, data = _setup(optax.sgd(0.1), sync=sync)
+        step, args = trainer.step_program(trainer.init(params, jax.random.key(1)), data[0])
+        found = _scatters_of_divided(step.lower(*args).as_text())
+        assert found and found == [before] * len(found), (sync, found)

@@ -57,10 +57,11 @@ class FSDP(ZeRO1):
        gathers its own layer in each iteration (:mod:`~jaxcoll.dp.sync.layerwise`), so the
        forward holds one gathered layer at a time; the other split leaves are gathered
        together at their first use. The gather's gradient is the reduce-scatter of the
-       local gradient divided by n (:func:`~jaxcoll.primitives.reduce_scatter`, in the
-       hook's wire dtype), so ``jax.grad`` returns each device its slice of the mean, layer
-       by layer as the backward pass reaches it; the replicated leaves are all-reduced by
-       buckets;
+       local gradients (:func:`~jaxcoll.primitives.reduce_scatter`, in the hook's wire
+       dtype) divided by n (the slice after the sum, or each gradient before it when it
+       travels narrower than its own dtype), so ``jax.grad`` returns each device its slice
+       of the mean, layer by layer as the backward pass reaches it; the replicated leaves
+       are all-reduced by buckets;
     2. with ``reshard_after_forward`` (default), the loss is rematerialised
        (``jax.checkpoint``) with a policy that saves everything but the gathered params: the
        backward gathers each leaf again where it needs it instead of keeping the whole
@@ -323,20 +324,24 @@ def _gather_fwd(slices, plan):
 
 
 def _gather_bwd(plan, _, cts):
-    # Back in the slice's dtype (the fp32 master's, under a policy that computes in bf16)
-    # before the division and the cast to the wire dtype.
-    cts = [
-        to_varying(ct.astype(dt), plan.names) / jnp.asarray(plan.n, dt)
-        for ct, dt in zip(cts, plan.dtypes, strict=True)
-    ]
     codec = _codec(plan, "grads")
+    wire = plan.wire if codec is None else None
+    # The mean's division: after the sum when the gradients travel in their own dtype (one
+    # rounding, on this rank's slice: 1/n of the bytes); before it, in the slice's dtype,
+    # when they travel narrower (bf16, 8-bit blocks), so the sum stays in range.
+    after = codec is None and wire is None
+    # Back in the slice's dtype (the fp32 master's, under a policy that computes in bf16).
+    cts = [to_varying(ct.astype(dt), plan.names) for ct, dt in zip(cts, plan.dtypes, strict=True)]
+    if not after:
+        cts = [ct / jnp.asarray(plan.n, ct.dtype) for ct in cts]
     # Gradients cross devices here: each rank receives only its slice of the sum, one
     # reduce-scatter per bucket (in the wire dtype), or, with quantized gradients, two
     # all-to-alls of 8-bit blocks and their scales, summed in float32.
-    wire = plan.wire if codec is None else None
     grads = scatter_leaves(cts, plan.dims, plan.axis, wire_dtype=wire, **_route(plan, codec))
     if plan.replicas:
         grads = _sum_over(grads, plan)
+    if after:
+        grads = [g / jnp.asarray(plan.n, g.dtype) for g in grads]
     return (grads,)
 
 

@@ -51,11 +51,12 @@ class ZeRO1(Strategy):
     included), with each device holding only its slice of the optimizer state of every split
     leaf. Per step:
 
-    1. per rank, inside ``shard_map``: each split leaf's local gradient (divided by n, in
-       the wire dtype of ``hook``: :class:`~jaxcoll.dp.hooks.Compress`) is
-       reduce-scattered along its split dimension, the split leaves of a bucket in one
-       reduce-scatter (:func:`~jaxcoll.dp.sync.packing.scatter_leaves`): each device
-       receives its slice of the mean; the replicated leaves are all-reduced by buckets
+    1. per rank, inside ``shard_map``: each split leaf's local gradient (in the wire dtype
+       of ``hook``: :class:`~jaxcoll.dp.hooks.Compress`, divided by n first; else divided
+       after the sum) is reduce-scattered along its split dimension, the split leaves of a
+       bucket in one reduce-scatter (:func:`~jaxcoll.dp.sync.packing.scatter_leaves`):
+       each device receives its slice of the mean; the replicated leaves are all-reduced
+       by buckets
        (:func:`~jaxcoll.dp.mean_gradients`);
     2. in the global view: the params are resharded to the same slices (a local slice: no
        communication), ``optimizer.update`` and ``optax.apply_updates`` run on the sharded
@@ -226,19 +227,24 @@ class ZeRO1(Strategy):
         """Per rank: the local gradients of split leaves -> this rank's slices of the global
         mean, one reduce-scatter per bucket over :attr:`shard_axis_name`, then (hybrid
         sharding) one all-reduce per bucket over :attr:`replica_axes`."""
-        # Divided by every data rank's count before the cast to the wire dtype: the sum over
-        # the shard axis, then over the replica axes, is the global mean.
-        divided = [g / np.asarray(self.n, g.dtype) for g in grads]
+        # Divided by every data rank's count: the sum over the shard axis, then over the
+        # replica axes, is the global mean. In the gradients' own dtype after the sums (one
+        # rounding, on this rank's slice: 1/n of the bytes); before the cast to a narrower
+        # wire dtype, so the sum stays in range.
+        after = wire_dtype is None
+        if not after:
+            grads = [g / np.asarray(self.n, g.dtype) for g in grads]
         # Gradients cross devices here: each rank receives only its slice of the sum.
         slices = scatter_leaves(
-            divided,
+            grads,
             dims,
             self.shard_axis_name,
             algorithm=self.algorithm,
             bucket_bytes=self.bucket_bytes,
             wire_dtype=wire_dtype,
         )
-        return self.sum_over_replicas(slices, wire_dtype)
+        slices = self.sum_over_replicas(slices, wire_dtype)
+        return [g / np.asarray(self.n, g.dtype) for g in slices] if after else slices
 
     def sum_over_replicas(
         self, slices: list[jax.Array], wire_dtype: DTypeLike | None
