@@ -7,6 +7,7 @@ takes its host loop from :mod:`jaxcoll.dp.loop` (``Trainer.fit`` is :func:`loop.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -168,6 +169,7 @@ class Trainer:
         self._model_specs: tuple[P, ...] | None = None  # known at init (dp.specs)
         self._specs_known = False  # init (or a state's placement) has set them
         self._placed: Any = None  # the params the last step returned (their specs checked)
+        self._returned: Any = lambda: None  # the state the last step returned (weakly)
         self.accum_steps = accum_steps
         self.extra = extra
         self.skip_nonfinite = bool(skip_nonfinite)
@@ -202,7 +204,13 @@ class Trainer:
         rows, as :class:`~jaxcoll.dp.TokenBatches` does) is used as it is; one placed
         otherwise is resharded (``jax.device_put``)."""
         self._check_batch(batch, api)
-        return jax.device_put(batch, self.batch_sharding)
+        where = self.batch_sharding
+        if all(
+            isinstance(x, jax.Array) and x.sharding == where
+            for x in jax.tree_util.tree_leaves(batch)
+        ):
+            return batch  # placed already (a batch placed once and stepped on again)
+        return jax.device_put(batch, where)
 
     # ---------------------------------------------------------------------------------- init
     def init(
@@ -312,7 +320,8 @@ class Trainer:
             asynchronous until you read them).
         """
         api = "Trainer.step"
-        check_state(api, state)
+        if state is not self._returned():  # the state the last step returned is live
+            check_state(api, state)
         if state.params is not self._placed:  # a state this Trainer did not just return
             self._check_model_specs(api, state.params)
         batch = self.shard_batch(batch)
@@ -322,6 +331,7 @@ class Trainer:
         if host is not None:  # phased
             self._known_step = (new.step, host + 1)
         self._placed = new.params  # placed by the step itself: its model specs are known
+        self._returned = weakref.ref(new)
         return new, metrics
 
     def _step_program(self, state: TrainState, host_step: int | None = None):
