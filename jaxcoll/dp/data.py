@@ -121,3 +121,10 @@ def leading_size(api: str, batch: PyTree) -> int:
             f"empty); a mean over no examples is NaN. Skip empty batches."
         )
     return int(size)
+
+
+def placed_as(batch: PyTree, sharding: jax.sharding.Sharding) -> bool:
+    """Whether every array of ``batch`` is a ``jax.Array`` placed as ``sharding`` already (a
+    batch placed once and stepped on again: ``jax.device_put`` would return it as it is)."""
+    leaves = jax.tree_util.tree_leaves(batch)
+    return all(isinstance(x, jax.Array) and x.sharding == sharding for x in leaves)

@@ -24,7 +24,7 @@ from .._watch import process, watchdog
 from . import layout_sync, loop
 from .adapters import Model
 from .checks import LossOutputError, check_state, float_params, unbound_axis
-from .data import Batches
+from .data import Batches, placed_as
 from .extra import Extra
 from .host import to_host
 from .layout import Layout
@@ -199,18 +199,12 @@ class Trainer:
     def shard_batch(self, batch: PyTree, api: str = "Trainer.step") -> PyTree:
         """Place a global batch on the mesh, split along its leading axis; check its size.
 
-        A host batch (NumPy) is whole on every process and split here. A batch of global
-        ``jax.Array`` s already placed as :attr:`batch_sharding` (each process gave only its
-        rows, as :class:`~jaxcoll.dp.TokenBatches` does) is used as it is; one placed
-        otherwise is resharded (``jax.device_put``)."""
+        A host batch (NumPy) is whole on every process and split here; global ``jax.Array`` s
+        placed as :attr:`batch_sharding` (each process gave only its rows, as
+        :class:`~jaxcoll.dp.TokenBatches` does) are used as they are, others resharded."""
         self._check_batch(batch, api)
-        where = self.batch_sharding
-        if all(
-            isinstance(x, jax.Array) and x.sharding == where
-            for x in jax.tree_util.tree_leaves(batch)
-        ):
-            return batch  # placed already (a batch placed once and stepped on again)
-        return jax.device_put(batch, where)
+        to = self.batch_sharding
+        return batch if placed_as(batch, to) else jax.device_put(batch, to)
 
     # ---------------------------------------------------------------------------------- init
     def init(
