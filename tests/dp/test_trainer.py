@@ -220,3 +220,20 @@ def test_a_one_device_mesh_trains_as_plain_optax(sync):
         state, _ = trainer.step(state, batch)
         w = w - 0.1 * jax.grad(lambda w, b=batch: loss(w, b, None)[0])(w)
     np.testing.assert_allclose(np.asarray(state.params), w, rtol=1e-6)
+
+
+def test_a_placed_batch_goes_in_as_it_is_and_a_host_batch_is_placed():
+    trainer, params, _, data = _mlp_trainer()
+    placed = trainer.shard_batch(data[0])
+    assert all(x.sharding == trainer.batch_sharding for x in jax.tree_util.tree_leaves(placed))
+    assert trainer.shard_batch(placed) is placed  # no device_put of what is placed already
+    other = jax.device_put(data[0], jax.sharding.NamedSharding(trainer.mesh, jax.P()))
+    again = trainer.shard_batch(other)  # replicated: resharded to the batch's split
+    assert again is not other and jax.tree_util.tree_leaves(again)[0].sharding == (
+        trainer.batch_sharding
+    )
+    losses = []
+    for batch in (data[0], placed, placed):  # a host batch, then the placed one twice
+        _, metrics = trainer.step(trainer.init(params, jax.random.key(0)), batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[0] == losses[1] == losses[2], losses
