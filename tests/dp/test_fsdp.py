@@ -173,13 +173,19 @@ def _scatters_of_divided(text: str) -> list[bool]:
 
 
 def test_the_mean_divides_the_slice_after_the_reduce_scatter():
-    # In the gradients' own dtype the division by n runs on each rank's slice after the sum:
-    # 1/n of the bytes, one rounding. Cast to a narrower wire dtype it runs before, so the
-    # sum stays in range.
+    # In the gradients' own dtype (the fp32 master's, also under a bf16 policy that reduces
+    # in fp32) the division by n runs on each rank's slice after the sum: 1/n of the bytes,
+    # one rounding. Cast to another wire dtype it runs before, so the sum stays in range.
+    bf16 = dp.MixedPrecisionPolicy(param_dtype=jnp.bfloat16)
+    bf16_fp32 = dp.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
     for sync, before in (
         (dp.sync.FSDP(), False),
         (dp.sync.FSDP(hook=dp.hooks.Compress(jnp.bfloat16)), True),
+        (dp.sync.FSDP(mp_policy=bf16), True),  # reduced in bf16
+        (dp.sync.FSDP(mp_policy=bf16_fp32), False),  # in the fp32 master's own dtype
         (dp.sync.ZeRO1(), False),
+        (dp.sync.ZeRO1(mp_policy=bf16), True),
+        (dp.sync.ZeRO1(mp_policy=bf16_fp32), False),
     ):
         trainer, params, data = _setup(optax.sgd(0.1), sync=sync)
         step, args = trainer.step_program(trainer.init(params, jax.random.key(1)), data[0])

@@ -328,8 +328,8 @@ def _gather_bwd(plan, _, cts):
     wire = plan.wire if codec is None else None
     # The mean's division: after the sum when the gradients travel in their own dtype (one
     # rounding, on this rank's slice: 1/n of the bytes); before it, in the slice's dtype,
-    # when they travel narrower (bf16, 8-bit blocks), so the sum stays in range.
-    after = codec is None and wire is None
+    # when they travel in another (bf16, 8-bit blocks), so the sum stays in range.
+    after = codec is None and all(wire is None or jnp.dtype(wire) == dt for dt in plan.dtypes)
     # Back in the slice's dtype (the fp32 master's, under a policy that computes in bf16).
     cts = [to_varying(ct.astype(dt), plan.names) for ct, dt in zip(cts, plan.dtypes, strict=True)]
     if not after:

@@ -42,7 +42,9 @@ class MixedPrecisionPolicy:
       DDP and ZeRO-1 cast the replicated params at the start of the loss. The gradient of
       the cast is the ``param_dtype`` gradient, in the params' own dtype. None: no cast.
     * ``reduce_dtype``: the dtype the gradients cross the devices in (each rank's gradient
-      divided by n, cast, summed, cast back to the params' dtype). None: ``param_dtype``
+      cast, summed, cast back to the params' dtype, and divided by n: by FSDP, HSDP and
+      ZeRO-1 after the sum when this is the params' dtype, else before the cast, as DDP
+      always does). None: ``param_dtype``
       (torch's default), or the gradients' own dtype when that is None too. With
       ``param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32`` the synchronised gradient is
       the fp32 mean of the per-device bfloat16 gradients.

@@ -229,9 +229,9 @@ class ZeRO1(Strategy):
         sharding) one all-reduce per bucket over :attr:`replica_axes`."""
         # Divided by every data rank's count: the sum over the shard axis, then over the
         # replica axes, is the global mean. In the gradients' own dtype after the sums (one
-        # rounding, on this rank's slice: 1/n of the bytes); before the cast to a narrower
-        # wire dtype, so the sum stays in range.
-        after = wire_dtype is None
+        # rounding, on this rank's slice: 1/n of the bytes); before the cast to another wire
+        # dtype, so the sum stays in range.
+        after = all(wire_dtype is None or np.dtype(wire_dtype) == g.dtype for g in grads)
         if not after:
             grads = [g / np.asarray(self.n, g.dtype) for g in grads]
         # Gradients cross devices here: each rank receives only its slice of the sum.
