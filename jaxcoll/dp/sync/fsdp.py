@@ -31,7 +31,7 @@ from ..hooks.base import wire_dtype as hook_wire_dtype
 from ..specs import used_dims
 from .blocks import block_units
 from .layerwise import gather_per_layer
-from .packing import gather_leaves, scatter_leaves, sum_leaves
+from .packing import divides_after, gather_leaves, scatter_leaves, sum_leaves
 from .quantized import Blocks, Quantize
 from .zero1 import ZeRO1
 
@@ -326,10 +326,9 @@ def _gather_fwd(slices, plan):
 def _gather_bwd(plan, _, cts):
     codec = _codec(plan, "grads")
     wire = plan.wire if codec is None else None
-    # The mean's division: after the sum when the gradients travel in their own dtype (one
-    # rounding, on this rank's slice: 1/n of the bytes); before it, in the slice's dtype,
-    # when they travel in another (bf16, 8-bit blocks), so the sum stays in range.
-    after = codec is None and all(wire is None or jnp.dtype(wire) == dt for dt in plan.dtypes)
+    # The mean's division: on the slice after the sum, or in the slice's dtype before it
+    # when the gradients travel in another (bf16, 8-bit blocks).
+    after = codec is None and divides_after(wire, plan.dtypes)
     # Back in the slice's dtype (the fp32 master's, under a policy that computes in bf16).
     cts = [to_varying(ct.astype(dt), plan.names) for ct, dt in zip(cts, plan.dtypes, strict=True)]
     if not after:

@@ -177,6 +177,13 @@ def scatter_leaves(
     return out
 
 
+def divides_after(wire_dtype: DTypeLike | None, dtypes: Sequence[Any]) -> bool:
+    """Whether a mean's division by n runs on each rank's slice after the sum: when every
+    gradient of ``dtypes`` travels in its own dtype (``wire_dtype`` None or that dtype; one
+    rounding, 1/n of the bytes); else it runs before the cast, so the sum stays in range."""
+    return all(wire_dtype is None or np.dtype(wire_dtype) == np.dtype(dt) for dt in dtypes)
+
+
 def sum_leaves(
     leaves: Sequence[jax.Array],
     axis_name: AxisName,

@@ -28,7 +28,7 @@ from ..hooks.base import is_elementwise
 from ..hooks.base import wire_dtype as hook_wire_dtype
 from ..specs import merge, used_dims
 from .base import Binding, Strategy, leaf_shape
-from .packing import gather_leaves, scatter_leaves, sum_leaves
+from .packing import divides_after, gather_leaves, scatter_leaves, sum_leaves
 
 
 def shard_dim(shape: tuple[int, ...], n: int, taken: frozenset[int] = frozenset()) -> int | None:
@@ -228,10 +228,8 @@ class ZeRO1(Strategy):
         mean, one reduce-scatter per bucket over :attr:`shard_axis_name`, then (hybrid
         sharding) one all-reduce per bucket over :attr:`replica_axes`."""
         # Divided by every data rank's count: the sum over the shard axis, then over the
-        # replica axes, is the global mean. In the gradients' own dtype after the sums (one
-        # rounding, on this rank's slice: 1/n of the bytes); before the cast to another wire
-        # dtype, so the sum stays in range.
-        after = all(wire_dtype is None or np.dtype(wire_dtype) == g.dtype for g in grads)
+        # replica axes, is the global mean (divided after the sums or before the cast).
+        after = divides_after(wire_dtype, [g.dtype for g in grads])
         if not after:
             grads = [g / np.asarray(self.n, g.dtype) for g in grads]
         # Gradients cross devices here: each rank receives only its slice of the sum.
