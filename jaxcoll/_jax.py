@@ -24,7 +24,7 @@ Defining primitives (where jax has an extension API, it is used: ``jax.extend.co
   0.11's ``scan`` and ``custom_vjp_call``).
 * :class:`ClosedJaxpr`, :class:`Jaxpr` (``jax.extend.core``): the sub-jaxprs in an
   equation's parameters, which ``fit``'s matmul FLOP count follows
-  (:func:`jaxcoll.dp.metrics.matmul_flops`).
+  (:func:`jaxcoll.dp.reports.metrics.matmul_flops`).
 * :class:`Primitive` (``jax.extend.core``): jaxcoll's primitives, so that a collective can get
   one lowering per platform and its own transpose and batching rules.
 * :func:`register_lowering`, :func:`lower_fun` (``jax.interpreters.mlir``): a lowering rule

@@ -51,6 +51,29 @@ APART = {"jaxcoll._init", "jaxcoll._watch", "jaxcoll.run"}
 SHARED = {"jaxcoll._jax", "jaxcoll._xla_flags", "jaxcoll.trace"}
 # Units above another that still may not import it: beside it in design, above it by layer.
 INDEPENDENT = {"jaxcoll.nn": {"jaxcoll.dp"}}
+# dp's own floors, lowest first (docs/architecture.md): a part of dp imports only parts on a
+# lower floor, so the trainer reads top-down and callbacks sit below the loop and the reports.
+DP_FLOORS = {
+    "jaxcoll.dp.state": 0,
+    "jaxcoll.dp.host": 0,
+    "jaxcoll.dp.batchnorm": 0,
+    "jaxcoll.dp.callbacks": 0,
+    "jaxcoll.dp.layout": 0,
+    "jaxcoll.dp.checks": 1,
+    "jaxcoll.dp.extra": 1,
+    "jaxcoll.dp.specs": 1,
+    "jaxcoll.dp.adapters": 2,
+    "jaxcoll.dp.data": 2,
+    "jaxcoll.dp.hooks": 2,
+    "jaxcoll.dp.checkpoint": 2,
+    "jaxcoll.dp.sync": 3,
+    "jaxcoll.dp.reports": 3,
+    "jaxcoll.dp.layout_sync": 4,
+    "jaxcoll.dp.step": 4,
+    "jaxcoll.dp.loop": 4,
+    "jaxcoll.dp.trainer": 5,
+    "jaxcoll.dp": 6,
+}
 DOOR = "jaxcoll._jax"  # the one module that reaches JAX internals
 INTERNAL = ("jax._src", "jax.interpreters", "jax.extend")
 
@@ -67,6 +90,13 @@ def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
 
 def unit_of(module: str) -> str:
     return max((u for u in UNITS if module == u or module.startswith(u + ".")), key=len)
+
+
+def dp_part(module: str) -> str | None:
+    """The part of dp (a top-level module or a sub-package) that ``module`` belongs to."""
+    if not (module == "jaxcoll.dp" or module.startswith("jaxcoll.dp.")):
+        return None
+    return max((u for u in DP_FLOORS if module == u or module.startswith(u + ".")), key=len)
 
 
 def imports(module: str, path: pathlib.Path, known: set[str]) -> list[tuple[str, int, bool]]:
@@ -118,6 +148,13 @@ def violations(root: pathlib.Path) -> list[str]:
                 )
             elif dep_unit in INDEPENDENT.get(unit, ()):
                 bad.append(f"{where}: {mod} imports {dep}, which {unit} is independent of")
+            part, dep_part = dp_part(mod), dp_part(dep)
+            if part and dep_part and part != dep_part and DP_FLOORS[dep_part] >= DP_FLOORS[part]:
+                if not (part == "jaxcoll.dp" and mod == part):  # dp/__init__ re-exports
+                    bad.append(
+                        f"{where}: {mod} (dp floor {DP_FLOORS[part]}) imports {dep} "
+                        f"(dp floor {DP_FLOORS[dep_part]}), which is not below it"
+                    )
             if not (mod == unit and dep.startswith(mod + ".")):  # a package re-exporting its own
                 graph[mod].add(dep)
     state: dict[str, int] = {}
@@ -179,6 +216,10 @@ def test_only_the_door_reaches_jax_internals():
 
 def test_every_module_has_a_layer():
     assert all(unit_of(m) in UNITS for m in modules(ROOT))
+    dp = [m for m in modules(ROOT) if m.startswith("jaxcoll.dp")]
+    assert all(dp_part(m) in DP_FLOORS for m in dp)
+    top = [p for p in (ROOT / "dp").glob("*.py") if p.name != "__init__.py"]
+    assert len(top) <= 12, sorted(p.name for p in top)  # the rest lives in sub-packages
     assert unit_of("jaxcoll.algorithms.ring") == "jaxcoll.algorithms"
     assert unit_of("jaxcoll.groups") == "jaxcoll.groups"
 
@@ -215,6 +256,12 @@ def test_every_module_has_a_layer():
         ("primitives/_gather.py", "def f():\n    from . import _scatter\n", "inside a function"),
         ("distributed/_work.py", "from . import _collectives\n", "import circle: "),
         ("nn/mlp.py", "from ..dp import adapters\n", "which jaxcoll.nn is independent of"),
+        (
+            "dp/callbacks/base.py",
+            "from ..loop import fit\n",
+            "(dp floor 0) imports jaxcoll.dp.loop",
+        ),
+        ("dp/sync/ddp.py", "from ..step import build\n", "(dp floor 4), which is not below it"),
         ("parallel/tensor.py", "from .. import nn\n", "imports jaxcoll.nn (layer 5)"),
     ],
 )

@@ -1,8 +1,8 @@
 """dp.Trainer: DDP for JAX. Replicate the model, split the global batch, average once.
 
 A thin facade: it checks its arguments, binds the gradient-sync strategy it is given
-(``sync=``, :mod:`jaxcoll.dp.sync`), builds the jitted programs (:mod:`jaxcoll.dp.step`) and
-takes its host loop from :mod:`jaxcoll.dp.loop` (``Trainer.fit`` is :func:`loop.fit`).
+(``sync=``, :mod:`jaxcoll.dp.sync`), builds the jitted programs (:mod:`jaxcoll.dp.step.build`) and
+takes its host loop from :mod:`jaxcoll.dp.loop.fit` (``Trainer.fit`` is :func:`loop.fit`).
 """
 
 from __future__ import annotations
@@ -21,18 +21,19 @@ from .._core.checks import check_static_int
 from .._core.typing import AxisName, PyTree
 from .._core.vma import axis_names
 from .._watch import process, watchdog
-from . import layout_sync, loop
+from . import layout_sync
 from .adapters import Model
 from .checks import LossOutputError, check_state, float_params, unbound_axis
-from .data import Batches, placed_as
+from .data.batches import Batches, placed_as
 from .extra import Extra
 from .host import to_host
 from .layout import Layout
-from .placement import first_state
+from .loop import fit as loop
 from .specs import check_placed_specs, model_specs, restrict, unbox
 from .state import TrainState
-from .step import BatchSplit, build_eval, build_step
-from .step_loss import LossFn, check_optimizer, in_layout, step_loss
+from .step.build import BatchSplit, build_eval, build_step
+from .step.loss import LossFn, check_optimizer, in_layout, step_loss
+from .step.placement import first_state
 from .sync import Strategy
 
 
@@ -447,7 +448,7 @@ class Trainer:
         )
 
     # ----------------------------------------------------------------------------------- fit
-    # The host loop: its signature, options and docstring are written once, in dp/loop.py.
+    # The host loop: its signature, options and docstring are written once, in dp/loop/fit.py.
     fit = loop.fit
 
     # ------------------------------------------------------------------------- host copies

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 from jaxcoll import dp
-from jaxcoll.dp.metrics import matmul_flops
+from jaxcoll.dp.reports.metrics import matmul_flops
 from tests.dp._models import MLP, batches, cross_entropy
 from tests.helpers import mesh_1d
 
@@ -420,7 +420,7 @@ def test_throughput_measures_the_peak_once_and_keeps_it_in_the_first_step(run, m
         calls.append(1)
         return 2.0e9
 
-    monkeypatch.setattr("jaxcoll.dp.components.measure_peak_flops", measured)
+    monkeypatch.setattr("jaxcoll.dp.loop.components.measure_peak_flops", measured)
     comps = [dp.Evaluate([test], on_start=True), dp.Throughput(peak_flops="measure")]
     _, hist = trainer.fit(fresh(), data, steps=3, callbacks=comps)
     assert calls == [1]
@@ -539,7 +539,7 @@ def test_a_step_read_in_the_turn_of_the_one_before_gets_its_time_not_the_dispatc
     # (`examples/gpt.py --tiny --layout single --eval-every 2` logged such readings).
     from types import SimpleNamespace
 
-    from jaxcoll.dp import metrics as m
+    from jaxcoll.dp.reports import metrics as m
 
     now = [0.0]
     monkeypatch.setattr(m.time, "perf_counter", lambda: now[0])

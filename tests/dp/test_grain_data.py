@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll import dp
-from jaxcoll.dp.grain_data import process_rows
+from jaxcoll.dp.data.grain import process_rows
 from tests.helpers import mesh_1d
 from tests.multihost.workers import token_model as tm
 

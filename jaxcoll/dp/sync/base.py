@@ -5,7 +5,7 @@ A strategy is a value the user writes: ``dp.Trainer(..., sync=dp.sync.FSDP())``.
 are its configuration, checked when it is constructed; it holds no state (state lives in
 pytrees: the optimizer state, the hook state), so one is safe to share and to rebuild.
 :meth:`Strategy.bind` returns a copy bound to the optimizer, the mesh and the data axis (the
-Trainer binds its ``sync`` once); the step builder (:mod:`jaxcoll.dp.step`) calls the bound
+Trainer binds its ``sync`` once); the step builder (:mod:`jaxcoll.dp.step.build`) calls the bound
 copy. A strategy turns per-rank *local* gradients into one optimizer step, in two halves
 around the step's ``jax.shard_map``, plus the placement both halves need:
 
@@ -49,8 +49,8 @@ from jax.sharding import PartitionSpec as P
 from ..._core.typing import AxisName, PyTree
 from ..._core.vma import axis_names
 from ...algorithms.registry import check_algorithm
-from ..buckets import plan_buckets
 from ..hooks.base import AllReduceHook, CommHook, Compress, PhasedHook, check_hook, init_state
+from .buckets import plan_buckets
 from .precision import MixedPrecisionPolicy, check_policy
 
 

@@ -10,8 +10,8 @@ import jax
 import optax
 
 from ..._core.typing import PyTree
-from ..buckets import plan_buckets, sync_buckets
 from .base import Strategy
+from .buckets import plan_buckets, sync_buckets
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,7 +25,7 @@ class DDP(Strategy):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
 
-    :meth:`reduce` is :func:`~jaxcoll.dp.buckets.sync_buckets`: the gradients in buckets of
+    :meth:`reduce` is :func:`~jaxcoll.dp.sync.buckets.sync_buckets`: the gradients in buckets of
     about ``bucket_mb`` MiB, in DDP's order (the last leaves first), each bucket through
     ``hook`` (the default: one all-reduce with ``algorithm``); each bucket's collectives
     depend only on its own gradients, so XLA may overlap them with the rest of the backward.

@@ -34,7 +34,7 @@ import jax
 from jax import lax
 
 from ..._jax import CALLS, Literal, jaxpr_parts, scan_counts
-from ..buckets import plan_buckets
+from .buckets import plan_buckets
 from .regather import forward_token, regathered, tie
 
 #: Gathers lazy params: ``gather(slices, dims) -> wholes`` (FSDP's differentiable

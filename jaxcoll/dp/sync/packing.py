@@ -28,7 +28,7 @@ from jax.typing import DTypeLike
 from ... import primitives
 from ..._core.typing import AxisName
 from ..._core.vma import varying_axes
-from ..buckets import plan_buckets
+from .buckets import plan_buckets
 
 __all__ = [
     "gather_leaves",

@@ -23,11 +23,11 @@ from jax.typing import DTypeLike
 
 from ..._core.typing import AxisName, PyTree
 from ..._core.vma import axis_names
-from ..buckets import mean_gradients
 from ..hooks.base import is_elementwise
 from ..hooks.base import wire_dtype as hook_wire_dtype
 from ..specs import merge, used_dims
 from .base import Binding, Strategy, leaf_shape
+from .buckets import mean_gradients
 from .packing import divides_after, gather_leaves, scatter_leaves, sum_leaves
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from .._watch import process
+from ..._watch import process
 
 # The n-th save or restore of this process: every process of a job makes the same calls in
 # the same order, so the n-th meets the others' n-th.

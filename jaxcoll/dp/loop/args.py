@@ -7,11 +7,11 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .._core.checks import check_static_int
-from .._core.typing import PyTree
-from .callbacks import Callback
-from .checkpoint import Checkpointer
-from .data import Batches
+from ..._core.checks import check_static_int
+from ..._core.typing import PyTree
+from ..callbacks.base import Callback
+from ..checkpoint.checkpointer import Checkpointer
+from ..data.batches import Batches
 
 
 def total_steps(data: Any, steps: int | None, epochs: int | None) -> int:

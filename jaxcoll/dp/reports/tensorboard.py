@@ -14,8 +14,8 @@ from typing import Any
 
 import jax
 
-from .callbacks import Callback
-from .checks import as_path
+from ..callbacks.base import Callback
+from ..checks import as_path
 
 
 def _tensorboardx(api: str) -> Any:

@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .._watch import preemption_requested, process
+from ..._watch import preemption_requested, process
 
 BEAT_S = 0.5
 """Seconds between two beats of a process whose save is being committed."""

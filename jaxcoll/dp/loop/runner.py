@@ -1,9 +1,9 @@
 """One call of :meth:`Trainer.fit <jaxcoll.dp.Trainer.fit>`: the steps, prefetch, the
 checkpoints, the callbacks and what they ask, and the components' hooks
-(:mod:`jaxcoll.dp.components`) at their places in the loop.
+(:mod:`jaxcoll.dp.loop.components`) at their places in the loop.
 
-:func:`jaxcoll.dp.loop.fit` checks its arguments and runs a :class:`Runner`; the step metrics
-(time, FLOPs, memory, learning rate) are measured in :mod:`jaxcoll.dp.metrics`.
+:func:`jaxcoll.dp.loop.fit.fit` checks its arguments and runs a :class:`Runner`; the step metrics
+(time, FLOPs, memory, learning rate) are measured in :mod:`jaxcoll.dp.reports.metrics`.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from typing import Any, NamedTuple
 
 import jax
 
-from .._core.typing import PyTree
-from .._watch import handle_preemption, preemption_point
-from .callbacks import Action, Callback, requested
-from .checkpoint import Checkpointer
+from ..._core.typing import PyTree
+from ..._watch import handle_preemption, preemption_point
+from ..callbacks.base import Action, Callback, requested
+from ..checkpoint.checkpointer import Checkpointer
+from ..data.batches import leading_size
+from ..reports.metrics import Costs, StepMetrics
+from ..state import TrainState
 from .components import Component, Steps
-from .data import leading_size
-from .metrics import Costs, StepMetrics
-from .state import TrainState
 
 API = "Trainer.fit"
 
@@ -65,7 +65,7 @@ class Pending(NamedTuple):
 class Runner:
     """The loop of one ``fit``: :meth:`run` returns the final state and the history.
 
-    It is the :class:`~jaxcoll.dp.components.Loop` its components see: ``state`` (the newest
+    It is the :class:`~jaxcoll.dp.loop.components.Loop` its components see: ``state`` (the newest
     state), ``step`` (its ``state.step``), :meth:`settle`, :meth:`report_eval` and
     :meth:`restart_clock`.
     """

@@ -1,11 +1,11 @@
 """The host loop's entry point, :func:`fit` (``Trainer.fit``), and :func:`evaluate`
-(``Trainer.evaluate``'s exact means, in :mod:`jaxcoll.dp.evaluate`).
+(``Trainer.evaluate``'s exact means, in :mod:`jaxcoll.dp.loop.evaluate`).
 
-:func:`fit` checks its arguments and runs a :class:`~jaxcoll.dp.runner.Runner` (the steps,
+:func:`fit` checks its arguments and runs a :class:`~jaxcoll.dp.loop.runner.Runner` (the steps,
 prefetch, checkpoints, callbacks and their actions); evaluation, throughput and MFU,
 profiling and the progress bar are components passed in ``callbacks=``
-(:mod:`jaxcoll.dp.components`). The step metrics (time, FLOPs, learning rate, memory) are
-computed in :mod:`jaxcoll.dp.metrics`.
+(:mod:`jaxcoll.dp.loop.components`). The step metrics (time, FLOPs, learning rate, memory) are
+computed in :mod:`jaxcoll.dp.reports.metrics`.
 """
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-from .._core.typing import PyTree
-from .callbacks import Callback, CallbackLike, as_callbacks
-from .checkpoint import Checkpointer
-from .checks import check_state
+from ..._core.typing import PyTree
+from ..callbacks.base import Callback, CallbackLike, as_callbacks
+from ..checkpoint.checkpointer import Checkpointer
+from ..checks import check_state
+from ..data.batches import Batches
+from ..state import TrainState
+from .args import check_checkpoint, check_data, total_steps
 from .components import Profile, Progress, Steps, Throughput
-from .data import Batches
 from .evaluate import Evaluate
 from .evaluate import evaluate as evaluate  # Trainer.evaluate's
-from .fit_args import check_checkpoint, check_data, total_steps
 from .runner import Runner
-from .state import TrainState
 
 
 def fit(
@@ -70,7 +70,7 @@ def fit(
         callbacks: :class:`~jaxcoll.dp.Callback` objects, metric writers with
             ``write_scalars(step, scalars)`` (``dp.JsonlWriter``, ``dp.TensorBoardWriter``,
             clu's) or functions ``fn(step, metrics)``: each gets every step's metrics and
-            every evaluation's results as they happen (see :mod:`jaxcoll.dp.callbacks`), and
+            every evaluation's results as they happen (see :mod:`jaxcoll.dp.callbacks.base`), and
             may return a :class:`~jaxcoll.dp.Action` (save a checkpoint, stop). The loop's
             components are callbacks too: :class:`~jaxcoll.dp.Evaluate` (evaluation every k
             steps and at the end), :class:`~jaxcoll.dp.Throughput` (tokens/s, MFU) and
@@ -93,7 +93,7 @@ def fit(
         The final state and a history: one dict per step taken in this call with the step,
         the loss and the loss's metrics, and the step metrics (``step_time_s``,
         ``examples_per_s``, ``flops_per_step``, ``lr``, ``memory_bytes``, and with
-        ``dp.Throughput`` ``tokens_per_s`` and ``mfu``: see :mod:`jaxcoll.dp.metrics`); at
+        ``dp.Throughput`` ``tokens_per_s`` and ``mfu``: see :mod:`jaxcoll.dp.reports.metrics`); at
         each evaluation, that step's dict also has ``eval_<key>`` for each key of the
         evaluation's results (``eval_loss``, or ``eval_val_loss`` for a named set).
 

@@ -17,15 +17,15 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import primitives
-from .._core.context import local_part
-from .._core.typing import AxisName, PyTree
-from .._core.vma import axis_names, to_varying, varying_axes
-from .checks import LossOutputError, float_params
-from .data import leading_size
-from .extra import Extra
-from .state import TrainState
-from .sync.base import Strategy, specs_like
+from ... import primitives
+from ..._core.context import local_part
+from ..._core.typing import AxisName, PyTree
+from ..._core.vma import axis_names, to_varying, varying_axes
+from ..checks import LossOutputError, float_params
+from ..data.batches import leading_size
+from ..extra import Extra
+from ..state import TrainState
+from ..sync.base import Strategy, specs_like
 
 # loss(params, model_state, batch, rng, step) -> (loss, (aux, new_model_state)), its output
 # already checked (the Trainer wraps the user's loss_fn or dp.Model into this form).

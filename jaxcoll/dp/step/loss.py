@@ -11,9 +11,9 @@ from typing import Any
 import jax
 import optax
 
-from .._core import roles
-from .adapters import Model, name_of
-from .checks import accepts, loss_output, model_output
+from ..._core import roles
+from ..adapters import Model, name_of
+from ..checks import accepts, loss_output, model_output
 
 # loss_fn(params, batch, rng) -> (loss, metrics); it may take a keyword argument ``step``.
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]

@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from .. import primitives
-from .._core.typing import AxisName, PyTree, Shaped
-from .._core.vma import varying_axes
-from .hooks.base import AllReduceHook, Bucket, CommHook, Compress
+from ... import primitives
+from ..._core.typing import AxisName, PyTree, Shaped
+from ..._core.vma import varying_axes
+from ..hooks.base import AllReduceHook, Bucket, CommHook, Compress
 
 
 def plan_buckets(

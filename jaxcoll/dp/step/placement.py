@@ -11,11 +11,11 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import primitives
-from .._core.typing import PyTree
-from .extra import Extra
-from .state import TrainState
-from .sync import Strategy
+from ... import primitives
+from ..._core.typing import PyTree
+from ..extra import Extra
+from ..state import TrainState
+from ..sync import Strategy
 
 
 def first_state(

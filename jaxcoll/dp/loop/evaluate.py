@@ -8,10 +8,10 @@ from collections.abc import Callable, Iterable
 import jax
 import numpy as np
 
-from .._core.typing import PyTree
+from ..._core.typing import PyTree
+from ..data.batches import Batches, leading_size
+from .args import EvalData, check_data, eval_sets, positive
 from .components import Component, Loop
-from .data import Batches, leading_size
-from .fit_args import EvalData, check_data, eval_sets, positive
 
 
 def _rows(batch: PyTree, lo: int, hi: int) -> PyTree:

@@ -19,12 +19,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from .._watch import process
-from ._ckpt_match import check_template, comm_mismatch
-from ._ckpt_rendezvous import rendezvous
+from ..._watch import process
+from ..checks import as_path
+from ..state import TrainState
 from ._commit import Barriers, Beacon, CommitAbandoned
-from .checks import as_path
-from .state import TrainState
+from ._match import check_template, comm_mismatch
+from ._rendezvous import rendezvous
 
 COMMIT_STEPS = 2
 """``fit`` waits for a save's commit once the step this many steps after the save is
@@ -96,8 +96,8 @@ class Checkpointer:
     checkpoint on disk within two steps, and always before the next save; :meth:`wait`
     waits for it at any time, and ``enable_async_checkpointing=False`` at every save. A save
     whose commit cannot complete because a process is gone (it ended, failed, or gave no
-    sign of life; see :mod:`jaxcoll.dp._commit`) ends the processes left with a line naming
-    it and the newest committed step, exit code 1, instead of an abort inside orbax or JAX.
+    sign of life; see :mod:`jaxcoll.dp.checkpoint._commit`) ends the processes left with a
+    line naming it and the newest committed step, exit code 1, instead of an abort inside orbax or JAX.
 
     Saved: the whole :class:`TrainState` (params, optimizer state, model state, step, rng,
     extra, hook state), each leaf as one global array: a checkpoint written under any

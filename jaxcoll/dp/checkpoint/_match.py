@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from .state import TrainState
+from ..state import TrainState
 
 
 def _leaf_table(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from .._core.typing import PyTree
+from ..._core.typing import PyTree
 
 
 class Batches:

@@ -25,8 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from .._core.checks import check_static_int
-from .checks import as_path
+from ..._core.checks import check_static_int
+from ..checks import as_path
 
 if TYPE_CHECKING:
     import grain

@@ -45,8 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.typing import PyTree
-from .._jax import ClosedJaxpr, Jaxpr
+from ..._core.typing import PyTree
+from ..._jax import ClosedJaxpr, Jaxpr
 
 
 # ----------------------------------------------------------------------- compiled programs

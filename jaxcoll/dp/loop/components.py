@@ -1,7 +1,7 @@
 """Components: callbacks that take part in :meth:`Trainer.fit <jaxcoll.dp.Trainer.fit>`'s loop
 (CLU's periodic actions, torchtitan's components), passed in ``callbacks=`` like any other.
 
-* :class:`~jaxcoll.dp.Evaluate` (in :mod:`jaxcoll.dp.evaluate`): evaluation every k steps;
+* :class:`~jaxcoll.dp.Evaluate` (in :mod:`jaxcoll.dp.loop.evaluate`): evaluation every k steps;
 * :class:`Throughput`: ``tokens_per_s`` and ``mfu`` in every step's metrics;
 * :class:`Profile`: a ``jax.profiler`` trace of a window of steps;
 * :class:`Progress`: the tqdm bar (``fit(progress=...)``).
@@ -22,13 +22,13 @@ from typing import Any, Protocol
 
 import jax
 
-from .._core.typing import PyTree
-from .callbacks import Callback
-from .checkpoint import check_directory
-from .data import Batches
-from .fit_args import count, positive
-from .metrics import check_peak_flops, measure_peak_flops
-from .state import TrainState
+from ..._core.typing import PyTree
+from ..callbacks.base import Callback
+from ..checkpoint.checkpointer import check_directory
+from ..data.batches import Batches
+from ..reports.metrics import check_peak_flops, measure_peak_flops
+from ..state import TrainState
+from .args import count, positive
 
 
 class Steps(Protocol):
@@ -105,7 +105,7 @@ class Throughput(Component):
 
     Adds ``tokens_per_s`` (``examples_per_s * tokens_per_example``) and ``mfu``
     (``flops_per_step / step_time_s / (peak_flops * n_devices)``, where the step's FLOPs are
-    known) to the step metrics that ``fit`` measures anyway (:mod:`jaxcoll.dp.metrics`).
+    known) to the step metrics that ``fit`` measures anyway (:mod:`jaxcoll.dp.reports.metrics`).
 
     Args:
         tokens_per_example: tokens in one example (a sequence's length): adds

@@ -11,8 +11,8 @@ from typing import Any
 
 import jax
 
-from .callbacks import Callback
-from .checks import as_path
+from ..callbacks.base import Callback
+from ..checks import as_path
 
 
 def _series(history: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:

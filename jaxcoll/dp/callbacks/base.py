@@ -9,7 +9,7 @@ what a callback can ask of it (:class:`Action`: save a checkpoint, stop).
   are ones);
 * a plain function ``fn(step, metrics)``, called for every step and every evaluation
   (evaluation keys prefixed ``eval_``, as in the history); it may return an :class:`Action`;
-* a component of the loop (:mod:`jaxcoll.dp.components`): :class:`~jaxcoll.dp.Evaluate`,
+* a component of the loop (:mod:`jaxcoll.dp.loop.components`): :class:`~jaxcoll.dp.Evaluate`,
   :class:`~jaxcoll.dp.Throughput`, :class:`~jaxcoll.dp.Profile`.
 
 All get host floats, after the step (or evaluation) finished, on the process that runs
