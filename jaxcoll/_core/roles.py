@@ -15,25 +15,50 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import enum
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+
+class Role(str, enum.Enum):
+    """The roles a layout gives mesh axes: the one spelling of each role's name.
+
+    A member is its name as a string (``Role.TENSOR == "tensor"``), so model code may write
+    either; jaxcoll's own code writes the member. A mesh a :class:`jaxcoll.dp.Layout` builds
+    from degrees names each axis after its role. Words: an *axis* is a mesh axis (passed as
+    ``axis_name``), a *dim* a tensor dimension.
+    """
+
+    REPLICATE = "replicate"  # data replicas (DDP, HSDP's outer axis)
+    SHARD = "shard"  # data shards (FSDP, ZeRO-1, HSDP's inner axis)
+    CONTEXT = "context"  # the sequence split (context parallel)
+    TENSOR = "tensor"  # tensor parallel
+    PIPELINE = "pipeline"  # pipeline stages
+    EXPERT = "expert"  # a mixture's experts (over the data shards' devices they borrow)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: The roles that split the batch's examples.
+DATA_ROLES = (Role.REPLICATE, Role.SHARD)
+
 #: The roles a layout gives mesh axes, besides the data axes (``replicate``, ``shard``).
-MODEL_ROLES = ("tensor", "pipeline")
+MODEL_ROLES = (Role.TENSOR, Role.PIPELINE)
 
 #: The logical axes model code may name, each with its default role (None: never split).
 #: A layout's ``rules`` override or extend it (MaxText's ``logical_axis_rules``).
-LOGICAL_AXES: Mapping[str, str | None] = {
-    "heads": "tensor",  # attention heads (q, k, v, and the output projection's input)
-    "kv_heads": "tensor",
-    "mlp": "tensor",  # an MLP's hidden units
-    "vocab": "tensor",  # the embedding's / head's vocabulary
+LOGICAL_AXES: Mapping[str, Role | None] = {
+    "heads": Role.TENSOR,  # attention heads (q, k, v, and the output projection's input)
+    "kv_heads": Role.TENSOR,
+    "mlp": Role.TENSOR,  # an MLP's hidden units
+    "vocab": Role.TENSOR,  # the embedding's / head's vocabulary
     "embed": None,  # the model width
     "kv": None,  # a head's width
     "length": None,  # the sequence
-    "layers": "pipeline",  # blocks stacked on a leading axis
-    "experts": "expert",  # a mixture's experts (over the data-shard devices they borrow)
+    "layers": Role.PIPELINE,  # blocks stacked on a leading axis
+    "experts": Role.EXPERT,  # a mixture's experts (over the data-shard devices they borrow)
 }
 
 
