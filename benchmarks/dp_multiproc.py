@@ -92,7 +92,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 SIZES = (784, 4096, 4096, 10)
 BATCH = 64
@@ -522,16 +521,16 @@ def jax_worker(a: argparse.Namespace) -> None:
             "jax-fsdp": dp.sync.FSDP(),
             "jax-fsdp-perleaf": dp.sync.FSDP(bucket_mb=None),
         }.get(a.config)
-        axis: Any = "data"
+        layout = dp.Layout(replicate="data")
         if a.config == "jax-hsdp":  # replicas across the processes, shards within one
-            sync = dp.sync.FSDP(shard_axis="shard")
+            sync = dp.sync.FSDP()
             mesh = jax.make_mesh((PROCS, DEVICES_PER_PROC), ("replica", "shard"))
-            axis = ("replica", "shard")
+            layout = dp.Layout(replicate="replica", shard="shard")
         if a.config in ("jax-powersgd", "jax-powersgd-s0"):
             start = 0 if a.config == "jax-powersgd-s0" else 2
             sync = dp.sync.DDP(hook=dp.hooks.PowerSGD(rank=4, start_iter=start))
         assert sync is not None, a.config
-        trainer = dp.Trainer(loss_fn, optimizer, mesh=mesh, axis_name=axis, sync=sync)
+        trainer = dp.Trainer(loss_fn, optimizer, mesh=mesh, layout=layout, sync=sync)
         state = trainer.init(params, jax.random.key(0))
         run = trainer.step
         program = trainer.step_program if a.hlo else None

@@ -11,7 +11,7 @@ hidden=256, k=2)``: a softmax router over 8 experts, each token's top 2, their o
 with the two chosen probabilities as gates (not renormalised), each expert
 ``gelu(x @ w_in[e]) @ w_out[e]`` with ``jaxcoll.parallel.gelu`` (exact). The loss: the
 next-token cross-entropy + 0.01 x the load-balancing losses of both layers
-(``jaxcoll.nn.moe_metrics``: ``E * sum_e f_e P_e`` over the whole batch, Switch Transformer).
+(``jaxcoll.parallel.moe_metrics``: ``E * sum_e f_e P_e`` over the whole batch, Switch Transformer).
 AdamW (``optax.adamw(1e-3)``), one fixed global batch of 16 sequences of 128 tokens; both
 rows start from the same params.
 
@@ -135,7 +135,7 @@ from jaxcoll import dp, parallel  # noqa: E402
 from jaxcoll import nn as pnn  # noqa: E402
 from jaxcoll.dp.sync.base import mirror_specs  # noqa: E402
 from jaxcoll.dp.sync.fsdp import fsdp_dim  # noqa: E402
-from jaxcoll.parallel.experts import capacity_of  # noqa: E402
+from jaxcoll.parallel.moe.router import capacity_of  # noqa: E402
 
 VOCAB, WIDTH, HIDDEN, SEQ, BATCH = 256, 128, 256, 128, 16
 EXPERTS, K, LAYERS, AUX = 8, 2, 2, 0.01
@@ -170,7 +170,7 @@ def jaxcoll_loss(model=MODEL):
     def loss(params, batch, rng=None):
         logits, sown = model.apply({"params": params}, batch["x"], mutable=["intermediates"])
         ce = cross_entropy(logits, batch["y"])
-        metrics = pnn.moe_metrics(sown["intermediates"])
+        metrics = parallel.moe_metrics(sown["intermediates"])
         return ce + AUX * metrics["moe_aux"], {"lm_loss": ce, **metrics}
 
     return loss

@@ -18,9 +18,8 @@ Rows, for each model (and L):
 
 - ``DDP``, ``ZeRO-1``, ``FSDP``: ``dp.Trainer(loss_fn, optax.adam(1e-3), sync=...)`` with
   ``dp.sync.DDP()``, ``dp.sync.ZeRO1()``, ``dp.sync.FSDP()`` on one mesh axis of 8 devices;
-- ``HSDP``: ``dp.sync.FSDP(shard_axis="shard")`` on ``jax.make_mesh((2, 4), ("replica",
-  "shard"))`` (Auto axes) with ``axis_name=("replica", "shard")``; reported as n/a when this
-  jaxcoll's FSDP has no ``shard_axis`` (its construction raises TypeError);
+- ``HSDP``: ``dp.sync.FSDP()`` on ``jax.make_mesh((2, 4), ("replica", "shard"))`` (Auto axes)
+  with ``layout=dp.Layout(replicate="replica", shard="shard")``;
 - ``GSPMD FSDP``: what a user writes in plain JAX: ``jax.jit`` of value_and_grad + optax
   update, params and Adam state placed by ``NamedSharding`` over the 8 devices, each leaf
   split along one dimension (the stacked leaves along dim 1, not the layer axis, so that XLA
@@ -291,8 +290,8 @@ def memory(compiled) -> dict:
 
 
 # -------------------------------------------------------------------------------------- rows
-def row_trainer(params, loss_fn, batch, sync, mesh=None, axis_name="data"):
-    trainer = dp.Trainer(loss_fn, optax.adam(LR), sync=sync, mesh=mesh, axis_name=axis_name)
+def row_trainer(params, loss_fn, batch, sync, mesh=None, layout=None):
+    trainer = dp.Trainer(loss_fn, optax.adam(LR), sync=sync, mesh=mesh, layout=layout)
     state = trainer.init(params, jax.random.key(0))
     step, specs = trainer.step_program(state, batch)
     mem = memory(step.lower(*specs).compile())
@@ -301,14 +300,11 @@ def row_trainer(params, loss_fn, batch, sync, mesh=None, axis_name="data"):
 
 
 def row_hsdp(params, loss_fn, batch):
-    try:
-        sync = dp.sync.FSDP(shard_axis="shard")
-    except TypeError:
-        return None
     # Auto axes: jax.make_mesh's default (Explicit) axes refuse the Trainer's
     # with_sharding_constraint placement of split state.
     mesh = jax.make_mesh((2, 4), ("replica", "shard"), axis_types=(AxisType.Auto,) * 2)
-    return row_trainer(params, loss_fn, batch, sync, mesh, ("replica", "shard"))
+    layout = dp.Layout(replicate="replica", shard="shard")  # FSDP over "shard": HSDP
+    return row_trainer(params, loss_fn, batch, dp.sync.FSDP(), mesh, layout)
 
 
 def row_gspmd(params, loss_fn, batch, stacked: bool, competent: bool = False):
@@ -368,7 +364,7 @@ def table(name: str, layers: int, rows: list[str]) -> list[str]:
         "y": rng.normal(size=(BATCH, WIDTH)).astype(np.float32),
     }
     ideal = ideal_bytes(params, layers)
-    built: list[tuple[str, object]] = []  # (label, (mem, run) or None)
+    built: list[tuple[str, object]] = []  # (label, (mem, run))
     for row in rows:
         if row == "ddp":
             built.append(("jaxcoll DDP", row_trainer(params, loss_fn, batch, dp.sync.DDP())))
@@ -405,10 +401,6 @@ def table(name: str, layers: int, rows: list[str]) -> list[str]:
     sums: dict[str, int] = {}
     ms: dict[str, float] = {}
     for label, b in built:
-        if b is None:
-            na = "n/a (this jaxcoll has no FSDP(shard_axis=))"
-            out.append(f"| {label:23s} | {na} | | | | | |")
-            continue
         mem, _ = b
         both = mem["args"] + mem["temp"]
         sums[label] = both

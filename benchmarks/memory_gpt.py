@@ -223,7 +223,7 @@ def main() -> int:
             compiled = gspmd(params, batch, competent)
         else:
             label, make = syncs[row]
-            trainer = dp.Trainer(loss_fn, optax.adamw(1e-3), sync=make(), axis_name="data")
+            trainer = dp.Trainer(loss_fn, optax.adamw(1e-3), sync=make())
             compiled = peak(trainer, params, batch)
         m = compiled.memory_analysis()
         a, t = m.argument_size_in_bytes, m.temp_size_in_bytes

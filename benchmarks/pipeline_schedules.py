@@ -9,8 +9,9 @@ devices as data 2 x pipe 4; ``--rows`` examples per data replica per step (1024)
 ``--micro`` micro-batches (16). Rows, one Trainer step each (``Trainer.step_program``, compiled,
 nothing run):
 
-* ``pipeline_apply``: the GPipe forward differentiated by jax (what a Trainer loss ran before
-  schedules were values): every micro-batch's activations inside every stage are kept;
+* ``GPipe by autodiff``: GPipe's forward (every stage given the last one's output)
+  differentiated by jax, the baseline a user without a schedule's own backward would write:
+  every micro-batch's activations inside every stage are kept;
 * ``pipeline_loss(GPipe(M))``, ``pipeline_loss(OneFOneB(M))``,
   ``pipeline_loss(Interleaved(M, virtual=2))``, ``pipeline_loss(ZeroBubble(M))``: the
   schedule's own backward behind a ``jax.custom_vjp`` (stage inputs kept, each stage's
@@ -53,8 +54,9 @@ import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxcoll import dp, parallel  # noqa: E402
+from jaxcoll import dp, parallel, primitives  # noqa: E402
 from jaxcoll.parallel._backward_split import _Split  # noqa: E402
+from jaxcoll.parallel._stages import _forward  # noqa: E402
 
 STAGES, LAYERS, WIDTH = 4, 8, 128
 
@@ -171,12 +173,18 @@ def compare(rows: dict, params: dict, a: argparse.Namespace) -> None:
     )
 
 
+def autodiff_gpipe(blocks, h, micro: int):
+    """GPipe's forward over the ``pipe`` axis (stage s runs micro-batch t - s at step t, one
+    ``sendrecv`` a step), then every stage given the last one's outputs: for jax to
+    differentiate, which keeps every step's residuals."""
+    xs = h.reshape((micro, -1) + h.shape[1:])
+    _, outs = _forward("autodiff GPipe", stage, blocks, xs, "pipe")
+    return primitives.broadcast(outs.reshape(h.shape), "pipe", STAGES - 1)
+
+
 def losses(micro: int) -> dict:
     def autodiff(params, batch, rng):
-        h = batch["x"] @ params["inp"]
-        h = parallel.pipeline_apply(
-            stage, params["blocks"], h, stage_axis="pipe", num_microbatches=micro
-        )
+        h = autodiff_gpipe(params["blocks"], batch["x"] @ params["inp"], micro)
         return head(params, h, batch["y"]), {}
 
     def scheduled(schedule):
@@ -193,7 +201,7 @@ def losses(micro: int) -> dict:
                 {"out": params["out"]},
                 h,
                 batch["y"],
-                stage_axis="pipe",
+                axis_name="pipe",
                 schedule=schedule,
             )
             return value, {}
@@ -201,7 +209,7 @@ def losses(micro: int) -> dict:
         return loss
 
     return {
-        "pipeline_apply (autodiff GPipe)": (autodiff, parallel.GPipe(micro)),
+        "GPipe by autodiff": (autodiff, parallel.GPipe(micro)),
         **{
             f"pipeline_loss({s!r})": (scheduled(s), s)
             for s in (
@@ -247,15 +255,14 @@ def main() -> None:
     for name, (loss, schedule) in losses(a.micro).items():
         if a.only and not any(part in name for part in a.only.split(",")):
             continue
-        trainer = dp.Trainer(
-            loss, optax.sgd(0.1), mesh=mesh, axis_name="data", layout=dp.Layout(pipeline="pipe")
-        )
+        layout = dp.Layout(replicate="data", pipeline="pipe")
+        trainer = dp.Trainer(loss, optax.sgd(0.1), mesh=mesh, layout=layout)
         state = trainer.init(params, jax.random.key(0), specs=specs)
         step, args = trainer.step_program(state, batch)
         compiled = step.lower(*args).compile()
         m = compiled.memory_analysis()
         cost = compiled.cost_analysis()
-        autodiff = name.startswith("pipeline_apply")
+        autodiff = name.startswith("GPipe by autodiff")
         kept = f"{a.micro} and their activations" if autodiff else schedule.kept_inputs(STAGES)
         rows[name] = {
             "trainer": trainer,

@@ -66,9 +66,9 @@ def pipeline_step(params, x, y):
         mine,
         x,
         y,
-        stage_axis="stage",
+        axis_name="stage",
         schedule=SCHEDULE,
-        data_axis="data",
+        data_axis_name="data",
     )
     new = jax.tree.map(lambda p, g: p - LR * g, mine, grads)
     return jax.tree.map(lambda a: a[None], new), loss

@@ -47,16 +47,14 @@ def dense_block(p, x):
 
 
 mesh = Mesh(np.array(jax.devices()[:N]), ("model",))
-split = {"w1": P("model"), "b1": P("model"), "w2": P("model"), "b2": P()}
-sharded = jax.device_put(
-    parallel.shard_mlp(dense_params, N), {k: NamedSharding(mesh, s) for k, s in split.items()}
-)
+# The params stay whole; their specs split w1 and b1 by columns, w2 by rows, b2 replicated.
+split = parallel.mlp_specs(dense_params, "model")
+sharded = jax.device_put(dense_params, {k: NamedSharding(mesh, s) for k, s in split.items()})
 
 
 def tp_block(sequence_parallel):
-    def body(p, x):
-        mine = {k: v[0] if k != "b2" else v for k, v in p.items()}  # this rank's slices
-        return parallel.mlp(mine, x, "model", sequence_parallel=sequence_parallel)
+    def body(p, x):  # p: this device's slices, as in_specs hands them
+        return parallel.mlp(p, x, "model", sequence_parallel=sequence_parallel)
 
     tokens = P("model") if sequence_parallel else P()
     return jax.shard_map(body, mesh=mesh, in_specs=(split, tokens), out_specs=tokens)
@@ -73,7 +71,7 @@ for sp in (False, True):
     lowered = jax.jit(block).lower(sharded, x)
     y = lowered.compile()(sharded, x)
     g_params, g_x = jax.jit(jax.grad(loss(block), argnums=(0, 1)))(sharded, x)
-    g_dense = {k: np.asarray(v) for k, v in parallel.shard_mlp(want_g[0], N).items()}
+    g_dense = {k: np.asarray(v) for k, v in want_g[0].items()}  # whole, as the params
     err_y = float(np.abs(np.asarray(y) - want_y).max())
     err_g = max(float(np.abs(np.asarray(g_params[k]) - g_dense[k]).max()) for k in g_dense)
     err_g = max(err_g, float(np.abs(np.asarray(g_x) - want_g[1]).max()))

@@ -3,7 +3,7 @@
     python examples/gpt.py                          # dp8: 8 simulated CPU devices, ~20 s
     python examples/gpt.py --layout fsdp4xtp2       # FSDP over 4 x tensor parallel over 2
     python examples/gpt.py --layout fsdp2xtp2xpp2   # ... x 2 pipeline stages (GPipe)
-    python examples/gpt.py --layout fsdp2xtp2xpp2:1f1b   # ... by 1F1B (or :zb-h1)
+    python examples/gpt.py --layout fsdp2xtp2xpp2:1f1b2  # ... by 1F1B, 2 micro-batches
     python examples/gpt.py --layout fsdp2xcp2xtp2   # ... each sequence split over 2 (ring)
     python examples/gpt.py --layout fsdp8 --experts 8    # an MoE GPT, one expert per device
     python examples/gpt.py --layout single          # the same model on one device
@@ -19,15 +19,16 @@ in ``--data DIR``. Training reads them through ``dp.TokenBatches`` (grain): ever
 ``BLOCK + 1`` characters, a new order each epoch, each process reading only its own rows of
 each batch; batch s is the same whatever the layout or the number of processes.
 
-``--layout`` picks the roles' degrees and the schedule, one ``dp.Layout``: ``dp`` (data
-replicas), ``fsdp`` (data shards: FSDP, or HSDP beside ``dp``), ``cp`` (context parallel:
-each sequence split over the devices, ring attention over the whole), ``tp`` (tensor
-parallel: the attention heads and the MLP's hidden units split, jaxcoll.nn's layers) and
-``pp`` (pipeline stages over the stacked blocks, run by parallel.pipeline_loss), then
-``:gpipe`` (the default), ``:1f1b`` or ``:zb-h1``. The model is written once and names no
-mesh axis: its layers split over the role "tensor", its stacked blocks carry the logical
-axis "layers", and the layout maps both to its mesh (or to none: on one device it runs
-dense). Every layout trains the same model to the same params as ``--layout single``
+``--layout`` is a ``dp.Layout``'s short name (``dp.Layout.parse``), the roles' degrees and
+the schedule: ``dp`` (data replicas), ``fsdp`` (data shards: FSDP, or HSDP beside ``dp``),
+``cp`` (context parallel: each sequence split over the devices, ring attention over the
+whole), ``tp`` (tensor parallel: the attention heads and the MLP's hidden units split,
+jaxcoll.nn's layers) and ``pp`` (pipeline stages over the stacked blocks, run by
+parallel.pipeline_loss), then the schedule and its micro-batches: ``:gpipe2`` (the default),
+``:1f1b2`` or ``:zb2``; ``single`` is one device. The model is written once and names no mesh
+axis: its layers split over the role "tensor", its stacked blocks carry the logical axis
+"layers", and the layout maps both to its mesh (or to none: on one device it runs dense).
+Every layout trains the same model to the same params as ``--layout single``
 (tests/test_gpt.py checks it within 1e-5). ``--experts E`` makes each block's MLP a mixture
 of E experts (jaxcoll.nn.MoE: top-2 of E, each expert half the dense MLP's width, dropless,
 its load-balancing loss added), the experts split over the data shards (the replicas without
@@ -44,8 +45,8 @@ at step 300).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-import re
 import sys
 import tempfile
 
@@ -79,8 +80,7 @@ WIDTH = 64  # embedding width
 BIAS = False  # biases in the Linears and LayerNorms (nanoGPT's bias flag; False is faster)
 BATCH = 32  # global batch, in sequences, per optimizer step
 ACCUM = 2  # gradient accumulation: micro-batches per step (each rank's share split)
-MICRO = 2  # pipeline micro-batches per micro-batch (pp layouts)
-SCHEDULES = {"gpipe": parallel.GPipe, "1f1b": parallel.OneFOneB, "zb-h1": parallel.ZeroBubble}
+MICRO = 2  # pipeline micro-batches per micro-batch (a pp layout that names no schedule)
 LR, MIN_LR, WARMUP = 3e-3, 3e-4, 20  # peak and final learning rate, warmup steps
 DECAY_STEPS = 300  # the cosine reaches MIN_LR here (nanoGPT's lr_decay_iters)
 WEIGHT_DECAY, CLIP = 0.1, 1.0
@@ -191,7 +191,7 @@ def moe_stage(blocks, h):
     h, sown = jax.lax.scan(block, h, blocks)
     stacked = jax.tree_util.tree_leaves(sown, is_leaf=lambda v: isinstance(v, parallel.Load))
     loads = [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked[0]) for i in range(LAYERS)]
-    return h, pnn.moe_metrics(loads)
+    return h, parallel.moe_metrics(loads)
 
 
 def head_loss(head, h, y):
@@ -205,7 +205,7 @@ def head_loss(head, h, y):
 def loss_fn(params, batch, rng):
     x = batch["x"]
     # The positions of this device's tokens: with a context axis each device holds its part
-    # of every sequence (the load-balanced layout); otherwise 0 .. T-1.
+    # of every sequence (the load-balanced order); otherwise 0 .. T-1.
     h = params["wte"][x] + params["wpe"][parallel.context_positions(x.shape[1])]
     # The stacked blocks as stages over the layout's pipeline axis, by its schedule's own
     # backward, the head on the last stage; with no pipeline axis, every block in order, then
@@ -267,45 +267,29 @@ def schedule():
 
 # ---------------------------------------------------------------------------- layouts
 def layout(name: str) -> dp.Layout:
-    """The ``dp.Layout`` a ``--layout`` names: ``fsdp4xtp2``, ``dp2xtp2xpp2:1f1b``, ..."""
-    parts = re.fullmatch(
-        r"(dp\d+)?x?(fsdp\d+)?x?(cp\d+)?x?(tp\d+)?x?(pp\d+)?(?::([a-z0-9-]+))?", name
-    )
-    if not parts or not any(parts.groups()[:5]):
-        raise SystemExit(f"--layout {name!r}: expected e.g. dp8, fsdp4xtp2, dp2xtp2xpp2:1f1b")
-    sizes = {
-        m[1]: int(m[2])
-        for p in parts.groups()[:5]
-        if p and (m := re.fullmatch(r"([a-z]+)(\d+)", p))
-    }
-    if "dp" not in sizes and "fsdp" not in sizes:
+    """The ``dp.Layout`` a ``--layout`` names (``fsdp4xtp2``, ``dp2xtp2xpp2:1f1b2``,
+    ``single``, ...): ``dp.Layout.parse``; a pipeline without a schedule runs GPipe."""
+    try:
+        parsed = dp.Layout.parse(name)
+        parsed.make_mesh()  # the degrees against the devices there are
+    except ValueError as e:
+        raise SystemExit(f"--layout {name!r}: {e}") from None
+    if parsed.replicate is None and parsed.shard is None:
         raise SystemExit(f"--layout {name!r}: name a data role too (dp1 for none)")
-    if int(np.prod(list(sizes.values()))) != jax.device_count():
-        raise SystemExit(
-            f"--layout {name!r} needs {int(np.prod(list(sizes.values())))} devices, not "
-            f"{jax.device_count()}"
-        )
-    schedule = parts[6] or "gpipe"
-    if schedule not in SCHEDULES:
-        raise SystemExit(f"--layout {name!r}: the schedule is one of {sorted(SCHEDULES)}")
-    if EXPERTS and "pp" in sizes:
+    if EXPERTS and parsed.pipeline:
         raise SystemExit(f"--layout {name!r} --experts {EXPERTS}: no pipeline with experts")
-    return dp.Layout(
-        expert=(sizes.get("fsdp") or sizes.get("dp")) if EXPERTS else None,
-        replicate=sizes.get("dp"),
-        shard=sizes.get("fsdp"),
-        tensor=sizes.get("tp"),
-        pipeline=sizes.get("pp"),
-        schedule=SCHEDULES[schedule](MICRO) if "pp" in sizes else None,
-        context=sizes.get("cp"),
-    )
+    if parsed.pipeline and parsed.schedule is None:
+        parsed = dataclasses.replace(parsed, schedule=parallel.GPipe(MICRO))
+    if EXPERTS:  # the experts over the data shards (the replicas without them)
+        parsed = dataclasses.replace(parsed, expert=parsed.shard or parsed.replicate)
+    return parsed
 
 
 #: ``--precision``: what the params are gathered and computed in and what the gradients
 #: travel in; fp32 master params and AdamW state in every case.
 PRECISIONS = {
     "fp32": {},
-    "bf16": {"mp_policy": dp.MixedPrecisionPolicy(jnp.bfloat16, reduce_dtype=jnp.float32)},
+    "bf16": {"mp_policy": dp.sync.MixedPrecisionPolicy(jnp.bfloat16, reduce_dtype=jnp.float32)},
     "fp8-params": {"quantize": dp.Quantize(params=jnp.float8_e4m3fn)},
     "int8-grads": {"quantize": dp.Quantize(grads=jnp.int8)},
 }
@@ -317,12 +301,9 @@ def trainer_for(name: str, precision: str = "fp32") -> dp.Trainer:
         raise SystemExit(f"--precision {precision!r}: one of {sorted(PRECISIONS)}")
     sync = None
     if PRECISIONS[precision]:
-        if name == "single" or not layout(name).shard:
+        if not layout(name).shard:
             raise SystemExit(f"--precision {precision}: needs a layout with fsdp (FSDP's gathers)")
         sync = dp.sync.FSDP(**PRECISIONS[precision])
-    if name == "single":
-        mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-        return dp.Trainer(loss_fn, optimizer(), mesh=mesh, accum_steps=ACCUM)
     return dp.Trainer(loss_fn, optimizer(), layout=layout(name), sync=sync, accum_steps=ACCUM)
 
 
@@ -332,7 +313,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--layout",
         default="dp8",
-        help="degrees and schedule, e.g. fsdp4xtp2 or fsdp2xtp2xpp2:1f1b (single: one device)",
+        help="a layout's name, e.g. fsdp4xtp2 or fsdp2xtp2xpp2:1f1b2 (single: one device)",
     )
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument(

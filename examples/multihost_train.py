@@ -23,8 +23,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxcoll import dp  # noqa: E402
 
@@ -47,9 +45,9 @@ def loss_fn(params, batch, rng):
 
 
 trainer = dp.Trainer(loss_fn, optax.adam(0.03))  # mesh: every device of every process
-sharding = NamedSharding(trainer.mesh, P(trainer.axis_name))
+sharding = trainer.batch_sharding
 # Rank k holds rows k*per .. (k+1)*per of each batch; this process builds only its ranks' rows.
-per = BATCH // trainer.n
+per = BATCH // trainer.layout.n
 mine = [k for k, d in enumerate(trainer.mesh.devices.reshape(-1)) if d.process_index == ME]
 rows = np.concatenate([np.arange(k * per, (k + 1) * per) for k in mine])
 

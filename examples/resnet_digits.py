@@ -163,7 +163,7 @@ def main() -> int:
     state = trainer.init(params, jax.random.key(SEED + 1), model_state=batch_stats)
     print(
         f"{jax.device_count()} devices, {len(y_tr)} train / {len(y_te)} test images, "
-        f"global batch {GLOBAL_BATCH} ({GLOBAL_BATCH // trainer.n} per device), "
+        f"global batch {GLOBAL_BATCH} ({GLOBAL_BATCH // trainer.layout.n} per device), "
         f"{args.epochs} epochs of {steps_per_epoch} steps"
     )
 

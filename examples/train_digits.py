@@ -81,7 +81,7 @@ def main() -> int:
     state = trainer.init(params, jax.random.key(SEED + 1), model_state=model_state)
     print(
         f"{jax.device_count()} devices, {len(y_tr)} train / {n_test} test images, "
-        f"global batch {GLOBAL_BATCH} ({GLOBAL_BATCH // trainer.n} per device)"
+        f"global batch {GLOBAL_BATCH} ({GLOBAL_BATCH // trainer.layout.n} per device)"
     )
 
     t0 = time.perf_counter()
@@ -107,7 +107,8 @@ def main() -> int:
         xlabel="step",
         ylabel="train loss (global batch mean)",
         yscale="log",
-        title=f"digits, {trainer.n} devices: test accuracy {100 * last['eval_accuracy']:.1f}%",
+        title=f"digits, {trainer.layout.n} devices: "
+        f"test accuracy {100 * last['eval_accuracy']:.1f}%",
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)

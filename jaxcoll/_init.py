@@ -25,7 +25,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -292,44 +292,7 @@ def initialize(
         None if local_device_ids is None else tuple(local_device_ids),
         "the arguments",
     )
-    if (
-        given.coordinator_address is not None
-        or given.num_processes is not None
-        or given.process_id is not None
-    ):
-        env_spec = None
-        spec = given
-    else:
-        env_spec = _from_env(os.environ)
-        spec = env_spec if env_spec is not None else given
-        if given.local_device_ids is not None:
-            spec = _Spec(
-                spec.coordinator_address,
-                spec.num_processes,
-                spec.process_id,
-                given.local_device_ids,
-                spec.source,
-            )
-    _check_spec(api, spec)
-    named = (
-        ("coordinator_address", given.coordinator_address),
-        ("num_processes", given.num_processes),
-        ("process_id", given.process_id),
-    )
-    missing = [name for name, v in named if v is None]
-    if (
-        spec is given
-        and 0 < len(missing) < 3
-        and given.num_processes != 1
-        and cluster_detection_method is None
-        and _cluster(os.environ) is None
-    ):
-        got = ", ".join(f"{name}={v!r}" for name, v in named if v is not None)
-        raise ValueError(
-            f"{api}: got {got} but no {' or '.join(missing)}. Pass all three "
-            f"(coordinator_address is process 0's 'host:port', the same in every process), "
-            f"or none and let jaxcoll-run / torchrun / SLURM variables supply them."
-        )
+    spec = _job_spec(api, given, cluster_detection_method)
     init_t = _timeout(
         api, "initialization_timeout", initialization_timeout, "JAXCOLL_INIT_TIMEOUT", INIT_TIMEOUT
     )
@@ -357,7 +320,51 @@ def initialize(
             return None  # one process, nothing to join
     if spec.num_processes == 1:
         return None
+    _join_once(api, spec, cluster, init_t, beat_t, stop_t, bind)
+    if fail_fast and not getattr(sys.excepthook, _FAIL_FAST_MARK, False):
+        sys.excepthook = _fail_fast_hook(sys.excepthook)
+    return None
 
+
+def _job_spec(api: str, given: _Spec, cluster_detection_method: str | None) -> _Spec:
+    """The job's shape, checked: the arguments when they name any of the three values, else
+    the first source of variables (``local_device_ids`` from the arguments when given)."""
+    if (
+        given.coordinator_address is not None
+        or given.num_processes is not None
+        or given.process_id is not None
+    ):
+        spec = given
+    else:
+        env_spec = _from_env(os.environ)
+        spec = env_spec if env_spec is not None else given
+        if given.local_device_ids is not None:
+            spec = replace(spec, local_device_ids=given.local_device_ids)
+    _check_spec(api, spec)
+    named = (
+        ("coordinator_address", given.coordinator_address),
+        ("num_processes", given.num_processes),
+        ("process_id", given.process_id),
+    )
+    missing = [name for name, v in named if v is None]
+    if (
+        spec is given
+        and 0 < len(missing) < 3
+        and given.num_processes != 1
+        and cluster_detection_method is None
+        and _cluster(os.environ) is None
+    ):
+        got = ", ".join(f"{name}={v!r}" for name, v in named if v is not None)
+        raise ValueError(
+            f"{api}: got {got} but no {' or '.join(missing)}. Pass all three "
+            f"(coordinator_address is process 0's 'host:port', the same in every process), "
+            f"or none and let jaxcoll-run / torchrun / SLURM variables supply them."
+        )
+    return spec
+
+
+def _join_once(api, spec, cluster, init_t, beat_t, stop_t, bind) -> None:
+    """Join the job unless this process already has; joining a different job is an error."""
     key = (spec.coordinator_address, spec.num_processes, spec.process_id)
     with _lock:
         if jax.distributed.is_initialized():
@@ -368,12 +375,9 @@ def initialize(
                     f"num_processes, process_id)={done}; it cannot join {key} as well. Call "
                     f"init once per process."
                 )
-            return None
+            return
         _connect(api, spec, cluster, init_t, beat_t, stop_t, bind)
         _state["key"] = key
-    if fail_fast and not getattr(sys.excepthook, _FAIL_FAST_MARK, False):
-        sys.excepthook = _fail_fast_hook(sys.excepthook)
-    return None
 
 
 def _connect(api, spec, cluster, init_t, beat_t, stop_t, bind) -> None:

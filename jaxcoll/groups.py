@@ -33,8 +33,8 @@ from . import primitives
 from ._core.axis import Axis, resolve
 from ._core.checks import (
     as_array_leaves,
-    check_axis,
-    check_gather_axis,
+    check_dim,
+    check_gather_dim,
     check_pairs,
     check_rank,
     check_split,
@@ -168,16 +168,22 @@ def _run(group: Group, primitive: Callable[..., Any], x: Any, kwargs: dict[str, 
     if primitive in (primitives.sendrecv, primitives.shift):
         return _permute(api, primitive, x, group, ax, lay, **kwargs)
     leaves, treedef = as_array_leaves(api, x)
-    compute = _ON_ROWS[primitive]
+    if primitive not in _ON_ROWS:  # the uneven ops and the scans have no row reference yet
+        raise NotImplementedError(
+            f"{api}: a group that is not its whole mesh axis in order is not supported "
+            f"inside shard_map yet. Use jaxcoll.distributed on the group (it runs on the "
+            f"member devices), or a mesh axis of the members."
+        )
+    check, on_rows = _ON_ROWS[primitive]
     kwargs.pop("algorithm", None)
-    prepared = compute(api, None, None, lay.k, leaves=leaves, **kwargs)  # check args first
+    prepared = check(api, leaves, lay.k, **kwargs)  # check the arguments first
     me = jnp.asarray(lay.member)[r]
     j = jnp.maximum(jnp.asarray(lay.grank)[r], 0)
     idx = jnp.asarray(lay.rows)[r]
     out = []
     for leaf, prep in zip(leaves, prepared, strict=True):
         rows = jnp.take(lax.all_gather(leaf, ax.name), idx, axis=0)  # (k, *s), group order
-        res = compute(api, rows, j, lay.k, prep=prep, **kwargs)
+        res = on_rows(rows, j, lay.k, prep, **kwargs)
         keep = me
         if isinstance(res, tuple):  # (result, which members get it): rooted ops
             res, keep = res[0], me & res[1]
@@ -208,13 +214,16 @@ def _permute(
     return primitives.sendrecv(x, ax.name, mapped)
 
 
-# The reference computation of each op on the member rows ``(k, *s)`` in group order, for
-# group rank ``j``. Each is called twice: first with rows=None to check the arguments against
-# the leaves (returning one prepared value per leaf), then per leaf with the rows.
+# The reference computation of each op over a group that is not its mesh axis in order, in two
+# halves: ``check(api, leaves, k, **kwargs)`` checks the arguments against the leaves before
+# anything runs and returns one prepared value per leaf; ``on_rows(rows, j, k, prep, **kwargs)``
+# computes one leaf's result from the member rows ``(k, *s)`` in group order, for group rank
+# ``j``, and returns it, or ``(result, which members keep it)`` for a rooted op. ``kwargs`` are
+# the primitive's own (every one given: the primitives pass them all).
 
 
-def _reduce_prep(
-    api: str, leaves: Sequence[jax.Array], op: ReduceOp | str, k: int, dst: int | None = None
+def _check_reduce(
+    api: str, leaves: Sequence[jax.Array], k: int, *, op: Any, dst: Any = None
 ) -> list[tuple[ReduceOp, str]]:
     rop = coerce_op(api, op)
     if dst is not None:
@@ -222,166 +231,93 @@ def _reduce_prep(
     return [(rop, check_op_dtype(api, rop, leaf.dtype)) for leaf in leaves]
 
 
-def _all_reduce(
-    api: str,
-    rows: jax.Array | None,
-    j: jax.Array | None,
-    k: int,
-    *,
-    leaves: Sequence[jax.Array] = (),
-    prep: Any = None,
-    op: ReduceOp | str = ReduceOp.SUM,
-) -> Any:
-    if rows is None:
-        return _reduce_prep(api, leaves, op, k)
-    rop, kind = prep
-    return fold(rop, kind, rows)
+def _check_broadcast(api: str, leaves: Sequence[jax.Array], k: int, *, src: Any) -> list[None]:
+    check_rank(api, "src", src, k)
+    return [None] * len(leaves)
 
 
-def _reduce(
-    api: str,
-    rows: jax.Array | None,
-    j: jax.Array | None,
-    k: int,
-    *,
-    leaves: Sequence[jax.Array] = (),
-    prep: Any = None,
-    dst: int = 0,
-    op: ReduceOp | str = ReduceOp.SUM,
-) -> Any:
-    if rows is None:
-        return _reduce_prep(api, leaves, op, k, dst)
-    rop, kind = prep
-    return fold(rop, kind, rows), j == dst
-
-
-def _broadcast(
-    api: str,
-    rows: jax.Array | None,
-    j: jax.Array | None,
-    k: int,
-    *,
-    leaves: Sequence[jax.Array] = (),
-    prep: Any = None,
-    src: int = 0,
-) -> Any:
-    if rows is None:
-        check_rank(api, "src", src, k)
-        return [None] * len(leaves)
-    return rows[src]
-
-
-def _all_gather(
-    api: str,
-    rows: jax.Array | None,
-    j: jax.Array | None,
-    k: int,
-    *,
-    leaves: Sequence[jax.Array] = (),
-    prep: Any = None,
-    axis: int = 0,
-    tiled: bool = False,
-) -> Any:
-    if rows is None:
-        return [check_gather_axis(api, leaf.shape, axis, bool(tiled)) for leaf in leaves]
-    return place_gathered(rows, prep, bool(tiled))
-
-
-def _gather(
-    api: str,
-    rows: jax.Array | None,
-    j: jax.Array | None,
-    k: int,
-    *,
-    leaves: Sequence[jax.Array] = (),
-    prep: Any = None,
-    dst: int = 0,
-    axis: int = 0,
-    tiled: bool = False,
-) -> Any:
-    if rows is None:
+def _check_gather(
+    api: str, leaves: Sequence[jax.Array], k: int, *, dim: Any, tiled: Any, dst: Any = None
+) -> list[int]:
+    if dst is not None:
         check_rank(api, "dst", dst, k)
-        return _all_gather(api, None, j, k, leaves=leaves, axis=axis, tiled=tiled)
-    return place_gathered(rows, prep, bool(tiled)), j == dst
+    return [check_gather_dim(api, leaf.shape, dim, bool(tiled)) for leaf in leaves]
 
 
-def _slice(x: jax.Array, axis: int, k: int, tiled: bool, j: jax.Array | None) -> jax.Array:
-    return unsplit_slice(split_leading(x, axis, k, tiled)[j], axis, tiled)
+def _check_scatter(
+    api: str, leaves: Sequence[jax.Array], k: int, *, src: Any, dim: Any, tiled: Any
+) -> list[int]:
+    check_rank(api, "src", src, k)
+    return [check_split(api, leaf.shape, dim, k, bool(tiled)) for leaf in leaves]
 
 
-def _scatter(
-    api: str,
-    rows: jax.Array | None,
-    j: jax.Array | None,
-    k: int,
-    *,
-    leaves: Sequence[jax.Array] = (),
-    prep: Any = None,
-    src: int = 0,
-    axis: int = 0,
-    tiled: bool = False,
-) -> Any:
-    if rows is None:
-        check_rank(api, "src", src, k)
-        return [check_split(api, leaf.shape, axis, k, bool(tiled)) for leaf in leaves]
-    return _slice(rows[src], prep, k, bool(tiled), j)
+def _check_reduce_scatter(
+    api: str, leaves: Sequence[jax.Array], k: int, *, op: Any, scatter_dimension: Any, tiled: Any
+) -> list[tuple[ReduceOp, str, int]]:
+    ops = _check_reduce(api, leaves, k, op=op)
+    dims = [
+        check_split(api, leaf.shape, scatter_dimension, k, bool(tiled), "scatter_dimension")
+        for leaf in leaves
+    ]
+    return [(*o, d) for o, d in zip(ops, dims, strict=True)]
 
 
-def _reduce_scatter(
-    api: str,
-    rows: jax.Array | None,
-    j: jax.Array | None,
-    k: int,
-    *,
-    leaves: Sequence[jax.Array] = (),
-    prep: Any = None,
-    op: ReduceOp | str = ReduceOp.SUM,
-    scatter_dimension: int = 0,
-    tiled: bool = False,
-) -> Any:
-    if rows is None:
-        ops = _reduce_prep(api, leaves, op, k)
-        dims = [
-            check_split(api, leaf.shape, scatter_dimension, k, bool(tiled), "scatter_dimension")
-            for leaf in leaves
-        ]
-        return [(*o, d) for o, d in zip(ops, dims, strict=True)]
-    rop, kind, dim = prep
-    return _slice(fold(rop, kind, rows), dim, k, bool(tiled), j)
+def _check_all_to_all(
+    api: str, leaves: Sequence[jax.Array], k: int, *, split_dim: Any, concat_dim: Any, tiled: Any
+) -> list[tuple[int, int]]:
+    return [
+        (
+            check_split(api, leaf.shape, split_dim, k, bool(tiled), "split_dim"),
+            check_dim(api, "concat_dim", concat_dim, leaf.ndim),
+        )
+        for leaf in leaves
+    ]
 
 
-def _all_to_all(
-    api: str,
-    rows: jax.Array | None,
-    j: jax.Array | None,
-    k: int,
-    *,
-    leaves: Sequence[jax.Array] = (),
-    prep: Any = None,
-    split_axis: int = 0,
-    concat_axis: int = 0,
-    tiled: bool = False,
-) -> Any:
-    if rows is None:
-        return [
-            (
-                check_split(api, leaf.shape, split_axis, k, bool(tiled), "split_axis"),
-                check_axis(api, "concat_axis", concat_axis, leaf.ndim),
-            )
-            for leaf in leaves
-        ]
+def _slice(x: jax.Array, dim: int, k: int, tiled: bool, j: jax.Array) -> jax.Array:
+    """Slice ``j`` of the ``k`` along ``dim``, as scatter and reduce_scatter cut them."""
+    return unsplit_slice(split_leading(x, dim, k, tiled)[j], dim, tiled)
+
+
+def _all_to_all_rows(rows: jax.Array, j: jax.Array, k: int, prep: Any, tiled: Any) -> jax.Array:
     s, c = prep
     pieces = jnp.stack([_slice(rows[m], s, k, bool(tiled), j) for m in range(k)])
     return place_gathered(pieces, c, bool(tiled))
 
 
-_ON_ROWS: dict[Callable[..., Any], Callable[..., Any]] = {
-    primitives.all_reduce: _all_reduce,
-    primitives.reduce: _reduce,
-    primitives.broadcast: _broadcast,
-    primitives.all_gather: _all_gather,
-    primitives.gather: _gather,
-    primitives.scatter: _scatter,
-    primitives.reduce_scatter: _reduce_scatter,
-    primitives.all_to_all: _all_to_all,
+_ON_ROWS: dict[Callable[..., Any], tuple[Callable[..., Any], Callable[..., Any]]] = {
+    primitives.all_reduce: (
+        _check_reduce,
+        lambda rows, j, k, prep, **kw: fold(prep[0], prep[1], rows),
+    ),
+    primitives.reduce: (
+        _check_reduce,
+        lambda rows, j, k, prep, *, dst, **kw: (fold(prep[0], prep[1], rows), j == dst),
+    ),
+    primitives.broadcast: (_check_broadcast, lambda rows, j, k, prep, *, src, **kw: rows[src]),
+    primitives.all_gather: (
+        _check_gather,
+        lambda rows, j, k, prep, *, tiled, **kw: place_gathered(rows, prep, bool(tiled)),
+    ),
+    primitives.gather: (
+        _check_gather,
+        lambda rows, j, k, prep, *, dst, tiled, **kw: (
+            place_gathered(rows, prep, bool(tiled)),
+            j == dst,
+        ),
+    ),
+    primitives.scatter: (
+        _check_scatter,
+        lambda rows, j, k, prep, *, src, tiled, **kw: _slice(rows[src], prep, k, bool(tiled), j),
+    ),
+    primitives.reduce_scatter: (
+        _check_reduce_scatter,
+        lambda rows, j, k, prep, *, tiled, **kw: _slice(
+            fold(prep[0], prep[1], rows), prep[2], k, bool(tiled), j
+        ),
+    ),
+    primitives.all_to_all: (
+        _check_all_to_all,
+        lambda rows, j, k, prep, *, tiled, **kw: _all_to_all_rows(rows, j, k, prep, tiled),
+    ),
 }

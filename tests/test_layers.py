@@ -68,7 +68,6 @@ DP_FLOORS = {
     "jaxcoll.dp.checkpoint": 2,
     "jaxcoll.dp.sync": 3,
     "jaxcoll.dp.reports": 3,
-    "jaxcoll.dp.layout_sync": 4,
     "jaxcoll.dp.step": 4,
     "jaxcoll.dp.loop": 4,
     "jaxcoll.dp.trainer": 5,

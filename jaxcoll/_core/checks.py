@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -12,7 +12,7 @@ import numpy as np
 
 
 def check_static_int(api: str, argname: str, value: Any) -> int:
-    """A rank, offset or axis must be a plain Python int known at trace time."""
+    """A rank, offset or dimension must be a plain Python int known at trace time."""
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
             f"{api}: {argname} must be a static Python int known at trace time, got a traced "
@@ -56,6 +56,15 @@ def check_dtype(api: str, argname: str, value: Any, allowed: Any, what: str) -> 
     return dtype
 
 
+def is_list(value: Any, n: int | None = None) -> bool:
+    """Whether ``value`` is a list, tuple or array (a string is not), of ``n`` entries if given."""
+    return (
+        not isinstance(value, (str, bytes))
+        and isinstance(value, Sequence | np.ndarray)
+        and (n is None or len(value) == n)
+    )
+
+
 def check_rank(api: str, argname: str, value: Any, n: int) -> int:
     """A rank within a group of ``n`` ranks: ``0 <= value < n``."""
     value = check_static_int(api, argname, value)
@@ -67,15 +76,15 @@ def check_rank(api: str, argname: str, value: Any, n: int) -> int:
     return value
 
 
-def check_axis(api: str, argname: str, axis: Any, ndim: int) -> int:
-    """An array axis, negative values counting from the end."""
-    axis = check_static_int(api, argname, axis)
-    if not -ndim <= axis < ndim:
+def check_dim(api: str, argname: str, dim: Any, ndim: int) -> int:
+    """A tensor dimension, negative values counting from the end."""
+    dim = check_static_int(api, argname, dim)
+    if not -ndim <= dim < ndim:
         raise ValueError(
-            f"{api}: {argname}={axis} is out of range for an array of rank {ndim} "
+            f"{api}: {argname}={dim} is out of range for an array of rank {ndim} "
             f"(valid: {-ndim}..{ndim - 1})."
         )
-    return axis % ndim
+    return dim % ndim
 
 
 def check_divisible(api: str, what: str, length: int, n: int, fix: str) -> None:
@@ -111,6 +120,13 @@ def as_array_leaves(api: str, x: Any) -> tuple[list[jax.Array], Any]:
     return out, treedef
 
 
+def map_leaves(api: str, x: Any, fn: Callable[[jax.Array], jax.Array]) -> Any:
+    """``fn`` on every leaf of the pytree ``x`` (each checked by :func:`as_array_leaves`), in
+    the same tree structure: the body of every per-leaf collective."""
+    leaves, treedef = as_array_leaves(api, x)
+    return jax.tree_util.tree_unflatten(treedef, [fn(leaf) for leaf in leaves])
+
+
 def check_pairs(api: str, pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
     """A partial permutation: (src, dst) pairs, each rank at most once as src and as dst."""
     if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence | set | frozenset):
@@ -138,27 +154,25 @@ def check_pairs(api: str, pairs: Any, n: int) -> tuple[tuple[int, int], ...]:
 
 
 def check_split(
-    api: str, shape: tuple[int, ...], axis: Any, n: int, tiled: bool, argname: str = "axis"
+    api: str, shape: tuple[int, ...], dim: Any, n: int, tiled: bool, argname: str = "dim"
 ) -> int:
-    """The axis that holds one slice per rank: size ``n`` (untiled) or a multiple of ``n``.
+    """The dimension that holds one slice per rank: size ``n`` (untiled) or a multiple of ``n``.
 
-    Shared by scatter, reduce_scatter and all_to_all (and their group forms). Returns the axis
-    as a non-negative int.
+    Shared by scatter, reduce_scatter and all_to_all (and their group forms). Returns the
+    dimension as a non-negative int.
     """
-    label = "`axis`" if argname == "axis" else argname
+    label = f"`{argname}`" if argname == "dim" else argname
     if not shape:
         raise ValueError(
             f"{api}: x is a scalar, but it must hold {n} slices along {label} (one per rank)."
         )
-    axis = check_axis(api, argname, axis, len(shape))
-    what = f"x.shape[{axis}]" + (
-        "" if argname in ("axis", "scatter_dimension") else f" ({argname})"
-    )
+    dim = check_dim(api, argname, dim, len(shape))
+    what = f"x.shape[{dim}]" + ("" if argname in ("dim", "scatter_dimension") else f" ({argname})")
     if tiled:
         check_divisible(
             api,
             what,
-            shape[axis],
+            shape[dim],
             n,
             f"Pad {label} to a multiple of the group size, so that every rank gets an equal slice.",
         )
@@ -166,32 +180,32 @@ def check_split(
         check_leading(
             api,
             what,
-            shape[axis],
+            shape[dim],
             n,
             f"Stack one slice per rank along {label}, or use tiled=True to split a "
-            f"longer axis into equal chunks.",
+            f"longer dimension into equal chunks.",
         )
-    return axis
+    return dim
 
 
-def check_gather_axis(api: str, shape: tuple[int, ...], axis: Any, tiled: bool) -> int:
-    """Where a gather puts the rank axis: ``0..ndim`` (a new axis) or, ``tiled``, an existing
-    axis ``0..ndim-1`` to concatenate along."""
-    axis = check_static_int(api, "axis", axis)
+def check_gather_dim(api: str, shape: tuple[int, ...], dim: Any, tiled: bool) -> int:
+    """Where a gather puts the rank dimension: ``0..ndim`` (a new dimension) or, ``tiled``, an
+    existing dimension ``0..ndim-1`` to concatenate along."""
+    dim = check_static_int(api, "dim", dim)
     if not tiled:
-        return check_axis(api, "axis", axis, len(shape) + 1)
+        return check_dim(api, "dim", dim, len(shape) + 1)
     if not shape:
         raise ValueError(
-            f"{api}: tiled=True concatenates along an existing axis, but x is a "
+            f"{api}: tiled=True concatenates along an existing dimension, but x is a "
             f"scalar. Use tiled=False to stack, or reshape x to 1-D."
         )
-    return check_axis(api, "axis", axis, len(shape))
+    return check_dim(api, "dim", dim, len(shape))
 
 
 def check_sizes(api: str, sizes: Any, n: int, total: int, what: str) -> tuple[int, ...]:
     """Static sizes of the ``n`` parts, one per rank in rank order, that split ``total`` rows
     exactly (``what`` says where ``total`` comes from, e.g. ``"x has 8 rows"``)."""
-    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence | np.ndarray):
+    if not is_list(sizes):
         raise TypeError(
             f"{api}: sizes must be a list of {n} static ints, one per rank (the rows "
             f"of its part), got {sizes!r} of type {type(sizes).__name__} instead. "

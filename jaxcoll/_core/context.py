@@ -1,7 +1,7 @@
-"""The load-balanced sequence layout of context parallelism: the sequence cut into ``2n``
+"""The load-balanced sequence order of context parallelism: the sequence cut into ``2n``
 equal chunks, rank ``r`` of the context axis holding chunks ``r`` and ``2n-1-r`` (in that
 order), so under a causal mask every rank has as much attention to compute (torchtitan's and
-Megatron's layout). ``jaxcoll.parallel`` attends over it; ``jaxcoll.dp`` splits a batch into
+Megatron's order). ``jaxcoll.parallel`` attends over it; ``jaxcoll.dp`` splits a batch into
 it; both read it here."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from jax import lax
 
 
 def context_order(length: int, n: int) -> np.ndarray:
-    """The global positions of the sequence in the load-balanced layout: the ``2n`` chunks
+    """The global positions of the sequence in the load-balanced order: the ``2n`` chunks
     of ``length / 2n`` in the order ``0, 2n-1, 1, 2n-2, ...`` (rank ``r``'s part of a
     contiguous split over ``n`` is chunks ``r`` and ``2n-1-r``)."""
     if length % (2 * n):
@@ -32,10 +32,10 @@ def positions(rank: jax.Array | int, n: int, c: int) -> jax.Array:
     return jnp.concatenate([rank * c + i, (2 * n - 1 - rank) * c + i])
 
 
-def local_part(x: jax.Array, axis_name: str, n: int, seq_axis: int = 1) -> jax.Array:
-    """This rank's part of ``x``, whole along ``seq_axis`` on every rank of ``axis_name``
-    (inside ``shard_map``): its two chunks, in order, along that axis."""
-    length = x.shape[seq_axis]
+def local_part(x: jax.Array, axis_name: str, n: int, dim: int = 1) -> jax.Array:
+    """This rank's part of ``x``, whole along dim ``dim`` on every rank of ``axis_name``
+    (inside ``shard_map``): its two chunks, in order, along that dim."""
+    length = x.shape[dim]
     if length % (2 * n):
         raise ValueError(
             f"context parallel over {n} ranks: a sequence of {length} does not split into "
@@ -43,6 +43,6 @@ def local_part(x: jax.Array, axis_name: str, n: int, seq_axis: int = 1) -> jax.A
         )
     c = length // (2 * n)
     r = lax.axis_index(axis_name)
-    first = lax.dynamic_slice_in_dim(x, r * c, c, axis=seq_axis)
-    second = lax.dynamic_slice_in_dim(x, (2 * n - 1 - r) * c, c, axis=seq_axis)
-    return jnp.concatenate([first, second], axis=seq_axis)
+    first = lax.dynamic_slice_in_dim(x, r * c, c, axis=dim)
+    second = lax.dynamic_slice_in_dim(x, (2 * n - 1 - r) * c, c, axis=dim)
+    return jnp.concatenate([first, second], axis=dim)

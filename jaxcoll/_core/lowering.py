@@ -83,14 +83,14 @@ def register_gpu_or_portable(
 
 # ------------------------------------------------------------------------------ all-gather
 @staged(1, 2, 3)
-def all_gather(x: jax.Array, ax: Axis, axis: int = 0, tiled: bool = False) -> jax.Array:
+def all_gather(x: jax.Array, ax: Axis, dim: int = 0, tiled: bool = False) -> jax.Array:
     """``lax.all_gather``, typed invariant (every rank holds the same result) when types are
     tracked. One HLO all-gather."""
     if ax.size == 1:  # one rank: every rank holds the same, typed so (as lax.psum types it)
-        return replicated(x if tiled else jnp.expand_dims(x, axis), ax)
+        return replicated(x if tiled else jnp.expand_dims(x, dim), ax)
     x = ensure_varying(x, ax)
     to = "invarying" if types_tracked(names_of(ax)) else "varying"
-    return lax.all_gather(x, ax.name, axis=axis, tiled=tiled, to=to)
+    return lax.all_gather(x, ax.name, axis=dim, tiled=tiled, to=to)
 
 
 # ------------------------------------------------------------------------------ all-reduce
@@ -113,7 +113,7 @@ def generic_all_reduce(x: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.A
     if n == 1:
         return x
     part = reduce_scatter_leading(to_rows(x, n), ax, op, kind)
-    return from_rows(all_gather(part, ax, axis=0, tiled=False), x)
+    return from_rows(all_gather(part, ax, dim=0, tiled=False), x)
 
 
 def _ordered_key(x: jax.Array, nan_first: bool) -> tuple[jax.Array, Any]:
@@ -238,37 +238,38 @@ def broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
 
 # ------------------------------------------------------------------- rooted and one-to-one
 @staged(1, 2, 3, 4)
-def gather(x: jax.Array, ax: Axis, dst: int, axis: int, tiled: bool) -> jax.Array:
+def gather(x: jax.Array, ax: Axis, dst: int, dim: int, tiled: bool) -> jax.Array:
     """``lax.all_gather`` then a select on the rank: zeros off ``dst``."""
-    g = all_gather(x, ax, axis, tiled)
+    g = all_gather(x, ax, dim, tiled)
     return jnp.where(is_rank(ax, dst), g, jnp.zeros_like(g))
 
 
 @staged(1, 2, 3, 4)
-def scatter(x: jax.Array, ax: Axis, src: int, axis: int, tiled: bool) -> jax.Array:
+def scatter(x: jax.Array, ax: Axis, src: int, dim: int, tiled: bool) -> jax.Array:
     """One ``lax.all_to_all``; the row that came from ``src`` is kept."""
     n = ax.size
-    parts = split_leading(x, axis, n, tiled)
+    parts = split_leading(x, dim, n, tiled)
     if n == 1:
-        return unsplit_slice(parts[0], axis, tiled)
+        return unsplit_slice(parts[0], dim, tiled)
     rows = lax.all_to_all(parts, ax.name, 0, 0, tiled=False)  # rows[j] = slice r of rank j
-    return unsplit_slice(rows[src], axis, tiled)
+    return unsplit_slice(rows[src], dim, tiled)
 
 
 @staged(1, 2, 3, 4)
-def all_to_all(x: jax.Array, ax: Axis, split_axis: int, concat_axis: int, tiled: bool) -> jax.Array:
+def all_to_all(x: jax.Array, ax: Axis, split_dim: int, concat_dim: int, tiled: bool) -> jax.Array:
     """One ``lax.all_to_all``. Untiled, it is written as the tiled primitive over an inserted
-    unit axis: in jax 0.10 the transpose of an untiled all_to_all with ``split_axis !=
-    concat_axis`` inserts the unit axis a second time and fails with a cotangent shape error."""
-    if tiled or split_axis == concat_axis:
-        return lax.all_to_all(x, ax.name, split_axis, concat_axis, tiled=True)
-    if split_axis < concat_axis:
-        concat_axis += 1
+    unit dimension: in jax 0.10 the transpose of an untiled all_to_all with ``split_dim !=
+    concat_dim`` inserts the unit dimension a second time and fails with a cotangent shape
+    error."""
+    if tiled or split_dim == concat_dim:
+        return lax.all_to_all(x, ax.name, split_dim, concat_dim, tiled=True)
+    if split_dim < concat_dim:
+        concat_dim += 1
     else:
-        split_axis += 1
-    y = jnp.expand_dims(x, concat_axis)
-    out = lax.all_to_all(y, ax.name, split_axis, concat_axis, tiled=True)
-    return jnp.squeeze(out, split_axis)
+        split_dim += 1
+    y = jnp.expand_dims(x, concat_dim)
+    out = lax.all_to_all(y, ax.name, split_dim, concat_dim, tiled=True)
+    return jnp.squeeze(out, split_dim)
 
 
 @staged(1, 2)

@@ -65,25 +65,10 @@ class ReduceOp(str, enum.Enum):
 
 
 _ALL = tuple(ReduceOp)
+_EXACT = tuple(op for op in ReduceOp if op is not ReduceOp.AVG)  # bool and integer data
 _ALLOWED: dict[str, tuple[ReduceOp, ...]] = {
-    "bool": (
-        ReduceOp.SUM,
-        ReduceOp.PRODUCT,
-        ReduceOp.MIN,
-        ReduceOp.MAX,
-        ReduceOp.BAND,
-        ReduceOp.BOR,
-        ReduceOp.BXOR,
-    ),
-    "integer": (
-        ReduceOp.SUM,
-        ReduceOp.PRODUCT,
-        ReduceOp.MIN,
-        ReduceOp.MAX,
-        ReduceOp.BAND,
-        ReduceOp.BOR,
-        ReduceOp.BXOR,
-    ),
+    "bool": _EXACT,
+    "integer": _EXACT,
     "floating": (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX),
     "complex": (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT),
 }

@@ -67,28 +67,28 @@ def to_bits(x: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
     return lax.bitcast_convert_type(x, udt), lambda b: lax.bitcast_convert_type(b, dtype)
 
 
-def split_leading(x: jax.Array, axis: int, n: int, tiled: bool) -> jax.Array:
-    """Bring the ``n`` slices of ``x`` along ``axis`` to a new leading axis of size ``n``.
+def split_leading(x: jax.Array, dim: int, n: int, tiled: bool) -> jax.Array:
+    """Bring the ``n`` slices of ``x`` along ``dim`` to a new leading dimension of size ``n``.
 
-    Untiled: ``x.shape[axis] == n`` and each slice drops that axis. Tiled: each slice keeps it,
-    with ``x.shape[axis] // n`` entries.
+    Untiled: ``x.shape[dim] == n`` and each slice drops that dimension. Tiled: each slice keeps
+    it, with ``x.shape[dim] // n`` entries.
     """
-    x = jnp.moveaxis(x, axis, 0)
+    x = jnp.moveaxis(x, dim, 0)
     if tiled:
         x = x.reshape((n, x.shape[0] // n) + x.shape[1:])
     return x
 
 
-def unsplit_slice(y: jax.Array, axis: int, tiled: bool) -> jax.Array:
-    """Inverse of :func:`split_leading` for one slice (leading axis already removed)."""
-    return jnp.moveaxis(y, 0, axis) if tiled else y
+def unsplit_slice(y: jax.Array, dim: int, tiled: bool) -> jax.Array:
+    """Inverse of :func:`split_leading` for one slice (leading dimension already removed)."""
+    return jnp.moveaxis(y, 0, dim) if tiled else y
 
 
-def place_gathered(stacked: jax.Array, axis: int, tiled: bool) -> jax.Array:
-    """Put the rank axis of ``stacked`` (``(n, *s)``, rank order) where ``all_gather`` puts it:
-    a new axis at ``axis``, or (``tiled``) concatenated along ``axis``."""
-    out = jnp.moveaxis(stacked, 0, axis)
+def place_gathered(stacked: jax.Array, dim: int, tiled: bool) -> jax.Array:
+    """Put the rank dimension of ``stacked`` (``(n, *s)``, rank order) where ``all_gather``
+    puts it: a new dimension at ``dim``, or (``tiled``) concatenated along ``dim``."""
+    out = jnp.moveaxis(stacked, 0, dim)
     if tiled:
         shape = stacked.shape[1:]
-        out = out.reshape(shape[:axis] + (stacked.shape[0] * shape[axis],) + shape[axis + 1 :])
+        out = out.reshape(shape[:dim] + (stacked.shape[0] * shape[dim],) + shape[dim + 1 :])
     return out

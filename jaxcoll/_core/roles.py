@@ -61,6 +61,12 @@ LOGICAL_AXES: Mapping[str, Role | None] = {
     "experts": Role.EXPERT,  # a mixture's experts (over the data-shard devices they borrow)
 }
 
+#: The pipeline schedule classes by their short names (``"1f1b"``: ``OneFOneB``), as a
+#: layout's name spells them (``"pp4:1f1b8"``). :mod:`jaxcoll.parallel.schedules` defines the
+#: classes and fills this table; :meth:`jaxcoll.dp.Layout.parse` reads it (dp may not import
+#: parallel: both meet here, on the ground floor).
+SCHEDULES: dict[str, type] = {}
+
 
 @dataclass(frozen=True)
 class Binding:
@@ -84,10 +90,10 @@ def active() -> Binding | None:
 def axis(name: Hashable | None) -> Any:
     """The mesh axis that ``name`` (a role, a logical axis or a mesh axis) stands for where
     this is called: the binding's axis for it (None where the layout gives it none), else
-    ``name`` itself."""
+    ``name`` itself (a :class:`Role` as its plain string: ``"tensor"``, as a mesh names it)."""
     binding = _ACTIVE.get()
     if binding is None or not isinstance(name, str) or name not in binding.axes:
-        return name
+        return name.value if isinstance(name, Role) else name
     return binding.axes[name]
 
 

@@ -30,7 +30,7 @@ from .._core.axis import Axis, is_rank
 from .._core.ops import ReduceOp, finish_avg
 from .._core.packing import from_rows, to_rows
 from .._core.vma import ensure_varying
-from ._shapes import gather_placed, scatter_rows
+from ._shapes import leaf_ops
 
 PACKS = True  # leaves of one dtype travel as one buffer
 
@@ -96,16 +96,9 @@ def _stacked(x: jax.Array, ax: Axis) -> jax.Array:
     return jnp.swapaxes(g, 0, 1).reshape((ax.size,) + x.shape)
 
 
-def all_gather(x: jax.Array, ax: Axis, axis: int, tiled: bool) -> jax.Array:
-    """Hierarchical all-gather of a whole leaf, placed like ``lax.all_gather``."""
-    return gather_placed(_stacked, x, ax, axis, tiled)
-
-
-def reduce_scatter(
-    x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int, tiled: bool
-) -> jax.Array:
-    """Hierarchical reduce-scatter along ``dim``."""
-    return scatter_rows(reduce_scatter_rows, x, ax, op, kind, dim, tiled)
+# Hierarchical all-gather and reduce-scatter of a whole leaf, placed like lax.all_gather and
+# lax.psum_scatter.
+all_gather, reduce_scatter = leaf_ops(_stacked, reduce_scatter_rows)
 
 
 def broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:

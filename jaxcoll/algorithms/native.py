@@ -27,8 +27,8 @@ def broadcast(x: jax.Array, ax: Axis, src: int) -> jax.Array:
     return lowering.broadcast(x, ax, src)
 
 
-def all_gather(x: jax.Array, ax: Axis, axis: int, tiled: bool) -> jax.Array:
-    return lowering.all_gather(x, ax, axis, tiled)
+def all_gather(x: jax.Array, ax: Axis, dim: int, tiled: bool) -> jax.Array:
+    return lowering.all_gather(x, ax, dim, tiled)
 
 
 def reduce_scatter(

@@ -2,7 +2,7 @@
 
 Every algorithm module (:mod:`.native`, :mod:`.ring`, :mod:`.tree`, :mod:`.hierarchical`)
 offers the same five functions on one validated leaf: ``all_reduce(x, ax, op, kind)``,
-``reduce(x, ax, dst, op, kind)``, ``broadcast(x, ax, src)``, ``all_gather(x, ax, axis,
+``reduce(x, ax, dst, op, kind)``, ``broadcast(x, ax, src)``, ``all_gather(x, ax, dim,
 tiled)`` and ``reduce_scatter(x, ax, op, kind, dim, tiled)``, and a flag ``PACKS``: whether
 leaves of one dtype travel as one flat buffer (every ppermute-built algorithm) or as
 one collective each (native: XLA's combiner merges them). A new algorithm is one module here
@@ -80,15 +80,22 @@ def run(
     leaves: list[jax.Array],
     ax: Axis,
     call: Callable[[ModuleType, jax.Array, int], jax.Array],
+    *,
+    by_dtype: bool = True,
 ) -> list[jax.Array]:
-    """Run ``call(module, x, i)`` for every leaf: per leaf where the chosen algorithm does not
-    pack, else once per dtype on the leaves packed into one buffer (``i``: its first leaf)."""
+    """Run ``call(module, x, i)`` for every leaf, the algorithm chosen per dtype.
+
+    Where the chosen algorithm packs, once per dtype on the leaves packed into one buffer
+    (``i``: its first leaf); else per leaf. ``by_dtype=False`` chooses the algorithm per leaf
+    and never packs: for ops whose result's shape depends on the leaf's (all_gather,
+    reduce_scatter).
+    """
     algorithm = check_algorithm(api, algorithm)
-    by_dtype: dict[Any, list[int]] = {}
+    batches: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
-        by_dtype.setdefault(np.dtype(leaf.dtype), []).append(i)
+        batches.setdefault(np.dtype(leaf.dtype) if by_dtype else i, []).append(i)
     out: list[Any] = [None] * len(leaves)
-    for idx in by_dtype.values():
+    for idx in batches.values():
         group = [leaves[i] for i in idx]
         mod = pick(api, op, algorithm, ax, nbytes_of(group))
         if not mod.PACKS or len(idx) == 1:
@@ -98,20 +105,3 @@ def run(
         for i, res in zip(idx, unpack(call(mod, pack(group), idx[0]), group), strict=True):
             out[i] = res
     return out
-
-
-def each(
-    api: str,
-    op: str,
-    algorithm: Any,
-    leaves: list[jax.Array],
-    ax: Axis,
-    call: Callable[[ModuleType, jax.Array, int], jax.Array],
-) -> list[jax.Array]:
-    """Run ``call(module, leaf, i)`` per leaf, the algorithm chosen per leaf: for ops whose
-    result's shape depends on the leaf's (all_gather, reduce_scatter), which never pack."""
-    algorithm = check_algorithm(api, algorithm)
-    return [
-        call(pick(api, op, algorithm, ax, nbytes_of([leaf])), leaf, i)
-        for i, leaf in enumerate(leaves)
-    ]

@@ -29,7 +29,7 @@ from .._core.axis import Axis, is_rank
 from .._core.ops import ReduceOp, combine_fn, finish_avg
 from .._core.packing import from_rows, to_bits, to_rows
 from .._core.vma import ensure_varying, replicated
-from ._shapes import gather_placed, scatter_rows
+from ._shapes import leaf_ops
 
 PACKS = True  # leaves of one dtype travel as one buffer
 
@@ -100,16 +100,9 @@ def _stacked(x: jax.Array, ax: Axis) -> jax.Array:
     return all_gather_rows(jnp.ravel(x), ax).reshape((ax.size,) + x.shape)
 
 
-def all_gather(x: jax.Array, ax: Axis, axis: int, tiled: bool) -> jax.Array:
-    """Ring all-gather of a whole leaf, placed like ``lax.all_gather``."""
-    return gather_placed(_stacked, x, ax, axis, tiled)
-
-
-def reduce_scatter(
-    x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int, tiled: bool
-) -> jax.Array:
-    """Ring reduce-scatter along ``dim``."""
-    return scatter_rows(reduce_scatter_rows, x, ax, op, kind, dim, tiled)
+# Ring all-gather and ring reduce-scatter of a whole leaf, placed like lax.all_gather and
+# lax.psum_scatter.
+all_gather, reduce_scatter = leaf_ops(_stacked, reduce_scatter_rows)
 
 
 def _broadcast_bits(x: jax.Array, ax: Axis, src: int) -> jax.Array:

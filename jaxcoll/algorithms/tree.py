@@ -27,7 +27,7 @@ from .._core.axis import Axis, is_rank, permute
 from .._core.lowering import tree_broadcast
 from .._core.ops import ReduceOp, combine_fn, finish_avg
 from .._core.vma import ensure_varying, replicated
-from ._shapes import gather_placed, scatter_rows
+from ._shapes import leaf_ops
 
 PACKS = True  # leaves of one dtype travel as one buffer
 
@@ -107,21 +107,14 @@ def _stacked(x: jax.Array, ax: Axis) -> jax.Array:
     return replicated(jnp.roll(buf, ax.rank(), axis=0), ax)  # out[j] = buf[j - r]
 
 
-def all_gather(x: jax.Array, ax: Axis, axis: int, tiled: bool) -> jax.Array:
-    """Bruck all-gather of a whole leaf, placed like ``lax.all_gather``."""
-    return gather_placed(_stacked, x, ax, axis, tiled)
-
-
-def reduce_scatter(
-    x: jax.Array, ax: Axis, op: ReduceOp, kind: str, dim: int, tiled: bool
-) -> jax.Array:
-    """Recursive-doubling reduce-scatter along ``dim``."""
-    return scatter_rows(reduce_scatter_rows, x, ax, op, kind, dim, tiled)
-
-
 def reduce_scatter_rows(rows: jax.Array, ax: Axis, op: ReduceOp, kind: str) -> jax.Array:
     """``rows`` is ``(n, m)``; rank r gets row r of the recursive-doubling all-reduce."""
     full = all_reduce(rows, ax, op, kind)
     if ax.size == 1:
         return finish_avg(full[0], op, 1)
     return lax.dynamic_index_in_dim(full, ax.rank(), keepdims=False)
+
+
+# Bruck all-gather and recursive-doubling reduce-scatter of a whole leaf, placed like
+# lax.all_gather and lax.psum_scatter.
+all_gather, reduce_scatter = leaf_ops(_stacked, reduce_scatter_rows)

@@ -8,8 +8,8 @@ so the lowerings (and their docstrings) are the primitives'. ``jax.jit`` then ca
 compiled program per input shape, dtype and pytree structure: a repeated call neither retraces
 nor recompiles, it only dispatches.
 
-Options that refer to an array axis (``axis``, ``scatter_dimension``, ``split_axis``,
-``concat_axis``) count the axes of one rank's value, not the leading rank axis.
+Options that name a tensor dimension (``dim``, ``scatter_dimension``, ``split_dim``,
+``concat_dim``) count the dimensions of one rank's value, not the leading rank dimension.
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def all_gather(
     group: Group | None = None,
     async_op: bool = False,
     *,
-    axis: int = 0,
+    dim: int = 0,
     tiled: bool = False,
 ) -> PyTree | Work:
     """Every rank gets all ranks' values, stacked (or, ``tiled``, concatenated) in rank order.
@@ -242,7 +242,7 @@ def all_gather(
     """
     api = "dist.all_gather"
     group = resolve_group(api, group)
-    return _run(api, "all_gather", x, group, async_op, axis=axis, tiled=bool(tiled))
+    return _run(api, "all_gather", x, group, async_op, dim=dim, tiled=bool(tiled))
 
 
 def gather(
@@ -252,7 +252,7 @@ def gather(
     async_op: bool = False,
     *,
     group_dst: int | None = None,
-    axis: int = 0,
+    dim: int = 0,
     tiled: bool = False,
 ) -> PyTree | Work:
     """Rank ``dst`` gets all ranks' values in group rank order; the other rows are zeros.
@@ -272,7 +272,7 @@ def gather(
     api = "dist.gather"
     group = resolve_group(api, group)
     dst = group_root(api, group, dst, group_dst, "dst", default=0)
-    return _run(api, "gather", x, group, async_op, dst=dst, axis=axis, tiled=bool(tiled))
+    return _run(api, "gather", x, group, async_op, dst=dst, dim=dim, tiled=bool(tiled))
 
 
 def scatter(
@@ -282,7 +282,7 @@ def scatter(
     async_op: bool = False,
     *,
     group_src: int | None = None,
-    axis: int = 0,
+    dim: int = 0,
     tiled: bool = False,
 ) -> PyTree | Work:
     """Group rank r gets slice r of rank ``src``'s value; the other rows of ``x`` are not read.
@@ -290,8 +290,8 @@ def scatter(
     ``torch.distributed.scatter(tensor, scatter_list, src, group, async_op, group_src)``:
     ``src`` a GLOBAL rank, ``group_src`` a rank within the group; pass at most one. With
     neither, the source is global rank 0, as in torch (a group without global rank 0 then needs
-    one of them). Each row of ``x`` holds the n slices stacked along ``axis`` (or, ``tiled``,
-    an axis n times longer). Only ``src``'s row matters; the others give the shape.
+    one of them). Each row of ``x`` holds the n slices stacked along ``dim`` (or, ``tiled``,
+    a dimension n times longer). Only ``src``'s row matters; the others give the shape.
     Lowering: :func:`jaxcoll.primitives.scatter`.
 
     Example (8 devices)::
@@ -303,7 +303,7 @@ def scatter(
     api = "dist.scatter"
     group = resolve_group(api, group)
     src = group_root(api, group, src, group_src, "src", default=0)
-    return _run(api, "scatter", x, group, async_op, src=src, axis=axis, tiled=bool(tiled))
+    return _run(api, "scatter", x, group, async_op, src=src, dim=dim, tiled=bool(tiled))
 
 
 def reduce_scatter(
@@ -346,8 +346,8 @@ def all_to_all(
     group: Group | None = None,
     async_op: bool = False,
     *,
-    split_axis: int = 0,
-    concat_axis: int = 0,
+    split_dim: int = 0,
+    concat_dim: int = 0,
     tiled: bool = False,
 ) -> PyTree | Work:
     """Rank r gets slice r of every rank's value, in rank order.
@@ -369,8 +369,8 @@ def all_to_all(
         x,
         group,
         async_op,
-        split_axis=split_axis,
-        concat_axis=concat_axis,
+        split_dim=split_dim,
+        concat_dim=concat_dim,
         tiled=bool(tiled),
     )
 

@@ -11,11 +11,10 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._core.checks import check_rank, check_static_int
+from .._core.checks import check_rank, check_static_int, is_list
 from ..groups import Group
 
 _OUTER = "subgroup"
@@ -105,7 +104,7 @@ def ordered_group(ranks: Sequence[int], *, axis_name: str = "x") -> Group:
 
 
 def _check_ranks(api: str, ranks: Any) -> tuple[int, ...]:
-    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence | np.ndarray):
+    if not is_list(ranks):
         raise TypeError(f"{api}: ranks must be a sequence of ints, got {ranks!r} instead.")
     ranks = tuple(check_static_int(api, "ranks entry", r) for r in ranks)
     if not ranks:

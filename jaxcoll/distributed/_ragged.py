@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .. import primitives
-from .._core.checks import check_sizes, check_static_int
+from .._core.checks import check_sizes, check_static_int, is_list
 from .._core.ops import ReduceOp, check_op_dtype, coerce_op
 from .._core.typing import PyTree
 from .._watch import process, watchdog
@@ -78,19 +78,11 @@ def _table(api: str, argname: str, value: Any, rows: int, k: int) -> tuple[tuple
         f"a list of {rows} lists (one per rank, as each rank would pass it to torch) "
         f"of {k} ints each"
     )
-    if (
-        isinstance(value, (str, bytes))
-        or not isinstance(value, Sequence | np.ndarray)
-        or len(value) != rows
-    ):
+    if not is_list(value, rows):
         raise ValueError(f"{api}: {argname} must be {shape}; got {value!r}.")
     out = []
     for r, row in enumerate(value):
-        if (
-            isinstance(row, (str, bytes))
-            or not isinstance(row, Sequence | np.ndarray)
-            or len(row) != k
-        ):
+        if not is_list(row, k):
             raise ValueError(
                 f"{api}: {argname}[{r}]={row!r} must be a list of {k} ints (one "
                 f"per rank of the group); {argname} must be {shape}."
@@ -268,11 +260,7 @@ def _gather_program(group: Group, sizes: tuple[int, ...], dst: int | None):
 def _gather_sizes(api: str, sizes: Any, group: Group, width: int) -> tuple[int, ...]:
     """One size per row; the same for a group rank in every subgroup (static shapes)."""
     rows = len(group.ranks)
-    if (
-        isinstance(sizes, (str, bytes))
-        or not isinstance(sizes, Sequence | np.ndarray)
-        or len(sizes) != rows
-    ):
+    if not is_list(sizes, rows):
         raise ValueError(
             f"{api}: sizes must be a list of {rows} ints, one per rank (its "
             f"tensor's length along the first axis); got {sizes!r}."

@@ -13,17 +13,18 @@ from .adapters import Linen as Linen
 from .adapters import Model as Model
 from .adapters import Nnx as Nnx
 from .batchnorm import SyncBatchNorm as SyncBatchNorm
-from .callbacks.base import Action as Action
-from .callbacks.base import Callback as Callback
-from .callbacks.base import EarlyStopping as EarlyStopping
-from .callbacks.base import JsonlWriter as JsonlWriter
-from .callbacks.base import SaveBest as SaveBest
+from .callbacks import Action as Action
+from .callbacks import Callback as Callback
+from .callbacks import EarlyStopping as EarlyStopping
+from .callbacks import JsonlWriter as JsonlWriter
+from .callbacks import SaveBest as SaveBest
 from .checkpoint.checkpointer import Checkpointer as Checkpointer
 from .data.batches import Batches as Batches
 from .data.grain import TokenBatches as TokenBatches
 from .data.grain import TokenWindows as TokenWindows
 from .extra import Extra as Extra
 from .extra import ema as ema
+from .layout import BoundLayout as BoundLayout
 from .layout import Layout as Layout
 from .loop.components import Profile as Profile
 from .loop.components import Progress as Progress
@@ -38,13 +39,13 @@ from .reports.tensorboard import read_scalars as read_scalars
 from .state import TrainState as TrainState
 from .sync.buckets import mean_gradients as mean_gradients
 from .sync.buckets import plan_buckets as plan_buckets
-from .sync.precision import MixedPrecisionPolicy as MixedPrecisionPolicy
 from .sync.quantized import Quantize as Quantize
 from .trainer import Trainer as Trainer
 
 __all__ = [
     "Action",
     "Batches",
+    "BoundLayout",
     "Callback",
     "Checkpointer",
     "EarlyStopping",
@@ -53,7 +54,6 @@ __all__ = [
     "JsonlWriter",
     "Layout",
     "Linen",
-    "MixedPrecisionPolicy",
     "Model",
     "Nnx",
     "PlotWriter",

@@ -58,7 +58,36 @@ class Model:
         )
 
 
-class Linen(Model):
+class _OutputLoss(Model):
+    """An adapter whose module's outputs go through ``loss(outputs, batch)`` (its ``loss``):
+    :class:`Linen`, :class:`Nnx`. A subclass runs the module (:meth:`forward`)."""
+
+    loss: OutputLoss
+
+    def loss_fn(
+        self,
+        params: PyTree,
+        model_state: PyTree,
+        batch: PyTree,
+        rng: jax.Array | None,
+        *,
+        step: jax.Array | None = None,
+    ) -> ModelOutput:
+        outputs, new_state = self.forward(params, model_state, batch, rng)
+        out = self.loss(outputs, batch, **loss_keywords(self.loss, params, step))
+        who = f"the loss {name_of(self.loss)} given to dp.{type(self).__name__}"
+        value, metrics = loss_output(who, out)
+        return value, (metrics, new_state)
+
+    def forward(
+        self, params: PyTree, model_state: PyTree, batch: PyTree, rng: jax.Array | None
+    ) -> tuple[Any, PyTree]:  # pragma: no cover - protocol
+        """The module's outputs on ``batch`` and the new model state: in training where
+        ``rng`` is a key (dropout from it, BatchNorm statistics updated), else evaluation."""
+        raise NotImplementedError
+
+
+class Linen(_OutputLoss):
     """A ``flax.linen.Module`` called as ``module(batch[input_key], train=bool)`` plus a loss.
 
     Dropout draws from the ``"dropout"`` rng stream (the Trainer's per-rank, per-step key);
@@ -101,15 +130,9 @@ class Linen(Model):
         params = variables.pop("params")
         return params, variables
 
-    def loss_fn(
-        self,
-        params: PyTree,
-        model_state: PyTree,
-        batch: PyTree,
-        rng: jax.Array | None,
-        *,
-        step: jax.Array | None = None,
-    ) -> ModelOutput:
+    def forward(
+        self, params: PyTree, model_state: PyTree, batch: PyTree, rng: jax.Array | None
+    ) -> tuple[Any, PyTree]:
         train = rng is not None
         variables = {"params": params, **model_state}
         kwargs: dict[str, Any] = {"rngs": {"dropout": rng}} if train else {}
@@ -121,9 +144,7 @@ class Linen(Model):
         else:
             outputs = self.module.apply(variables, batch[self.input_key], train=train, **kwargs)
             new_state = model_state
-        out = self.loss(outputs, batch, **loss_keywords(self.loss, params, step))
-        value, metrics = loss_output(f"the loss {name_of(self.loss)} given to dp.Linen", out)
-        return value, (metrics, new_state)
+        return outputs, new_state
 
     def to_module(self, params: PyTree, model_state: PyTree) -> linen.Module:
         """The module bound to the trained variables: call it as ``bound(x, train=False)``."""
@@ -133,7 +154,7 @@ class Linen(Model):
 NnxCall = Callable[..., Any]
 
 
-class Nnx(Model):
+class Nnx(_OutputLoss):
     """A ``flax.nnx.Module`` called as ``module(batch[input_key])`` (or by ``call``) plus a loss.
 
     The module is split once into its graph, its ``nnx.Param`` state (the params), its
@@ -214,15 +235,9 @@ class Nnx(Model):
         nnx.replace_by_pure_dict(s, model_state)
         return nnx.merge(self._graph, p, s, rest)
 
-    def loss_fn(
-        self,
-        params: PyTree,
-        model_state: PyTree,
-        batch: PyTree,
-        rng: jax.Array | None,
-        *,
-        step: jax.Array | None = None,
-    ) -> ModelOutput:
+    def forward(
+        self, params: PyTree, model_state: PyTree, batch: PyTree, rng: jax.Array | None
+    ) -> tuple[Any, PyTree]:
         from flax import nnx
 
         model = self.merge(params, model_state)
@@ -256,10 +271,8 @@ class Nnx(Model):
             outputs = model(batch[self.input_key])
         else:
             outputs = self.call(model, batch, train=train, rngs=rngs)
-        out = self.loss(outputs, batch, **loss_keywords(self.loss, params, step))
-        value, metrics = loss_output(f"the loss {name_of(self.loss)} given to dp.Nnx", out)
         new_stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)) if train else model_state
-        return value, (metrics, new_stats)
+        return outputs, new_stats
 
     def to_module(self, params: PyTree, model_state: PyTree) -> nnx.Module:
         """A new nnx module with ``params`` and the BatchNorm statistics ``model_state``

@@ -1,6 +1,6 @@
 """What the Trainer checks about the user's code and values, with messages that name the fix.
 
-Four kinds of check, each raised where the mistake is made:
+Five kinds of check, each raised where the mistake is made:
 
 * the loss's return value (:func:`loss_output`), checked when the step is traced, so a
   bare scalar, a ``None``, a string or a per-example array in the metrics is reported as
@@ -12,16 +12,18 @@ Four kinds of check, each raised where the mistake is made:
 * a state whose buffers were donated to an earlier step (:func:`check_state`), checked before
   dispatch: calling a jitted program with donated buffers can kill the process;
 * a collective over an axis the Trainer does not have (:func:`unbound_axis`): a BatchNorm
-  built with ``axis_name="batch"`` under a Trainer over ``"data"``.
+  built with ``axis_name="batch"`` under a Trainer over ``"data"``;
+* a keyword that is gone (:func:`removed_keywords`): a TypeError naming what replaced it.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import numbers
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +36,38 @@ RETURN_HINT = (
     "return (loss, metrics): the per-example mean loss, a scalar, and a dict of "
     "scalar metrics (per-example means too), e.g. `return loss, {}`"
 )
+
+
+_T = TypeVar("_T")
+
+
+def removed_keywords(**replacements: str) -> Callable[[_T], _T]:
+    """A decorator for a class (its ``__init__``) or an ``__init__``: a keyword named in
+    ``replacements`` raises TypeError naming what replaced it (the value), where Python would
+    say only that it is unexpected. The signature shown stays the function's own.
+
+    Example::
+
+        >>> @removed_keywords(axis_name="name the data axes in the layout: layout=...")
+        ... def __init__(self, loss_fn, *, layout=None): ...
+    """
+
+    def decorate(target: _T) -> _T:
+        init: Any = target.__init__ if isinstance(target, type) else target  # type: ignore[misc]
+
+        @functools.wraps(init)
+        def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+            for name in sorted(replacements.keys() & kwargs.keys()):
+                api = getattr(self, "api", type(self).__name__)
+                raise TypeError(f"{api}: {name}= is gone; {replacements[name]}.")
+            init(self, *args, **kwargs)
+
+        if isinstance(target, type):
+            setattr(target, "__init__", checked)  # noqa: B010
+            return target
+        return checked  # type: ignore[return-value]
+
+    return decorate
 
 
 class LossOutputError(Exception):

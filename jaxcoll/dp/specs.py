@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._core.typing import PyTree
-from .layout import Layout, _is_spec
+from .layout import BoundLayout, is_spec
 
 
 def _entries(spec: P) -> list[tuple]:
@@ -115,12 +115,10 @@ def model_specs(
     api: str,
     params: PyTree,
     specs: PyTree | None,
-    mesh: Mesh,
-    layout: Layout,
-    data_axes: tuple,
+    layout: BoundLayout,
     notes: list[Any] | None = None,
 ) -> list[P]:
-    """Per leaf of ``params``, its model spec over the layout's axes, checked.
+    """Per leaf of ``params``, its model spec over the axes of the bound ``layout``, checked.
 
     From ``specs`` (a tree of ``PartitionSpec`` shaped like ``params``) when given, else from
     each leaf's own ``NamedSharding`` (its data axes dropped: a state the Trainer placed).
@@ -129,15 +127,16 @@ def model_specs(
     layout's raises, naming the leaf and the fix; so does a split that does not divide (in
     the words of the leaf's layer where ``notes``, from :func:`unbox`, has them).
     """
+    mesh, data_axes = layout.mesh, layout.data_axes
     leaves = jax.tree_util.tree_leaves(params)
     if specs is None:
         found = [getattr(getattr(x, "sharding", None), "spec", None) for x in leaves]
         given = [P() if s is None else s for s in found]
         source = "is placed"
     else:
-        flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
+        flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]
         for key, s in flat:
-            if not _is_spec(s):
+            if not is_spec(s):
                 _not_a_spec(api, jax.tree_util.keystr(key), s)
         given = [P() if s is None else s for _, s in flat]
         if len(given) != len(leaves):
@@ -146,7 +145,7 @@ def model_specs(
                 f"pass one per leaf of params (a tree of the same structure)."
             )
         source = "has the spec"
-    table = layout.binding().axes
+    table = layout.binding.axes
     given = [_resolve(spec, table, mesh) for spec in given]
     out = []
     for i, (leaf, spec) in enumerate(zip(leaves, given, strict=True)):
@@ -159,8 +158,8 @@ def model_specs(
                 raise ValueError(
                     f"{api}: params{path} {source} {shown}, split over the mesh axis "
                     f"{stray[0]!r}, which has no role in this Trainer (data axes "
-                    f"{data_axes}, layout {layout}); the Trainer would gather it whole on "
-                    f"every device. Name the axis in the layout (dp.Layout(tensor="
+                    f"{data_axes}, layout {layout.layout!r}); the Trainer would gather it "
+                    f"whole on every device. Name the axis in the layout (dp.Layout(tensor="
                     f"{stray[0]!r}) for a tensor-parallel split) or pass the leaf "
                     f"replicated over it."
                 )

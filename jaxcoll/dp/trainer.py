@@ -1,15 +1,16 @@
 """dp.Trainer: DDP for JAX. Replicate the model, split the global batch, average once.
 
-A thin facade: it checks its arguments, binds the gradient-sync strategy it is given
-(``sync=``, :mod:`jaxcoll.dp.sync`), builds the jitted programs (:mod:`jaxcoll.dp.step.build`) and
-takes its host loop from :mod:`jaxcoll.dp.loop.fit` (``Trainer.fit`` is :func:`loop.fit`).
+A thin facade: it checks its arguments, binds its layout once (:class:`~jaxcoll.dp.BoundLayout`,
+kept whole as ``trainer.layout``), prepares the gradient-sync strategy it is given (``sync=``,
+:mod:`jaxcoll.dp.sync`), builds the jitted programs (:mod:`jaxcoll.dp.step.build`) and takes
+its host loop from :mod:`jaxcoll.dp.loop.fit` (``Trainer.fit`` is :func:`loop.fit`).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -18,23 +19,37 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._core.checks import check_static_int
-from .._core.typing import AxisName, PyTree
-from .._core.vma import axis_names
+from .._core.typing import PyTree
 from .._watch import process, watchdog
-from . import layout_sync
 from .adapters import Model
-from .checks import LossOutputError, check_state, float_params, unbound_axis
-from .data.batches import Batches, placed_as
+from .checks import LossOutputError, check_state, float_params, removed_keywords, unbound_axis
+from .data.batches import Batches, leading_size, placed_as
 from .extra import Extra
 from .host import to_host
-from .layout import Layout
+from .layout import BoundLayout, Layout
 from .loop import fit as loop
 from .specs import check_placed_specs, model_specs, restrict, unbox
 from .state import TrainState
-from .step.build import BatchSplit, build_eval, build_step
-from .step.loss import LossFn, check_optimizer, in_layout, step_loss
+from .step.build import build_eval, build_step
+from .step.loss import LossFn, check_optimizer, step_loss
 from .step.placement import first_state
 from .sync import Strategy
+from .sync.choose import for_layout
+
+#: What ``Trainer(axis_name=)`` became: the layout names the data axes.
+AXIS_NAME_GONE = (
+    "name the data axes in the layout: layout=dp.Layout(replicate='data') with mesh= your "
+    "mesh (a tuple of axes: dp.Layout(replicate=('node', 'local'))), or "
+    "dp.Layout(shard='data') for FSDP or ZeRO-1 over it"
+)
+
+
+class _Specs(NamedTuple):
+    """The params' model specs, known at init (or from the first state's placement), and
+    where a state this Trainer placed holds each leaf: a state placed so carries its specs."""
+
+    model: tuple[P, ...]  # each leaf's model spec, P() for a whole one
+    held: tuple[NamedSharding, ...]  # each leaf's sharding in the Trainer's state
 
 
 class Trainer:
@@ -48,8 +63,8 @@ class Trainer:
             return state.replace(params=optax.apply_updates(state.params, updates), ...)
 
     It runs as one jitted, buffer-donating program: a ``jax.shard_map`` (checking on,
-    ``check_vma=True``, for every strategy and algorithm) with the batch split over
-    ``axis_name`` (``P(axis_name)``), then the optimizer update. Each rank takes the gradient
+    ``check_vma=True``, for every strategy and algorithm) with the batch split over the
+    layout's data axes, then the optimizer update. Each rank takes the gradient
     of its local mean loss with respect to params made *varying* (``lax.pcast``), so
     ``jax.grad`` inserts no reduction of its own; the local gradients are then synchronised
     exactly once by the gradient-sync strategy ``sync`` (:mod:`jaxcoll.dp.sync`):
@@ -71,16 +86,14 @@ class Trainer:
             ``apply_if_finite``, ...), or an ``optax.MultiSteps``, whose accumulation over
             successive *steps* (one update every k calls) is kept; ``accum_steps=k`` is the
             cheaper way when the k micro-batches come in one global batch.
-        mesh: the device mesh, for a ``layout`` that names its axes' roles (or none);
-            default: the layout's own mesh when it gives degrees
-            (``dp.Layout(shard=4, tensor=2)``), else every device on one axis ``"data"``. A
-            mesh with Explicit axes (``jax.make_mesh``'s default) is used with Auto axes over
-            the same devices (``trainer.mesh``): the Trainer places its arrays itself.
-        axis_name: the data axis (or tuple of axes) the batch is split over, for a layout
-            without data roles (the spelling before :class:`~jaxcoll.dp.Layout` named them;
-            it still works): ``Trainer(..., mesh=m, axis_name="data")`` is
-            ``layout=dp.Layout(replicate="data")``. Beside a layout's ``replicate=`` or
-            ``shard=`` it is refused.
+        mesh: the device mesh, for a ``layout`` that names its axes' roles (or none: the
+            batch is split over the mesh's axis ``"data"``); default: the layout's own mesh
+            when it gives degrees (``dp.Layout(shard=4, tensor=2)``), else every device on
+            one axis ``"data"``. A mesh with Explicit axes (``jax.make_mesh``'s default) is
+            used with Auto axes over the same devices (``trainer.mesh``): the Trainer places
+            its arrays itself. The data axes are the layout's:
+            ``Trainer(..., mesh=m, layout=dp.Layout(replicate="data"))`` (``axis_name=`` is
+            gone; it raises TypeError naming this).
         sync: the gradient-sync strategy: *how* the data axes hold the state (the layout
             says *which* they are), a value that carries its own options:
             ``dp.sync.DDP(bucket_mb=25.0, algorithm="auto", hook=None)`` (torch's
@@ -88,8 +101,8 @@ class Trainer:
             ``dp.hooks.Compress(jnp.bfloat16)``, ``dp.hooks.PowerSGD(rank=4)``),
             ``dp.sync.ZeRO1()`` (``ZeroRedundancyOptimizer``) or ``dp.sync.FSDP()``
             (``FullyShardedDataParallel``). Default: the layout's (FSDP over its ``shard``
-            role, HSDP with ``replicate`` beside it; DDP without one). The Trainer binds it
-            to ``optimizer``, the mesh and the data axes (``trainer.sync`` is the bound copy).
+            role, HSDP with ``replicate`` beside it; DDP without one). The Trainer prepares it
+            for ``optimizer`` and its bound layout (``trainer.sync`` is the prepared copy).
         accum_steps: split each rank's share of the batch into this many micro-batches whose
             gradients are averaged locally and synchronised once (DDP's ``no_sync``), with
             ``accum_steps`` times smaller activations. Without batch-dependent layers this is
@@ -115,7 +128,10 @@ class Trainer:
             the data axes; the batch is replicated over the model axes. While the step is
             traced, the names model code uses (the roles ``"tensor"``, ``"pipeline"``; the
             logical axes ``"heads"``, ``"mlp"``, ``"layers"``, ...) stand for the layout's
-            axes. Default: every device a data replica (data parallelism alone).
+            axes. Default: every device a data replica (data parallelism alone). The Trainer
+            binds it to the mesh once and keeps it whole: ``trainer.layout`` is the
+            :class:`~jaxcoll.dp.BoundLayout` (its mesh, data axes, batch split, the names
+            model code uses, the schedule), which every part of the step asks.
 
     Example (8 devices)::
 
@@ -127,13 +143,13 @@ class Trainer:
         >>> state, metrics = trainer.step(state, {"x": np.ones((16, 3)), "y": np.ones(16)})
     """
 
+    @removed_keywords(axis_name=AXIS_NAME_GONE)
     def __init__(
         self,
         loss_fn: LossFn | Model,
         optimizer: optax.GradientTransformation | optax.MultiSteps,
         *,
         mesh: Mesh | None = None,
-        axis_name: AxisName | None = None,
         sync: Strategy | None = None,
         accum_steps: int = 1,
         extra: Extra | None = None,
@@ -142,50 +158,43 @@ class Trainer:
         layout: Layout | None = None,
     ) -> None:
         api = "Trainer"
-        self.model, loss = step_loss(api, loss_fn)
-        optimizer = check_optimizer(api, optimizer)
+        self.model, self._loss = step_loss(api, loss_fn)
+        self.optimizer = check_optimizer(api, optimizer)
         if extra is not None and not isinstance(extra, Extra):
             raise TypeError(
                 f"{api}: extra must be a dp.Extra(init, update) (e.g. dp.ema(0.999)), "
                 f"got {type(extra).__name__} instead."
             )
-        layout, mesh, names, sync = layout_sync.resolve(api, layout, mesh, axis_name, sync)
+        if layout is not None and not isinstance(layout, Layout):
+            raise TypeError(
+                f"{api}: layout must be a dp.Layout (e.g. dp.Layout(shard=4, tensor=2)), or "
+                f"None, got {type(layout).__name__} instead."
+            )
+        self.layout: BoundLayout = (layout or Layout())._bind(api, mesh)
+        self.sync = for_layout(api, self.layout, sync).prepare(self.optimizer, self.layout)
         accum_steps = check_static_int(api, "accum_steps", accum_steps)
         if accum_steps < 1:
             raise ValueError(f"{api}: accum_steps={accum_steps} must be at least 1.")
-        self.optimizer = optimizer
-        self.mesh = mesh
-        self.axis_name = names[0] if len(names) == 1 else names
-        context = layout.context_axis
-        examples = tuple(a for a in names if a != context)  # the batch's examples split
-        self._split = BatchSplit(
-            examples[0] if len(examples) == 1 else examples,
-            context,
-            1 if context is None else int(mesh.shape[context]),
-        )
-        self.n = int(np.prod([mesh.shape[a] for a in examples]))
-        self.layout = layout
-        self._loss = in_layout(loss, layout.binding())
-        self.sync = sync.bind(optimizer, mesh, self.axis_name)
-        self._model_specs: tuple[P, ...] | None = None  # known at init (dp.specs)
-        self._specs_known = False  # init (or a state's placement) has set them
-        self._placed: Any = None  # the params the last step returned (their specs checked)
-        self._returned: Any = lambda: None  # the state the last step returned (weakly)
         self.accum_steps = accum_steps
         self.extra = extra
         self.skip_nonfinite = bool(skip_nonfinite)
         self.donate = bool(donate)
+        self._specs: _Specs | None = None  # known at init (or from a state's placement)
+        self._placed: Any = None  # the params the last step returned (their specs checked)
+        self._returned: Any = lambda: None  # the state the last step returned (weakly)
         self._step_fns: dict[Any, Any] = {}
         self._known_step: tuple[Any, int] | None = None
         self._eval_fn = None
 
-    # ----------------------------------------------------------------------------- placement
-    def _sharding(self, spec: P) -> NamedSharding:
-        return NamedSharding(self.mesh, spec)
+    @property
+    def mesh(self) -> Mesh:
+        """The device mesh: the bound layout's (``trainer.layout.mesh``)."""
+        return self.layout.mesh
 
+    # ----------------------------------------------------------------------------- placement
     def _check_batch(self, batch: PyTree, api: str) -> None:
         accum = self.accum_steps if api == "Trainer.step" else 1
-        self._split.check(api, batch, self.n, accum)
+        self.layout.split.check(api, batch, leading_size(api, batch), accum)
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -195,7 +204,7 @@ class Trainer:
         pipeline whose processes each read only their rows places them with it
         (``jax.make_array_from_process_local_data(trainer.batch_sharding, rows, shape)``,
         as :class:`~jaxcoll.dp.TokenBatches` does)."""
-        return self._sharding(self._split.spec)
+        return self.layout.batch_sharding
 
     def shard_batch(self, batch: PyTree, api: str = "Trainer.step") -> PyTree:
         """Place a global batch on the mesh, split along its leading axis; check its size.
@@ -253,16 +262,10 @@ class Trainer:
         """
         params, boxed, notes = unbox(params)
         float_params("Trainer.init", params, self.sync.grad_route)
-        found = model_specs(
-            "Trainer.init",
-            params,
-            boxed if specs is None else specs,
-            self.mesh,
-            self.layout,
-            axis_names(self.axis_name),
-            notes if specs is None else None,
+        given, notes = (boxed, notes) if specs is None else (specs, None)
+        self._set_model_specs(
+            model_specs("Trainer.init", params, given, self.layout, notes), params
         )
-        self._set_model_specs(tuple(found))
         return first_state(
             self.sync,
             params,
@@ -273,22 +276,34 @@ class Trainer:
             model_axes=self.layout.axes,
         )
 
-    def _set_model_specs(self, found: tuple[P, ...]) -> None:
-        """Bind the strategy to the params' model specs (new programs when they change);
-        None when every leaf is whole over the model axes."""
-        specs = None if all(s == P() for s in found) else found
-        self._specs_known = True
-        if specs != self._model_specs:
-            self._model_specs = specs
-            self.sync = self.sync.with_model_specs(specs)
+    def _set_model_specs(self, found: list[P], params: PyTree) -> None:
+        """Keep the params' model specs (:mod:`jaxcoll.dp.specs`) and prepare the strategy
+        for them (new programs when they change; None when every leaf is whole over the
+        model axes), and where this Trainer's state holds each leaf of ``params``."""
+        model = tuple(found)
+        if self._specs is None or model != self._specs.model:
+            whole = all(s == P() for s in model)
+            self.sync = self.sync.with_model_specs(None if whole else model)
             self._step_fns, self._eval_fn, self._placed = {}, None, None
+        held = self.sync.named(self.sync.state_param_specs(params))
+        self._specs = _Specs(model, tuple(jax.tree_util.tree_leaves(held)))
 
-    def _check_model_specs(self, api: str, params: PyTree) -> None:
+    def _check_placed(self, api: str, params: PyTree) -> None:
         """Raise if a leaf of ``params`` is placed over the mesh's model axes otherwise than
         this Trainer's model spec for it says, or over an axis with no role: the step
-        would silently make it whole (or split it as the init's spec says)."""
-        found = model_specs(api, params, None, self.mesh, self.layout, axis_names(self.axis_name))
-        if not self._specs_known:  # a state built elsewhere: take its specs
+        would silently make it whole (or split it as the init's spec says).
+
+        The model specs were found once, at init; a state placed as this Trainer places its
+        own (the one a step returned, a copy of it, one restored into its template) carries
+        them and is taken as it is. Only another placement is read again (its specs, to
+        compare; a state's first arrival where no init ran: its specs, kept)."""
+        known = self._specs
+        leaves = jax.tree_util.tree_leaves(params)
+        if known is not None and len(leaves) == len(known.held):
+            if all(getattr(x, "sharding", None) == s for x, s in zip(leaves, known.held)):
+                return
+        found = model_specs(api, params, None, self.layout)
+        if known is None:  # a state built elsewhere: take its specs
             if self.layout.expert_axis is not None:
                 raise ValueError(
                     f"{api}: this Trainer's layout splits experts over the data axis "
@@ -296,10 +311,11 @@ class Trainer:
                     f"from the strategy's own split; call trainer.init first (or restore "
                     f"into the state it returns)."
                 )
-            self._set_model_specs(tuple(found))
+            self._set_model_specs(found, params)
             return
-        known = [restrict(s, self.layout.axes) for s in self._model_specs or (P(),) * len(found)]
-        check_placed_specs(api, params, found, known)
+        # Whole over the model axes: any params (the model is the user's to change).
+        model = known.model if any(s != P() for s in known.model) else (P(),) * len(found)
+        check_placed_specs(api, params, found, [restrict(s, self.layout.axes) for s in model])
 
     # ---------------------------------------------------------------------------------- step
     def step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -318,7 +334,7 @@ class Trainer:
         if state is not self._returned():  # the state the last step returned is live
             check_state(api, state)
         if state.params is not self._placed:  # a state this Trainer did not just return
-            self._check_model_specs(api, state.params)
+            self._check_placed(api, state.params)
         batch = self.shard_batch(batch)
         phased = self.sync.phased
         host = self._host_step(state) if phased else None
@@ -342,12 +358,11 @@ class Trainer:
                 self._loss,
                 sync,
                 state,
+                self.layout,
                 accum_steps=self.accum_steps,
                 donate=self.donate,
                 extra=self.extra,
                 skip_nonfinite=self.skip_nonfinite,
-                model_axes=self.layout.axes,
-                split=self._split,
             )
         return self._step_fns[key]
 
@@ -373,12 +388,13 @@ class Trainer:
             axis = unbound_axis(e, tuple(self.mesh.axis_names))
             if axis is None:
                 raise
+            data = self.layout.axis_name
             raise ValueError(
                 f"{api}: the model reduces over axis_name={axis!r} (a BatchNorm or "
                 f"SyncBatchNorm built with axis_name={axis!r}?), but this Trainer splits the "
-                f"batch over axis_name={self.axis_name!r}, the only axis its step binds. Build "
-                f"the layer with axis_name={self.axis_name!r} (dp.SyncBatchNorm() does for "
-                f"'data'), or the Trainer with axis_name={axis!r} and a mesh with that axis."
+                f"batch over axis_name={data!r}, the only axis its step binds. Build the "
+                f"layer with axis_name={data!r} (dp.SyncBatchNorm() does for 'data'), or the "
+                f"Trainer with layout=dp.Layout(replicate={axis!r}) and a mesh with that axis."
             ) from e
 
     def step_program(
@@ -433,18 +449,16 @@ class Trainer:
         """
         api = "Trainer.evaluate"
         check_state(api, state)
-        self._check_model_specs(api, state.params)
+        self._check_placed(api, state.params)
         if self._eval_fn is None:
-            self._eval_fn = build_eval(
-                self._loss, self.sync, state.params, self.layout.axes, self._split
-            )
+            self._eval_fn = build_eval(self._loss, self.sync, state.params, self.layout)
         eval_fn = self._eval_fn
         return loop.evaluate(
             lambda b: self._run(
                 api, eval_fn, state.params, state.model_state, state.step, self.shard_batch(b, api)
             ),
             data,
-            self.n,
+            self.layout.n,
         )
 
     # ----------------------------------------------------------------------------------- fit

@@ -2,10 +2,11 @@
 
 Each layer declares its params whole (``module.init`` outside ``jax.shard_map`` gives the
 dense shapes) and boxed with ``flax.linen.with_partitioning``, so
-``flax.linen.get_partition_spec(variables)`` says how to split them over the tensor axis.
-Called where that axis is bound (inside ``jax.shard_map``), a layer takes this device's slices
-and communicates through :mod:`jaxcoll.parallel`'s ``column_parallel`` / ``row_parallel``
-(one all-reduce per layer); called where it is not, it is the dense layer on whole params,
+``flax.linen.get_partition_spec(variables)`` says how to split them over the tensor axis
+(:mod:`jaxcoll.parallel.tensor`'s convention too). Called where that axis is bound (inside
+``jax.shard_map``), a layer is handed this device's slices and computes through
+:mod:`jaxcoll.parallel`'s ``column_parallel`` / ``row_parallel`` / ``mlp`` (one all-reduce
+per layer); called where it is not, the same functions are the dense layer on whole params,
 with no collective. One model definition serves the single-device reference and the
 tensor-parallel run.
 
@@ -35,16 +36,12 @@ default_kernel_init = linen.initializers.lecun_normal()
 
 
 # ------------------------------------------------------------------------------ the helpers
-def bound_size(axis: str | None) -> int | None:
-    """The size of mesh axis ``axis`` where it is bound (tensor-parallel mode), else None
-    (dense mode: ``axis=None``, or a name no enclosing ``jax.shard_map`` binds)."""
-    if axis is None or not parallel.is_bound(axis):
+def bound_size(axis_name: str | None) -> int | None:
+    """The size of mesh axis ``axis_name`` where it is bound (tensor-parallel mode), else None
+    (dense mode: ``axis_name=None``, or a name no enclosing ``jax.shard_map`` binds)."""
+    if axis_name is None or not parallel.is_bound(axis_name):
         return None
-    return int(lax.axis_size(axis))
-    try:
-        return int(lax.axis_size(axis))
-    except NameError:
-        return None
+    return int(lax.axis_size(axis_name))
 
 
 def where(module: linen.Module) -> str:
@@ -135,11 +132,13 @@ def _plain(value: Any) -> jax.Array:
 
 
 class _Linear(linen.Module):
-    """Declares (does not apply) the kernel and bias of one linear map, split over ``axis``.
+    """Declares (does not apply) the kernel and bias of one linear map, split over
+    ``axis_name``.
 
     ``kernel_shape`` and ``bias_shape`` are the whole (dense) shapes; the kernel's first
     ``fan_in_dims`` dims are its inputs (it is initialised flat, as ``flax.linen.DenseGeneral``
-    does). ``kernel_split`` / ``bias_split`` is the dim split over ``axis`` (None: replicated).
+    does). ``kernel_split`` / ``bias_split`` is the dim split over ``axis_name`` (None:
+    replicated).
     With ``ranks`` set, the params declared are this rank's slices, and their initial values
     are this rank's slice of the whole initial value.
     """
@@ -150,7 +149,7 @@ class _Linear(linen.Module):
     fan_in_dims: int
     bias_shape: tuple[int, ...] | None
     bias_split: int | None
-    axis: str | None
+    axis_name: str | None
     ranks: int | None
     kernel_init: Initializer
     bias_init: Initializer
@@ -171,7 +170,7 @@ class _Linear(linen.Module):
         n = self.ranks or 1
         local = tuple(s // n if i == split else s for i, s in enumerate(shape))
         fan_in = int(np.prod(shape[: self.fan_in_dims])) if name == "kernel" else 0
-        axis = self.axis
+        axis = self.axis_name
 
         def init_fn(key: jax.Array, local_shape: tuple[int, ...], dtype: Dtype) -> jax.Array:
             if name == "kernel":
@@ -219,7 +218,7 @@ class _Linear(linen.Module):
 
 
 def linear(
-    layer: Any,  # a layer of this package: its axis, use_bias, inits and param_dtype
+    layer: Any,  # a layer of this package: its axis_name, use_bias, inits and param_dtype
     name: str,
     ranks: int | None,
     kernel_shape: tuple[int, ...],
@@ -240,7 +239,7 @@ def linear(
         fan_in_dims=fan_in_dims,
         bias_shape=bias_shape if layer.use_bias else None,
         bias_split=bias_split,
-        axis=roles.axis(layer.axis),
+        axis_name=roles.axis(layer.axis_name),
         ranks=ranks,
         kernel_init=layer.kernel_init if kernel_init is None else kernel_init,
         bias_init=layer.bias_init,
@@ -248,9 +247,3 @@ def linear(
         split_arg=split_arg,
         name=name,
     )()
-
-
-def to_front(x: jax.Array) -> jax.Array:
-    """Swap the sequence axis (-2) with axis 0, the one ``parallel.row_parallel`` scatters
-    (its own inverse; nothing moves for a ``(tokens, features)`` array)."""
-    return jnp.swapaxes(x, 0, -2)

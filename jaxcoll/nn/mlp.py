@@ -11,12 +11,14 @@ from flax.typing import Dtype, Initializer
 
 from .. import parallel
 from .._core import roles
+from .._core.roles import Role
 from . import _params
 
 
 # -------------------------------------------------------------------------------- the MLP
 class ParallelMLP(linen.Module):
-    """The Megatron MLP block ``activation(x @ W1 + b1) @ W2 + b2``, split over ``axis``.
+    """The Megatron MLP block ``activation(x @ W1 + b1) @ W2 + b2``, split over
+    ``axis_name``.
 
     Equivalent to the dense block (flax's ``Dense(hidden, name="fc1")``, the activation,
     ``Dense(features, name="fc2")``; torch's ``Linear``, ``GELU()``, ``Linear``) on the whole
@@ -28,17 +30,18 @@ class ParallelMLP(linen.Module):
     Params, declared whole and boxed by ``flax.linen.with_partitioning`` with these partition
     names (``d = x.shape[-1]``; the names of a dense ``Dense(name="fc1")``, ``"fc2"``)::
 
-        fc1/kernel  (d, hidden)         (None, axis)   column-parallel
-        fc1/bias    (hidden,)           (axis,)
-        fc2/kernel  (hidden, features)  (axis, None)   row-parallel
-        fc2/bias    (features,)         (None,)        replicated, added once after the sum
+        fc1/kernel  (d, hidden)         (None, axis_name)   column-parallel
+        fc1/bias    (hidden,)           (axis_name,)
+        fc2/kernel  (hidden, features)  (axis_name, None)   row-parallel
+        fc2/bias    (features,)         (None,)             replicated, added once after the sum
 
-    Called where ``axis`` is bound (inside ``jax.shard_map``; params passed with
-    ``in_specs=flax.linen.get_partition_spec(variables)``), each rank computes ``hidden/n``
-    hidden units with its slices: it runs :func:`jaxcoll.parallel.mlp` (fc1 column-parallel,
-    no communication; fc2 row-parallel). The input is the same on every rank and so is the
-    output. Where ``axis`` is not bound (outside ``shard_map``, or ``axis=None``) it is the
-    dense block on whole params, with no collective.
+    (:func:`jaxcoll.parallel.mlp_specs` of ``w1, b1, w2, b2``.) It runs
+    :func:`jaxcoll.parallel.mlp` on them. Called where ``axis_name`` is bound (inside
+    ``jax.shard_map``; params passed with ``in_specs=flax.linen.get_partition_spec(variables)``),
+    each rank computes ``hidden/n`` hidden units with its slices (fc1 column-parallel, no
+    communication; fc2 row-parallel). The input is the same on every rank and so is the
+    output. Where ``axis_name`` is not bound (outside ``shard_map``, or ``axis_name=None``) it
+    is the dense block on whole params, with no collective.
 
     Communication per call, forward: ONE all-reduce of the output, ``(..., features)``. The
     backward adds its mirror, ONE all-reduce of the input's cotangent (inserted by jax where
@@ -51,14 +54,15 @@ class ParallelMLP(linen.Module):
 
     Attributes:
         features: the output width.
-        hidden: the hidden width; must divide by the size of ``axis``.
-        axis: the mesh axis the layer is split over; None for the dense layer everywhere.
+        hidden: the hidden width; must divide by the size of ``axis_name``.
+        axis_name: the mesh axis the layer is split over (a role: a ``dp.Trainer``'s layout
+            gives it); None for the dense layer everywhere.
         use_bias: give fc1 and fc2 biases (False: nanoGPT's ``bias=False``).
         activation: the nonlinearity; the default is torch's ``nn.GELU()``, the exact GELU
             (:func:`jaxcoll.parallel.gelu`); ``functools.partial(jax.nn.gelu,
             approximate=True)`` is ``nn.GELU(approximate="tanh")``.
         sequence_parallel: under ``shard_map``, the input is this rank's contiguous
-            ``1/n`` of the sequence axis (axis -2; the tokens of a ``(tokens, d)`` input) and
+            ``1/n`` of the sequence dim (dim -2; the tokens of a ``(tokens, d)`` input) and
             so is the output (Megatron's sequence parallelism). Ignored in dense mode.
         kernel_init: initializer of both kernels (called on the whole, flat kernel).
         bias_init: initializer of both biases.
@@ -92,7 +96,7 @@ class ParallelMLP(linen.Module):
 
     features: int
     hidden: int
-    axis: str | None = "tensor"
+    axis_name: str | None = Role.TENSOR
     use_bias: bool = True
     activation: Callable[[jax.Array], jax.Array] = parallel.gelu
     sequence_parallel: bool = False
@@ -104,7 +108,7 @@ class ParallelMLP(linen.Module):
 
     @linen.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        axis = roles.axis(self.axis)  # the layout's tensor axis, where one binds
+        axis = roles.axis(self.axis_name)  # the layout's tensor axis, where one binds
         api = _params.where(self)
         features = _params.positive_int(api, "features", self.features)
         hidden = _params.positive_int(api, "hidden", self.hidden)
@@ -112,8 +116,8 @@ class ParallelMLP(linen.Module):
         sp = self.sequence_parallel and ranks is not None
         if jnp.ndim(x) < (2 if sp else 1):
             raise ValueError(
-                f"{api}: x has shape {jnp.shape(x)}; it needs a feature axis"
-                + (" and a sequence axis (-2) for sequence_parallel=True." if sp else ".")
+                f"{api}: x has shape {jnp.shape(x)}; it needs a feature dim"
+                + (" and a sequence dim (-2) for sequence_parallel=True." if sp else ".")
             )
         d = jnp.shape(x)[-1]
         w1, b1 = _params.linear(
@@ -131,18 +135,10 @@ class ParallelMLP(linen.Module):
             kernel_init=self.out_kernel_init,
         )
         x, w1, b1, w2, b2 = linen.dtypes.promote_dtype(x, w1, b1, w2, b2, dtype=self.dtype)
-        if ranks is None:  # dense: the whole block, no collective
-            h = self.activation(parallel.column_parallel(x, w1, b1))
-            y = h @ w2
-            return y if b2 is None else y + b2
-        if not sp:
-            params = {"w1": w1, "w2": w2}
-            if self.use_bias:
-                params |= {"b1": b1, "b2": b2}
-            return parallel.mlp(params, x, axis, activation=self.activation)
-        # sequence parallel: gather the rows, the two halves of parallel.mlp, scatter the rows
-        h = self.activation(
-            parallel.column_parallel(parallel.sequence_gather(x, axis, axis=-2), w1, b1)
+        params = {"w1": w1, "w2": w2}
+        if self.use_bias:
+            params |= {"b1": b1, "b2": b2}
+        # split where the axis is bound (sequence parallel over dim -2), else dense
+        return parallel.mlp(
+            params, x, axis, activation=self.activation, sequence_parallel=sp, dim=-2
         )
-        y = parallel.row_parallel(_params.to_front(h), w2, axis, b2, scatter=True)
-        return _params.to_front(y)

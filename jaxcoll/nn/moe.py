@@ -1,4 +1,5 @@
-"""MoE: a mixture-of-experts MLP, its experts split over the expert axis."""
+"""MoE: a mixture-of-experts MLP, its experts split over the expert axis (the flax layer of
+:func:`jaxcoll.parallel.moe_mlp`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from flax.typing import Dtype, Initializer
 
 from .. import parallel
 from .._core import roles
-from ..parallel.experts import SCORE_FUNCS, Load, load_metrics
+from .._core.roles import Role
+from .._core.typing import AxisName
+from ..parallel.moe.mlp import run_moe_mlp
 from . import _params
 from .mlp import ParallelMLP
 
@@ -21,34 +24,28 @@ class MoE(linen.Module):
     """A mixture of experts: each token goes through ``k`` of ``num_experts`` MLPs, chosen by
     a router, and (optionally) a shared expert every token goes through.
 
-    Equivalent to, on one device (:func:`jaxcoll.parallel.moe_mlp`)::
+    The layer of :func:`jaxcoll.parallel.moe_mlp` (its semantics, routing, capacity and
+    checks: one call into it), plus the shared expert::
 
-        scores = softmax(x @ router)                    # or sigmoid; (B, S, E)
-        gate, e = top_k(scores, k)                      # gate / sum(gate) when normalize
-        y[t] = sum(gate[t, j] * activation(x[t] @ w_in[e[t, j]]) @ w_out[e[t, j]]
-                   for j in range(k) if kept(t, j))     # kept: within the capacity
+        y, load = parallel.moe_mlp(x, router, w_in, w_out, k=k, ...)
         y = y + shared(x)                               # a ParallelMLP, when shared_hidden
 
-    With ``capacity_factor=None`` (dropless) every assignment is kept; with a factor, each
-    expert keeps ``ceil(factor * S * k / E)`` assignments per sequence, first choices before
-    second ones (GShard), so a token's fate depends on its own sequence only, in any layout.
-
-    Params, declared whole and boxed with their split (``axis`` is a role: inside a
+    Params, declared whole and boxed with their split (``axis_name`` is a role: inside a
     ``dp.Trainer`` the layout's expert axis, which borrows the data-shard devices)::
 
-        router  (d, E)          (None, None)        replicated
-        w_in    (E, d, hidden)  (axis, None, None)  expert e on rank e // (E / n)
-        w_out   (E, hidden, d)  (axis, None, None)
+        router  (d, E)          (None, None)             replicated
+        w_in    (E, d, hidden)  (axis_name, None, None)  expert e on rank e // (E / n)
+        w_out   (E, hidden, d)  (axis_name, None, None)
         shared/ fc1, fc2        a ParallelMLP(d, shared_hidden, use_bias=False)
 
-    Under ``jax.shard_map`` with ``axis`` bound, each device runs its own experts on the
+    Under ``jax.shard_map`` with ``axis_name`` bound, each device runs its own experts on the
     tokens routed to them: one ragged all-to-all takes the tokens there and one brings the
-    outputs back (two more in the backward). Where ``axis`` is not bound every expert is
+    outputs back (two more in the backward). Where ``axis_name`` is not bound every expert is
     local and nothing travels.
 
-    Each call sows its :class:`~jaxcoll.parallel.experts.Load` (the assignments per
-    expert and the kept ones over the whole batch, and the load-balancing loss) in the
-    ``"intermediates"`` collection; :func:`moe_metrics` reads them: apply the model with
+    Each call sows its :class:`~jaxcoll.parallel.Load` (the assignments per expert and the
+    kept ones over the whole batch, and the load-balancing loss) in the ``"intermediates"``
+    collection; :func:`jaxcoll.parallel.moe_metrics` reads them: apply the model with
     ``mutable=["intermediates"]`` and add ``aux_weight * metrics["moe_aux"]`` to the loss.
 
     The load and the auxiliary loss are those of the batch the step computes: with a
@@ -59,14 +56,15 @@ class MoE(linen.Module):
     Attributes:
         num_experts: the routed experts, E (the expert axis must divide it).
         hidden: each expert's hidden width.
-        k: experts per token.
-        axis: the expert axis (a role or a mesh axis); None: every expert local.
-        data_axes: the axes the tokens are split over, for the load and the auxiliary loss
-            over the whole batch (the role ``"batch"``: inside a Trainer, its data axes);
-            None or not bound: this device's tokens.
+        k: experts per token, ``1 <= k <= num_experts``.
+        axis_name: the expert axis (a role or a mesh axis); None: every expert local.
+        data_axis_name: the axes the tokens are split over, for the load and the auxiliary
+            loss over the whole batch (the role ``"batch"``: inside a Trainer, its data
+            axes); None or not bound: this device's tokens.
         score_func: ``"softmax"`` or ``"sigmoid"``.
         normalize: divide the chosen gates by their sum.
-        capacity_factor: None: dropless; else the per-sequence capacity factor.
+        capacity_factor: None: dropless; else the per-sequence capacity factor, a positive
+            number.
         shared_hidden: the shared expert's hidden width (None: no shared expert). It is a
             :class:`ParallelMLP`, split over the tensor axis where one is bound.
         activation: the experts' nonlinearity (torch's exact ``nn.GELU()``).
@@ -83,15 +81,15 @@ class MoE(linen.Module):
         >>> x = jnp.ones((2, 16, 32))
         >>> variables = moe.init(jax.random.key(0), x)
         >>> y, sown = moe.apply(variables, x, mutable=["intermediates"])
-        >>> y.shape, sorted(moe_metrics(sown["intermediates"]))
+        >>> y.shape, sorted(parallel.moe_metrics(sown["intermediates"]))
         ((2, 16, 32), ['moe_aux', 'moe_dropped', 'moe_imbalance'])
     """
 
     num_experts: int
     hidden: int
     k: int = 2
-    axis: str | None = "expert"
-    data_axes: Any = "batch"
+    axis_name: str | None = Role.EXPERT
+    data_axis_name: AxisName | None = "batch"
     score_func: str = "softmax"
     normalize: bool = False
     capacity_factor: float | None = None
@@ -107,39 +105,25 @@ class MoE(linen.Module):
         api = _params.where(self)
         num = _params.positive_int(api, "num_experts", self.num_experts)
         hidden = _params.positive_int(api, "hidden", self.hidden)
-        k = _params.positive_int(api, "k", self.k)
-        if k > num:
-            raise ValueError(f"{api}: k={k} experts per token, of num_experts={num}.")
-        if self.score_func not in SCORE_FUNCS:
-            raise ValueError(f"{api}: score_func={self.score_func!r}; pass one of {SCORE_FUNCS}.")
-        cf = self.capacity_factor
-        if cf is not None and not (isinstance(cf, (int, float)) and cf > 0):
-            raise ValueError(
-                f"{api}: capacity_factor={cf!r} must be a positive number, or None (dropless)."
-            )
-        if jnp.ndim(x) != 3:
-            raise ValueError(
-                f"{api}: x has shape {jnp.shape(x)}; pass a batch of sequences, "
-                f"(batch, length, features)."
-            )
-        axis = roles.axis(self.axis)
+        axis = roles.axis(self.axis_name)
         ranks = _params.bound_size(axis)
         _params.divides(api, "num_experts", num, ranks, axis)
-        d = x.shape[-1]
-        split = (self.axis, None, None)
-        local = num // (ranks or 1)  # where the axis is bound, this device's experts
+        d = jnp.shape(x)[-1] if jnp.ndim(x) else 1  # a scalar x: run_moe_mlp refuses it
         router: Any = self.param(
             "router",
             linen.with_partitioning(self.router_init, (None, None)),
             (d, num),
             self.param_dtype,
         )
+        name = self.axis_name  # the spec names the role (the Trainer resolves it), plainly
+        split = (name.value if isinstance(name, Role) else name, None, None)
 
         def boxed(key: jax.Array, shape: tuple[int, ...], dtype: Dtype) -> _params.Split:
             # nn.with_partitioning's box, naming the argument its split dimension is
             value = self.kernel_init(key, shape, dtype)
             return _params.Split(value, split, layer=api, argname="num_experts", size=num)
 
+        local = num // (ranks or 1)  # where the axis is bound, this device's experts
         w_in = _params._plain(
             self.param("w_in", boxed, (local, d, hidden), self.param_dtype, unbox=False)
         )
@@ -147,17 +131,18 @@ class MoE(linen.Module):
             self.param("w_out", boxed, (local, hidden, d), self.param_dtype, unbox=False)
         )
         x, w_in, w_out = linen.dtypes.promote_dtype(x, w_in, w_out, dtype=self.dtype)
-        y, load = parallel.moe_mlp(
+        y, load = run_moe_mlp(
+            api,
             x,
             router,
             w_in,
             w_out,
-            k=k,
-            axis=axis,
-            data_axes=self.data_axes,
+            k=self.k,
+            axis_name=self.axis_name,
+            data_axis_name=self.data_axis_name,
             score_func=self.score_func,
             normalize=self.normalize,
-            capacity_factor=cf,
+            capacity_factor=self.capacity_factor,
             activation=self.activation,
         )
         self.sow("intermediates", "moe_load", load)
@@ -173,13 +158,3 @@ class MoE(linen.Module):
             )
             y = y + shared(x)
         return y
-
-
-def moe_metrics(intermediates: Any) -> dict[str, jax.Array]:
-    """The step's MoE metrics from the ``"intermediates"`` a model's apply sowed
-    (:class:`MoE`): ``moe_aux`` (the load-balancing losses summed over the layers),
-    ``moe_dropped`` (the share of assignments over the capacity) and ``moe_imbalance`` (the
-    busiest expert's assignments over the mean, in the worst layer), each over the whole
-    batch; ``{}`` when no MoE layer ran."""
-    loads = jax.tree_util.tree_leaves(intermediates, is_leaf=lambda v: isinstance(v, Load))
-    return load_metrics([v for v in loads if isinstance(v, Load)])

@@ -7,22 +7,24 @@ Why here: these are training recipes, not collectives, so they sit above
 backward shifts, ``all_reduce``/``reduce_scatter``/``all_gather`` for tensor parallelism,
 ``ragged_all_to_all`` for MoE) and beside :mod:`jaxcoll.dp`, at the same layer and
 independent of it: no flax or optax is needed, and a ``data`` mesh axis composes with any of
-them (the pipeline takes ``data_axis=`` and averages gradients over it exactly once).
+them (the pipeline takes ``data_axis_name=`` and averages gradients over it exactly once).
 
-* :mod:`.pipeline`: :func:`pipeline_value_and_grad`, :func:`pipeline_apply`,
-  :func:`bubble_fraction` (the former spelling of the schedules' own);
-* :mod:`.staged`: :func:`pipeline_loss`, a schedule behind ``jax.custom_vjp``, for
-  a loss that ``jax.grad`` (a ``dp.Trainer``) differentiates;
+* :mod:`.pipeline`: :func:`pipeline_value_and_grad`, the pipeline's primitive (it owns the
+  step: the loss and this stage's gradient);
+* :mod:`.staged`: :func:`pipeline_loss`, the pipeline's loss for a ``dp.Trainer``: a schedule
+  behind ``jax.custom_vjp``, for a loss that ``jax.grad`` differentiates;
 * :mod:`.schedules`: the schedules as values, :class:`GPipe`, :class:`OneFOneB`,
   :class:`Interleaved`, :class:`ZeroBubble` (:class:`Schedule`), with their bubble and kept
   inputs;
 * :mod:`.tensor`: :func:`column_parallel`, :func:`row_parallel`, :func:`mlp`,
-  :func:`shard_mlp`, :func:`sequence_gather`, :func:`gelu` (torch's exact ``nn.GELU()``);
+  :func:`mlp_specs`, :func:`sequence_gather`, :func:`gelu` (torch's exact ``nn.GELU()``):
+  params declared whole, each device handed its slice, dense where the axis is not bound;
 * :mod:`.context`: :func:`context_attention` by :class:`Ring` or :class:`Ulysses`, the
-  load-balanced sequence layout (:func:`context_order`, :func:`to_context_layout`,
-  :func:`from_context_layout`, :func:`context_positions`) and :func:`ring_blocks`;
-* :mod:`.moe`: :func:`dispatch`, :func:`combine`; :mod:`.experts`: :func:`moe_mlp` (a
-  mixture of experts over an expert axis), :func:`route`, :class:`Load`;
+  load-balanced sequence order (:func:`context_order`, :func:`to_context_order`,
+  :func:`from_context_order`, :func:`context_positions`) and :func:`ring_blocks`;
+* :mod:`.moe`: mixtures of experts: :func:`moe_mlp` (the entry: a mixture of experts over
+  an expert axis), :func:`dispatch` and :func:`combine` (the tokens' exchange),
+  :class:`Load` and :func:`moe_metrics` (the load and the load-balancing loss);
 * :mod:`.axes`: :func:`is_bound`, the switch of model code that runs split or dense.
 """
 
@@ -33,16 +35,14 @@ from .context import context_attention as context_attention
 from .context import context_order as context_order
 from .context import context_part as context_part
 from .context import context_positions as context_positions
-from .context import from_context_layout as from_context_layout
+from .context import from_context_order as from_context_order
 from .context import ring_blocks as ring_blocks
-from .context import to_context_layout as to_context_layout
-from .experts import Load as Load
-from .experts import moe_mlp as moe_mlp
-from .experts import route as route
+from .context import to_context_order as to_context_order
+from .moe import Load as Load
 from .moe import combine as combine
 from .moe import dispatch as dispatch
-from .pipeline import bubble_fraction as bubble_fraction
-from .pipeline import pipeline_apply as pipeline_apply
+from .moe import moe_metrics as moe_metrics
+from .moe import moe_mlp as moe_mlp
 from .pipeline import pipeline_value_and_grad as pipeline_value_and_grad
 from .schedules import GPipe as GPipe
 from .schedules import Interleaved as Interleaved
@@ -53,9 +53,9 @@ from .staged import pipeline_loss as pipeline_loss
 from .tensor import column_parallel as column_parallel
 from .tensor import gelu as gelu
 from .tensor import mlp as mlp
+from .tensor import mlp_specs as mlp_specs
 from .tensor import row_parallel as row_parallel
 from .tensor import sequence_gather as sequence_gather
-from .tensor import shard_mlp as shard_mlp
 
 __all__ = [
     "GPipe",
@@ -66,26 +66,24 @@ __all__ = [
     "Schedule",
     "Ulysses",
     "ZeroBubble",
-    "bubble_fraction",
     "column_parallel",
     "combine",
     "context_attention",
     "context_order",
     "context_part",
     "context_positions",
-    "from_context_layout",
+    "from_context_order",
     "dispatch",
     "gelu",
     "is_bound",
     "mlp",
+    "mlp_specs",
+    "moe_metrics",
     "moe_mlp",
-    "pipeline_apply",
     "pipeline_loss",
     "pipeline_value_and_grad",
     "ring_blocks",
-    "route",
     "row_parallel",
     "sequence_gather",
-    "shard_mlp",
-    "to_context_layout",
+    "to_context_order",
 ]

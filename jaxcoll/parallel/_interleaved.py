@@ -25,38 +25,6 @@ from .._core.vma import cast_varying
 from ._lowering import Staged, axes_of
 
 
-def check_virtual_stages(api: str, virtual_stages: Any, schedule: str) -> int:
-    """v: a positive int, above 1 only with the interleaved schedule."""
-    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool):
-        raise TypeError(
-            f"{api}: virtual_stages must be an int (model chunks per stage), got "
-            f"{virtual_stages!r} instead."
-        )
-    if virtual_stages < 1:
-        raise ValueError(
-            f"{api}: virtual_stages={virtual_stages} must be a positive int (model chunks per "
-            f"stage; 1 for one chunk per stage)."
-        )
-    if virtual_stages > 1 and schedule != "interleaved":
-        raise ValueError(
-            f"{api}: virtual_stages={virtual_stages} needs schedule='interleaved', got "
-            f"schedule={schedule!r}, which runs one chunk per stage. Pass "
-            f"schedule='interleaved', or virtual_stages=1."
-        )
-    return virtual_stages
-
-
-def check_groups(api: str, num_stages: int, m: int, virtual_stages: int) -> None:
-    """Interleaving runs the micro-batches in groups of one per stage (as Megatron does)."""
-    if virtual_stages > 1 and m % num_stages:
-        raise ValueError(
-            f"{api}: num_microbatches={m} is not a multiple of the {num_stages} stages; "
-            f"schedule='interleaved' with virtual_stages={virtual_stages} runs the "
-            f"micro-batches in groups of one per stage. Pick num_microbatches a multiple of "
-            f"{num_stages}."
-        )
-
-
 def check_chunks(api: str, params: PyTree, v: int) -> None:
     """Interleaved params: every leaf stacks this stage's v chunks on a leading axis."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -113,6 +81,57 @@ def _chunk(params: PyTree, c: jax.Array | int) -> PyTree:
     return jax.tree_util.tree_map(lambda p: p[c], params)
 
 
+def _typed(tree: PyTree, template: PyTree) -> PyTree:
+    """A cond branch's outputs typed as ``template`` (both branches alike)."""
+    return jax.tree_util.tree_map(lambda t, r: cast_varying(t, axes_of(r)), tree, template)
+
+
+def _first_carry(p: Staged, v: int, act: tuple) -> tuple[tuple, PyTree]:
+    """The rounds' first carry, ``(activation in, cotangent in, saved inputs, their holders,
+    gradient, loss, head's gradient, inputs' gradient)``, each zero and typed as what it will
+    hold (activations over ``act``, gradients as their params, the loss over the
+    activations', targets' and head's axes), and a zero gradient of one chunk."""
+    _, _, own, xs, ys, stage_axis, head = p.parts()
+    keep = buffers(primitives.world_size(stage_axis), v, xs.shape[0])
+    zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
+    saved0 = cast_varying(jnp.zeros((keep,) + xs.shape[1:], xs.dtype), act)
+    holder0 = cast_varying(jnp.full((keep,), -1, jnp.int32), act)
+    grads0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), axes_of(p)), own)
+    chunk_zeros = _chunk(grads0, 0)
+    head0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), axes_of(p)), head)
+    leaves = jax.tree_util.tree_leaves((ys, head))
+    loss_axes = set(act).union(*(axes_of(t) for t in leaves))
+    loss0 = cast_varying(jnp.zeros((), jnp.float32), tuple(sorted(loss_axes, key=str)))
+    d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
+    return (zero, zero, saved0, holder0, grads0, loss0, head0, d_xs0), chunk_zeros
+
+
+def _forward_branches(
+    p: Staged, v: int, like: tuple, s: jax.Array, fi: jax.Array, fc: jax.Array, act_in: jax.Array
+) -> tuple:
+    """A round's forward half, as the branches of a ``lax.switch``: nothing, a forward, or a
+    forward of the model's last chunk with the head's (the other stages and chunks skip its
+    FLOPs). Each gives ``(out, input, d_out, loss, d_head)``, typed as ``like``."""
+    stage_fn, loss_fn, own, xs, ys, _, head = p.parts()
+    m = xs.shape[0]
+    zero, _, _, loss0, head0 = like
+
+    def run_forward(with_head: bool):
+        def branch():
+            inp = jnp.where((s == 0) & (fc == 0), xs[fi], act_in)
+            out = stage_fn(_chunk(own, fc), inp)
+            if not with_head:
+                return _typed((out, inp, zero, loss0, head0), like)
+            y = jax.tree_util.tree_map(lambda t: t[fi], ys)
+            value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
+            d_head = jax.tree_util.tree_map(lambda d: d / m, d_head)
+            return _typed((out, inp, d_out / m, value.astype(jnp.float32), d_head), like)
+
+        return branch
+
+    return (lambda: like, run_forward(False), run_forward(True))
+
+
 def interleaved(p: Staged, v: int, act: tuple) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
     """The lowering: one ``lax.scan`` over :func:`rounds`; each round a ``lax.cond`` runs this
     stage's forward (or nothing), one ``sendrecv`` shifts activations one stage up the ring,
@@ -126,29 +145,16 @@ def interleaved(p: Staged, v: int, act: tuple) -> tuple[jax.Array, PyTree, PyTre
     Returns the last stage's mean loss (0 elsewhere), this stage's gradient, summed over
     micro-batches, of the mean loss, the gradient of ``head`` (the last stage's; zero
     elsewhere) and that of the inputs ``xs`` (stage 0's; zero elsewhere)."""
-    stage_fn, loss_fn, own, xs, ys, stage_axis, head = p.parts()
+    stage_fn, _, own, xs, _, stage_axis, _ = p.parts()
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     last = n_stages - 1
     m = xs.shape[0]
     mv = m * v
-    keep = buffers(n_stages, v, m)
-    zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
-    saved0 = cast_varying(jnp.zeros((keep,) + xs.shape[1:], xs.dtype), act)
-    holder0 = cast_varying(jnp.full((keep,), -1, jnp.int32), act)
-    grads0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), axes_of(p)), own)
-    chunk_zeros = _chunk(grads0, 0)
-    head0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), axes_of(p)), head)
-    leaves = jax.tree_util.tree_leaves((ys, head))
-    loss_axes = set(act).union(*(axes_of(t) for t in leaves))
-    loss0 = cast_varying(jnp.zeros((), jnp.float32), tuple(sorted(loss_axes, key=str)))
-    d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
+    carry, chunk_zeros = _first_carry(p, v, act)
+    zero, _, _, _, _, loss0, head0, _ = carry
     up = [(i, (i + 1) % n_stages) for i in range(n_stages)]  # the last stage wraps to 0
     down = [((i + 1) % n_stages, i) for i in range(n_stages)]
-
-    def typed(tree: PyTree, template: PyTree) -> PyTree:
-        """A cond branch's outputs typed as ``template`` (both branches alike)."""
-        return jax.tree_util.tree_map(lambda t, r: cast_varying(t, axes_of(r)), tree, template)
 
     def one_round(carry, k):
         act_in, ct_in, saved, holder, acc, loss, acc_head, d_xs = carry
@@ -158,29 +164,9 @@ def interleaved(p: Staged, v: int, act: tuple) -> tuple[jax.Array, PyTree, PyTre
         bi, bc = item(jnp.clip(b, 0, mv - 1), n_stages, v, backward=True)
 
         at_loss = fwd & (s == last) & (fc == v - 1)
-
-        def run_forward(with_head: bool):
-            """A forward; of the model's last chunk (``with_head``) the head's too (the other
-            stages and chunks skip its FLOPs)."""
-
-            def branch():
-                inp = jnp.where((s == 0) & (fc == 0), xs[fi], act_in)
-                out = stage_fn(_chunk(own, fc), inp)
-                if not with_head:
-                    return typed((out, inp, zero, loss0, head0), (zero, zero, zero, loss0, head0))
-                y = jax.tree_util.tree_map(lambda t: t[fi], ys)
-                value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
-                d_head = jax.tree_util.tree_map(lambda d: d / m, d_head)
-                return typed(
-                    (out, inp, d_out / m, value.astype(jnp.float32), d_head),
-                    (zero, zero, zero, loss0, head0),
-                )
-
-            return branch
-
         out, inp, d_out, value, d_head = lax.switch(
             jnp.where(at_loss, 2, jnp.where(fwd, 1, 0)),
-            (lambda: (zero, zero, zero, loss0, head0), run_forward(False), run_forward(True)),
+            _forward_branches(p, v, (zero, zero, zero, loss0, head0), s, fi, fc, act_in),
         )
         free = jnp.argmax(holder < 0)
         saved = saved.at[free].set(jnp.where(fwd, inp, saved[free]))
@@ -200,7 +186,7 @@ def interleaved(p: Staged, v: int, act: tuple) -> tuple[jax.Array, PyTree, PyTre
             ct = jnp.where((s == last) & (bc == v - 1), d_out, ct_in)
             _, vjp = jax.vjp(stage_fn, _chunk(own, bc), kept)
             d_params, d_input = vjp(ct)
-            return typed((d_input, d_params), (zero, chunk_zeros))
+            return _typed((d_input, d_params), (zero, chunk_zeros))
 
         d_input, d_params = lax.cond(bwd, run_backward, lambda: (zero, chunk_zeros))
         acc = jax.tree_util.tree_map(
@@ -213,7 +199,6 @@ def interleaved(p: Staged, v: int, act: tuple) -> tuple[jax.Array, PyTree, PyTre
         ct_in = primitives.sendrecv(d_input, stage_axis, down)
         return (act_in, ct_in, saved, holder, acc, loss, acc_head, d_xs), None
 
-    carry = (zero, zero, saved0, holder0, grads0, loss0, head0, d_xs0)
     (*_, grads, loss, d_head, d_xs), _ = lax.scan(
         one_round, carry, jnp.arange(rounds(n_stages, v, m))
     )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -70,46 +73,90 @@ def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
     return loss, grads, d_head, d_xs
 
 
-def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
-    """1F1B in lock-step slots: in slot t stage s runs the forward of micro-batch (t - s) / 2
-    when t - s is even, the backward of micro-batch (t - 2S + 1 + s) / 2 when it is odd; after
-    each slot one ``sendrecv`` moves every forward's activation to s + 1 and every backward's
-    cotangent to s - 1. Stage inputs are kept in ``min(S, M)`` slots, micro-batch i in slot
-    i mod min(S, M). Each slot a stage runs one branch of a ``lax.cond`` on its own
-    predicate: a forward, or a recomputed forward and a backward, GPipe's work in another
-    order; the last stage's forwards run the head too (a branch of their own, so the other
-    stages skip its FLOPs). Returns what :func:`_gpipe` returns (``loss_fn`` as there)."""
-    stage_fn, loss_fn, own, xs, ys, stage_axis, head = p.parts()
-    n_stages = primitives.world_size(stage_axis)
-    s = primitives.rank(stage_axis)
-    last = n_stages - 1
-    m = xs.shape[0]
-    _check_stage(api, stage_fn, own, xs)
-    keep = min(n_stages, m)
-    # Each value typed as what it holds: activations (and their cotangents) over the axes
-    # the forward's do vary over (_carried), gradients as their params, the loss over those
-    # of the activations, targets and head.
-    act = _carried(stage_fn, own, xs, s)
+def _typed_as(tree: PyTree, template: PyTree) -> PyTree:
+    """A branch's outputs typed as ``template`` (every branch of a switch or cond alike)."""
+    return jax.tree_util.tree_map(lambda v, r: cast_varying(v, _names(r)), tree, template)
+
+
+def _slot_template(p: Staged, act: tuple, keep: int) -> tuple:
+    """1F1B's slot state, zero: ``(message, saved inputs, own cotangent, gradient, loss,
+    head's gradient, inputs' gradient)``, each typed as what it holds: activations (and their
+    cotangents) over ``act``, the axes the forward's do vary over (:func:`_carried`),
+    gradients as their params, the loss over those of the activations, targets and head."""
+    _, _, own, xs, ys, _, head = p.parts()
     zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
     saved0 = cast_varying(jnp.zeros((keep,) + xs.shape[1:], xs.dtype), act)
     zeros = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _names(p)), own)
     loss0 = cast_varying(jnp.zeros((), jnp.float32), _names(zero, ys, head))
     head0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _names(p)), head)
     d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
-    template = (zero, saved0, zero, zeros, loss0, head0, d_xs0)
-    # Slot t: stage s works forward iff t - s is even, so in an even slot the even stages send
-    # forward and the odd ones back (pairs 0-1, 2-3, ...), in an odd slot the pairs 1-2, 3-4, ...
+    return (zero, saved0, zero, zeros, loss0, head0, d_xs0)
+
+
+def _slot_pairs(n_stages: int) -> tuple[list, list]:
+    """The ``sendrecv`` pairs of an even and of an odd slot. Slot t: stage s works forward iff
+    t - s is even, so in an even slot the even stages send forward and the odd ones back
+    (pairs 0-1, 2-3, ...), in an odd slot the pairs 1-2, 3-4, ..."""
+    last = n_stages - 1
     even = [(i, i + 1) for i in range(0, last, 2)] + [(i, i - 1) for i in range(1, n_stages, 2)]
     odd = [(i, i + 1) for i in range(1, last, 2)] + [(i, i - 1) for i in range(2, n_stages, 2)]
+    return even, odd
 
-    def typed(tree: PyTree) -> PyTree:
-        """A branch's outputs typed as ``template`` (every branch of the switch alike)."""
-        return jax.tree_util.tree_map(lambda v, r: cast_varying(v, _names(r)), tree, template)
+
+def _forward_branch(
+    p: Staged, template: tuple, s: jax.Array, fi: jax.Array, keep: int, received: Any, state: tuple
+) -> Callable[[], tuple]:
+    """Stage ``s``'s forward of micro-batch ``fi``, as a branch of the slot's switch; on the
+    last stage the head's too (a cond of its own: the other stages skip it), its loss and the
+    cotangent the backward starts from. ``state``: the slot's carry but the message."""
+    stage_fn, loss_fn, own, xs, ys, _, head = p.parts()
+    m = xs.shape[0]
+    zero, _, _, _, loss0, head0, _ = template
+    at_last, own_ct, saved, acc, loss, acc_head, d_xs = state
 
     def typed_head(tree: PyTree) -> PyTree:
         """The head's cond's outputs typed as theirs in ``template``."""
-        like = (zero, loss0, head0)
-        return jax.tree_util.tree_map(lambda v, r: cast_varying(v, _names(r)), tree, like)
+        return _typed_as(tree, (zero, loss0, head0))
+
+    def run_forward():
+        inp = jnp.where(s == 0, xs[fi], received)
+        out = stage_fn(own, inp)
+        saved_new = saved.at[fi % keep].set(inp)
+
+        def head_part():
+            y = jax.tree_util.tree_map(lambda v: v[fi], ys)
+            value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
+            acc_head_new = jax.tree_util.tree_map(lambda a, d: a + d / m, acc_head, d_head)
+            return typed_head((d_out / m, loss + value.astype(jnp.float32), acc_head_new))
+
+        def no_head():
+            return typed_head((own_ct, loss, acc_head))
+
+        own_ct_new, loss_new, acc_head_new = lax.cond(at_last, head_part, no_head)
+        return _typed_as((out, saved_new, own_ct_new, acc, loss_new, acc_head_new, d_xs), template)
+
+    return run_forward
+
+
+def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
+    """1F1B in lock-step slots: in slot t stage s runs the forward of micro-batch (t - s) / 2
+    when t - s is even, the backward of micro-batch (t - 2S + 1 + s) / 2 when it is odd; after
+    each slot one ``sendrecv`` moves every forward's activation to s + 1 and every backward's
+    cotangent to s - 1. Stage inputs are kept in ``min(S, M)`` slots, micro-batch i in slot
+    i mod min(S, M). Each slot a stage runs one branch of a ``lax.switch`` on its own
+    predicate: a forward, or a recomputed forward and a backward, GPipe's work in another
+    order; the last stage's forwards run the head too (a branch of their own, so the other
+    stages skip its FLOPs). Returns what :func:`_gpipe` returns (``loss_fn`` as there)."""
+    stage_fn, _, own, xs, _, stage_axis, _ = p.parts()
+    n_stages = primitives.world_size(stage_axis)
+    s = primitives.rank(stage_axis)
+    last = n_stages - 1
+    m = xs.shape[0]
+    _check_stage(api, stage_fn, own, xs)
+    keep = min(n_stages, m)
+    template = _slot_template(p, _carried(stage_fn, own, xs, s), keep)
+    zero, saved0, _, zeros, loss0, head0, d_xs0 = template
+    even, odd = _slot_pairs(n_stages)
 
     def slot(carry, t, pairs):
         received, own_ct, saved, acc, loss, acc_head, d_xs = carry
@@ -123,26 +170,10 @@ def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Ar
         # Trainer step, less memory than updating it after the switch): the idle slots of the
         # warm-up and drain compute nothing.
         def idle():
-            return typed((zero, saved, own_ct, acc, loss, acc_head, d_xs))
+            return _typed_as((zero, saved, own_ct, acc, loss, acc_head, d_xs), template)
 
-        def run_forward():
-            """A forward; on the last stage the head's too (a cond of its own: the other
-            stages skip it), its loss and the cotangent the backward starts from."""
-            inp = jnp.where(s == 0, xs[fi], received)
-            out = stage_fn(own, inp)
-            saved_new = saved.at[fi % keep].set(inp)
-
-            def head_part():
-                y = jax.tree_util.tree_map(lambda v: v[fi], ys)
-                value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
-                acc_head_new = jax.tree_util.tree_map(lambda a, d: a + d / m, acc_head, d_head)
-                return typed_head((d_out / m, loss + value.astype(jnp.float32), acc_head_new))
-
-            def no_head():
-                return typed_head((own_ct, loss, acc_head))
-
-            own_ct_new, loss_new, acc_head_new = lax.cond(at_last, head_part, no_head)
-            return typed((out, saved_new, own_ct_new, acc, loss_new, acc_head_new, d_xs))
+        state = (at_last, own_ct, saved, acc, loss, acc_head, d_xs)
+        run_forward = _forward_branch(p, template, s, fi, keep, received, state)
 
         def run_backward():
             ct = jnp.where(at_last, own_ct, received)
@@ -150,7 +181,7 @@ def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Ar
             d_params, d_input = vjp(ct)
             acc_new = jax.tree_util.tree_map(jnp.add, acc, d_params)
             d_xs_new = d_xs.at[bj].set(jnp.where(s == 0, d_input, d_xs[bj]))
-            return typed((d_input, saved, own_ct, acc_new, loss, acc_head, d_xs_new))
+            return _typed_as((d_input, saved, own_ct, acc_new, loss, acc_head, d_xs_new), template)
 
         fwd = forward & (i >= 0) & (i < m)
         bwd = ~forward & (j >= 0) & (j < m)

@@ -16,11 +16,6 @@ from .._core.vma import cast_varying, varying_axes
 from .schedules import Schedule
 
 
-def _check_count(api: str, m: Any) -> None:
-    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-        raise ValueError(f"{api}: num_microbatches={m!r} must be a positive int.")
-
-
 def _names(*trees: Any) -> tuple:
     """Every mesh axis any leaf of ``trees`` varies over (shard_map's types), sorted."""
     out: set = set()
@@ -29,13 +24,13 @@ def _names(*trees: Any) -> tuple:
     return tuple(sorted(out, key=str))
 
 
-def _microbatches(api: str, x: jax.Array, m: int, schedule: Schedule | None = None) -> jax.Array:
-    _check_count(api, m)
+def _microbatches(api: str, x: jax.Array, schedule: Schedule) -> jax.Array:
+    """``x`` cut into ``schedule``'s M micro-batches: ``(M, B // M, ...)``."""
+    m = schedule.microbatches
     if x.ndim == 0 or x.shape[0] % m:
-        into = f"num_microbatches={m}" if schedule is None else f"the {m} of {schedule!r}"
         raise ValueError(
             f"{api}: the batch has {x.shape[0] if x.ndim else 0} examples, which "
-            f"do not split into {into} equal micro-batches. Pick a "
+            f"do not split into the {m} of {schedule!r} equal micro-batches. Pick a "
             f"divisor of the per-replica batch size."
         )
     return x.reshape((m, x.shape[0] // m) + x.shape[1:])

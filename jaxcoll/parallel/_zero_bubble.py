@@ -132,29 +132,18 @@ def transfers(rows: list) -> dict[str, Any]:
 # ------------------------------------------------------------------ the table, slot by slot
 
 
-def zero_bubble(
-    p: Staged, rows: list, keep: int, act: tuple
-) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
-    """Run the table ``rows`` (:meth:`ZeroBubble.table`), keeping stage inputs and output
-    cotangents in ``keep`` buffers (:meth:`ZeroBubble.kept_inputs`: micro-batch i in buffer
-    i mod ``keep``) and what B saves for W in :func:`kept_for_w` buffers. ``loss_fn`` is
-    ``(head, out, y) -> mean loss``; ``act``: the axes the activations vary over. Returns
-    what the other lowerings return: the last stage's mean loss (0 elsewhere), this stage's
-    gradient summed over micro-batches of the mean loss, the head's gradient (the last
-    stage's) and the inputs' (stage 0's)."""
-    stage_fn, loss_fn, own, xs, ys, stage_axis, head = p.parts()
-    s = primitives.rank(stage_axis)
-    last = primitives.world_size(stage_axis) - 1
-    m = xs.shape[0]
-    kind_np, mb_np = tables(rows)
-    plan = transfers(rows)
-    kinds, mbs = jnp.asarray(kind_np), jnp.asarray(mb_np)
-    send, hold, recv, recv_mb, pattern = (
-        jnp.asarray(plan[k]) for k in ("send", "hold", "recv", "recv_mb", "pattern")
-    )
-    zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
-    split = _Split(stage_fn, own, zero)
-    wkeep = kept_for_w(rows)
+def _typed(tree: PyTree, like: PyTree) -> PyTree:
+    """``tree`` typed as ``like`` (every branch of a cond alike)."""
+    return jax.tree_util.tree_map(lambda v, r: cast_varying(v, axes_of(r)), tree, like)
+
+
+def _first_carry(
+    p: Staged, split: _Split, zero: jax.Array, act: tuple, keep: int, wkeep: int
+) -> tuple:
+    """The slots' first carry, ``(stage inputs, output cotangents, what B saves for W,
+    gradient, head's gradient, loss, inputs' gradient, outbox)``, each zero and typed as what
+    it will hold."""
+    _, _, own, xs, ys, _, head = p.parts()
     saved0 = [
         cast_varying(jnp.zeros((wkeep, *shape), dtype), axes)
         for shape, dtype, axes in split.saved_types()
@@ -167,16 +156,89 @@ def zero_bubble(
         jnp.zeros((), jnp.float32), tuple(sorted(set(act).union(*map(axes_of, leaves)), key=str))
     )
     d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
+    return (inputs0, inputs0, saved0, zeros, head0, loss0, d_xs0, zero)
 
-    def typed(tree: PyTree, like: PyTree) -> PyTree:
-        """``tree`` typed as ``like`` (every branch of a cond alike)."""
-        return jax.tree_util.tree_map(lambda v, r: cast_varying(v, axes_of(r)), tree, like)
+
+def _forward_ops(p: Staged, f_like: tuple, k: jax.Array) -> tuple:
+    """A slot's forward of micro-batch ``k`` as the branches of a ``lax.switch``: none, a
+    forward, and the last stage's forward with the head. Each maps ``(inp, acc_head, loss)``
+    to ``(out, d_out, acc_head, loss)``, typed as ``f_like``; each passes through what it does
+    not change."""
+    stage_fn, loss_fn, own, xs, ys, _, head = p.parts()
+    m = xs.shape[0]
+    zero = f_like[0]
+
+    def no_forward(inp: jax.Array, acc_head: PyTree, loss: jax.Array) -> tuple:
+        return _typed((zero, zero, acc_head, loss), f_like)
+
+    def forward(inp: jax.Array, acc_head: PyTree, loss: jax.Array) -> tuple:
+        return _typed((stage_fn(own, inp), zero, acc_head, loss), f_like)
+
+    def forward_head(inp: jax.Array, acc_head: PyTree, loss: jax.Array) -> tuple:
+        """The last stage's forward: the head, its loss and B's cotangent too."""
+        out = stage_fn(own, inp)
+        y = jax.tree_util.tree_map(lambda v: v[k], ys)
+        value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
+        acc_head = jax.tree_util.tree_map(lambda a, d: a + d / m, acc_head, d_head)
+        return _typed((out, d_out / m, acc_head, loss + value.astype(jnp.float32)), f_like)
+
+    return no_forward, forward, forward_head
+
+
+def _split_ops(split: _Split, own: PyTree, carry0: tuple, w: jax.Array) -> tuple:
+    """B's and W's conds' branches ``((B, none), (W, none))``, each over only what it changes
+    (passed through, not copied, in the slots it does not run); ``w``: the micro-batch's entry
+    of W's buffers. ``carry0``: the slots' first carry (the types)."""
+    _, _, saved0, zeros, _, _, _, zero = carry0
+
+    def backward(inp: jax.Array, ct: jax.Array, saved: list) -> tuple:
+        """B: the input's gradient, which the stage below waits for; what W will need
+        written into W's buffers at ``w``."""
+        return _typed(split.run_b(own, inp, ct, into=(saved, w)), (zero, saved0))
+
+    def no_backward(inp: jax.Array, ct: jax.Array, saved: list) -> tuple:
+        return _typed((zero, saved), (zero, saved0))
+
+    def weight(acc: PyTree, saved: list) -> PyTree:
+        """W: the params' gradient, which nobody waits for."""
+        return _typed(jax.tree_util.tree_map(jnp.add, acc, split.run_w(saved, w)), zeros)
+
+    def no_weight(acc: PyTree, saved: list) -> PyTree:
+        return _typed(acc, zeros)
+
+    return (backward, no_backward), (weight, no_weight)
+
+
+def zero_bubble(
+    p: Staged, rows: list, keep: int, act: tuple
+) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
+    """Run the table ``rows`` (:meth:`ZeroBubble.table`), keeping stage inputs and output
+    cotangents in ``keep`` buffers (:meth:`ZeroBubble.kept_inputs`: micro-batch i in buffer
+    i mod ``keep``) and what B saves for W in :func:`kept_for_w` buffers. ``loss_fn`` is
+    ``(head, out, y) -> mean loss``; ``act``: the axes the activations vary over. Returns
+    what the other lowerings return: the last stage's mean loss (0 elsewhere), this stage's
+    gradient summed over micro-batches of the mean loss, the head's gradient (the last
+    stage's) and the inputs' (stage 0's)."""
+    stage_fn, _, own, xs, _, stage_axis, _ = p.parts()
+    s = primitives.rank(stage_axis)
+    last = primitives.world_size(stage_axis) - 1
+    m = xs.shape[0]
+    kind_np, mb_np = tables(rows)
+    plan = transfers(rows)
+    kinds, mbs = jnp.asarray(kind_np), jnp.asarray(mb_np)
+    send, hold, recv, recv_mb, pattern = (
+        jnp.asarray(plan[k]) for k in ("send", "hold", "recv", "recv_mb", "pattern")
+    )
+    zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
+    split = _Split(stage_fn, own, zero)
+    wkeep = kept_for_w(rows)
+    carry0 = _first_carry(p, split, zero, act, keep, wkeep)
+    f_like = (zero, zero, carry0[4], carry0[5])  # (out, d_out, head's gradient, loss)
 
     def mover(pairs: tuple) -> Any:
         return lambda x: primitives.sendrecv(x, stage_axis, list(pairs)) if pairs else x
 
     movers = [mover(pairs) for pairs in plan["patterns"]]
-    f_like = (zero, zero, head0, loss0)
 
     def one_slot(carry: tuple, t: jax.Array) -> tuple:
         inputs, cts, saved, acc, acc_head, loss, d_xs, outbox = carry
@@ -186,43 +248,13 @@ def zero_bubble(
 
         # Each operation a cond of its own over what it changes (passed through, not copied,
         # in the slots it does not run).
-        def no_forward(inp: jax.Array, acc_head: PyTree, loss: jax.Array) -> tuple:
-            return typed((zero, zero, acc_head, loss), f_like)
-
-        def forward(inp: jax.Array, acc_head: PyTree, loss: jax.Array) -> tuple:
-            return typed((stage_fn(own, inp), zero, acc_head, loss), f_like)
-
-        def forward_head(inp: jax.Array, acc_head: PyTree, loss: jax.Array) -> tuple:
-            """The last stage's forward: the head, its loss and B's cotangent too."""
-            out = stage_fn(own, inp)
-            y = jax.tree_util.tree_map(lambda v: v[k], ys)
-            value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
-            acc_head = jax.tree_util.tree_map(lambda a, d: a + d / m, acc_head, d_head)
-            return typed((out, d_out / m, acc_head, loss + value.astype(jnp.float32)), f_like)
-
         head_now = (kind == FORWARD) & (s == last)
         which = jnp.where(kind == FORWARD, jnp.where(s == last, 2, 1), 0)
         out, d_out, acc_head, loss = lax.switch(
-            which, (no_forward, forward, forward_head), inp, acc_head, loss
+            which, _forward_ops(p, f_like, k), inp, acc_head, loss
         )
-
-        def backward(inp: jax.Array, ct: jax.Array, saved: list) -> tuple:
-            """B: the input's gradient, which the stage below waits for; what W will need
-            written into W's buffers at ``w``."""
-            return typed(split.run_b(own, inp, ct, into=(saved, w)), (zero, saved0))
-
-        def no_backward(inp: jax.Array, ct: jax.Array, saved: list) -> tuple:
-            return typed((zero, saved), (zero, saved0))
-
+        (backward, no_backward), (weight, no_weight) = _split_ops(split, own, carry0, w)
         d_input, saved = lax.cond(kind == BACKWARD, backward, no_backward, inp, cts[i], saved)
-
-        def weight(acc: PyTree, saved: list) -> PyTree:
-            """W: the params' gradient, which nobody waits for."""
-            return typed(jax.tree_util.tree_map(jnp.add, acc, split.run_w(saved, w)), zeros)
-
-        def no_weight(acc: PyTree, saved: list) -> PyTree:
-            return typed(acc, zeros)
-
         acc = lax.cond(kind == WEIGHT, weight, no_weight, acc, saved)
         d_xs = d_xs.at[k].set(jnp.where((s == 0) & (kind == BACKWARD), d_input, d_xs[k]))
         # One sendrecv: this slot's forward output up, or a B's gradient (this slot's or the
@@ -240,8 +272,7 @@ def zero_bubble(
         cts = cts.at[c].set(jnp.where(head_now, d_out, ct))
         return (inputs, cts, saved, acc, acc_head, loss, d_xs, outbox), None
 
-    carry = (inputs0, inputs0, saved0, zeros, head0, loss0, d_xs0, zero)
     (_, _, _, grads, d_head, loss, d_xs, _), _ = lax.scan(
-        one_slot, carry, jnp.arange(kind_np.shape[1])
+        one_slot, carry0, jnp.arange(kind_np.shape[1])
     )
     return loss / m, grads, d_head, d_xs

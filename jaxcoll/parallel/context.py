@@ -3,10 +3,10 @@
 The sequence is split over the context axis in the *load-balanced* order torchtitan and
 Megatron use: cut into ``2n`` equal chunks, rank ``r`` holds chunks ``r`` and ``2n-1-r`` (in
 that order), so under a causal mask every rank has as much to compute.
-:func:`context_order` is that order, :func:`to_context_layout` / :func:`from_context_layout`
-put a global array into it and back, and :func:`context_positions` gives a rank the global
-positions of its tokens (for position embeddings). Everything but attention is per token and
-needs nothing more.
+:func:`context_order` is that order (a permutation of the positions),
+:func:`to_context_order` / :func:`from_context_order` put a global array into it and back,
+and :func:`context_positions` gives a rank the global positions of its tokens (for position
+embeddings). Everything but attention is per token and needs nothing more.
 
 :func:`context_attention` computes attention over the whole sequence from each rank's part
 of it, by one of two methods, picked by a value:
@@ -37,14 +37,14 @@ import numpy as np
 from jax import lax
 
 from .. import primitives
-from .._core import roles
-from .._core.axis import bound
 from .._core.checks import check_instance
 from .._core.context import context_order as context_order
 from .._core.context import local_part
 from .._core.context import positions as _positions
+from .._core.roles import Role
 from .._core.typing import AxisName
 from .._core.vma import to_varying, varying_axes
+from .axes import bound_axis
 
 
 @dataclass(frozen=True)
@@ -59,18 +59,20 @@ class Ulysses:
     number of heads must divide by the axis size."""
 
 
-def to_context_layout(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
-    """``x`` (a global array, its sequence along ``axis``) reordered so that a contiguous
-    split over ``n`` ranks gives each rank its load-balanced part."""
-    return jnp.take(x, context_order(x.shape[axis], n), axis=axis)
+def to_context_order(x: jax.Array, n: int, dim: int = 1) -> jax.Array:
+    """``x`` (a global array, its sequence along dim ``dim``) put in the load-balanced order
+    (:func:`context_order`), so that a contiguous split over ``n`` ranks gives each rank its
+    part."""
+    return jnp.take(x, context_order(x.shape[dim], n), axis=dim)
 
 
-def from_context_layout(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
-    """Inverse of :func:`to_context_layout`."""
-    return jnp.take(x, np.argsort(context_order(x.shape[axis], n)), axis=axis)
+def from_context_order(x: jax.Array, n: int, dim: int = 1) -> jax.Array:
+    """Inverse of :func:`to_context_order`: ``x``'s sequence along dim ``dim`` back in its
+    own order."""
+    return jnp.take(x, np.argsort(context_order(x.shape[dim], n)), axis=dim)
 
 
-def context_positions(local_length: int, axis_name: AxisName = "context") -> jax.Array:
+def context_positions(local_length: int, axis_name: AxisName = Role.CONTEXT) -> jax.Array:
     """The global positions of this rank's ``local_length`` tokens under the load-balanced
     split over ``axis_name`` (``arange(local_length)`` where the axis is not bound)."""
     axis = _bound_axis(axis_name)
@@ -80,21 +82,21 @@ def context_positions(local_length: int, axis_name: AxisName = "context") -> jax
     return _positions(lax.axis_index(axis), n, local_length // 2)
 
 
-def context_part(x: jax.Array, axis_name: AxisName = "context", seq_axis: int = 1) -> jax.Array:
-    """This rank's part of ``x`` in the load-balanced layout, from ``x`` whole along
-    ``seq_axis`` on every rank (a batch of token ids, say); ``x`` itself where the axis is not
+def context_part(x: jax.Array, axis_name: AxisName = Role.CONTEXT, dim: int = 1) -> jax.Array:
+    """This rank's part of ``x`` in the load-balanced order, from ``x`` whole along dim
+    ``dim`` on every rank (a batch of token ids, say); ``x`` itself where the axis is not
     bound."""
     axis = _bound_axis(axis_name)
     if axis is None:
         return x
-    return local_part(x, axis, primitives.world_size(axis), seq_axis)
+    return local_part(x, axis, primitives.world_size(axis), dim)
 
 
 def context_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    axis_name: AxisName = "context",
+    axis_name: AxisName = Role.CONTEXT,
     *,
     method: Ring | Ulysses = Ring(),  # noqa: B008 - a frozen value
     causal: bool = True,
@@ -109,8 +111,8 @@ def context_attention(
                         masked to k <= q if causal)
             return einsum("...hqk,...khd->...qhd", w, v)
 
-    with ``q, k, v`` this rank's ``S / n`` tokens in the load-balanced layout
-    (:func:`to_context_layout`). ``scale`` defaults to ``1 / sqrt(D)``. Where ``axis_name`` is
+    with ``q, k, v`` this rank's ``S / n`` tokens in the load-balanced order
+    (:func:`to_context_order`). ``scale`` defaults to ``1 / sqrt(D)``. Where ``axis_name`` is
     not bound it is that dense attention over the sequence given (in its own order).
 
     Args:
@@ -164,10 +166,7 @@ def ring_blocks(q_shape: tuple, axis_name: AxisName, causal: bool) -> jax.Array:
 
 # ---------------------------------------------------------------------------- internals
 def _bound_axis(axis_name: AxisName) -> Any:
-    axis = roles.axis(axis_name)
-    if axis is None or not bound("parallel.context_attention", axis):
-        return None
-    return axis
+    return bound_axis(axis_name, "parallel.context_attention")
 
 
 def _scores(q, k, scale):

@@ -1,18 +1,20 @@
-"""Pipeline parallelism on send/recv, GPipe, 1F1B, interleaved 1F1B and ZB-H1 schedules:
-micro-batches flow forward through the stages of a ``stage`` mesh axis, cotangents flow back,
+"""Pipeline parallelism on send/recv, by GPipe, 1F1B, interleaved 1F1B and ZB-H1 schedules:
+micro-batches flow forward through the stages of a pipeline mesh axis, cotangents flow back,
 gradients accumulate over micro-batches.
 
 Seed 003 names pipelines as what send/recv are for; here every transfer is one
 :func:`jaxcoll.primitives.sendrecv` (one ``lax.ppermute``) between neighbouring stages. This
-module holds the public calls and :func:`lower`, which picks a schedule's lowering: GPipe's
-and 1F1B's in :mod:`._lockstep`, the interleaved schedule's in :mod:`._interleaved`, ZB-H1's
-in :mod:`._zero_bubble`; what they share (micro-batches, a stage's checks and types, GPipe's
+module holds the primitive, :func:`pipeline_value_and_grad` (it owns the step: the loss and
+this stage's gradient), what it shares with :func:`~jaxcoll.parallel.pipeline_loss` (the stage
+axis and the schedule a call names or the layout in force gives, the batch cut into
+micro-batches) and :func:`lower`, which picks a schedule's lowering: GPipe's and 1F1B's in
+:mod:`._lockstep`, the interleaved schedule's in :mod:`._interleaved`, ZB-H1's in
+:mod:`._zero_bubble`; what they share (micro-batches, a stage's checks and types, GPipe's
 forward) is in :mod:`._stages`.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -22,150 +24,84 @@ import jax.numpy as jnp
 from .. import primitives
 from .._core import roles
 from .._core.axis import bound
+from .._core.roles import Role
 from .._core.typing import PyTree
 from .._core.vma import cast_varying
 from . import _interleaved, _zero_bubble
 from ._lockstep import _gpipe, _one_f_one_b
 from ._lowering import Staged
-from ._stages import (
-    _carried,
-    _check_count,
-    _check_stage,
-    _check_targets,
-    _forward,
-    _microbatches,
-)
+from ._stages import _carried, _check_stage, _check_targets, _microbatches
 from .schedules import SCHEDULES, GPipe, Interleaved, Schedule, ZeroBubble
 
-_SCHEDULES = tuple(SCHEDULES)
+_VALUES = (
+    "parallel.GPipe(M), parallel.OneFOneB(M), parallel.Interleaved(M, virtual=v) or "
+    "parallel.ZeroBubble(M)"
+)
 
 
-def _check_schedule(api: str, schedule: Any) -> str:
-    if not isinstance(schedule, str) or schedule not in _SCHEDULES:
-        hint = (
-            f" (the class: pass an instance with its micro-batches, "
-            f"parallel.{schedule.__name__}(8))"
-            if isinstance(schedule, type) and issubclass(schedule, Schedule)
-            else ""
-        )
-        raise ValueError(
-            f"{api}: schedule={schedule!r} is not a pipeline schedule{hint}; expected a "
-            f"schedule value, parallel.GPipe(M), parallel.OneFOneB(M) or "
-            f"parallel.Interleaved(M, virtual=v) (or, deprecated, one of "
-            f"{', '.join(repr(s) for s in _SCHEDULES)})."
-        )
-    return schedule
+def resolve_axis(axis_name: Hashable | None) -> Any:
+    """The mesh axis ``axis_name`` stands for here: a role's (``Role.PIPELINE``) is the layout
+    in force's axis for it (None where the layout gives it none), as a plain name."""
+    return _plain(roles.axis(axis_name))
 
 
-def bubble_fraction(
-    num_stages: int, num_microbatches: int, schedule: str = "gpipe", *, virtual_stages: int = 1
-) -> float:
-    """The idle share of a stage's slots in :func:`pipeline_value_and_grad`'s schedule.
-
-    A slot is one forward or one backward of one stage's model chunk (the whole stage when
-    ``virtual_stages`` is 1). GPipe and 1F1B, as lowered here, take ``2(M + S - 1)`` slots per
-    stage for S stages and M micro-batches, of which every stage is busy for ``2M`` (M
-    forwards, M backwards): the bubble is ``(S - 1) / (M + S - 1)`` for either.
-
-    * ``"gpipe"``: M + S - 1 forward steps, then M + S - 1 backward steps; stage s idles for
-      S - 1 steps in each.
-    * ``"1f1b"``: 2(M + S - 1) slots alternating forward and backward (stage s runs forwards in
-      the slots of its parity); its warm-up and drain idle 2(S - 1) of them, as the classic
-      non-interleaved 1F1B with a flush does.
-    * ``"interleaved"`` with v = ``virtual_stages`` chunks per stage: 2(Mv + S - 1) slots of
-      one chunk each (a 1/v-th of a stage's work), busy 2Mv, so the bubble is
-      ``(S - 1) / (vM + S - 1)``: Megatron's interleaved bubble, (S - 1) / (vM) of the
-      ideal compute. The schedule takes ``Mv + (v + 1)S - 2`` rounds of a forward half and a
-      backward half; in the first vS - 1 rounds no stage has a backward and in the last
-      vS - 1 none has a forward, so those halves are nobody's slots (every stage skips
-      them; only their transfer runs). With v = 1 the bubble is 1F1B's.
-
-    1F1B does not shrink the bubble; it bounds activation memory: a stage keeps at most
-    ``min(S, M)`` micro-batches' inputs instead of GPipe's M. Interleaving divides the bubble
-    by about v, for v times the transfers and ``min(Mv, vS + S - 1)`` kept chunk inputs.
-
-    Args:
-        num_stages: S.
-        num_microbatches: M (a multiple of S when ``virtual_stages`` > 1).
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
-        virtual_stages: v, model chunks per stage; more than 1 only with ``"interleaved"``.
-
-    Example::
-
-        >>> bubble_fraction(4, 8)
-        0.2727272727272727
-        >>> bubble_fraction(4, 8, schedule="1f1b")
-        0.2727272727272727
-        >>> bubble_fraction(4, 8, schedule="interleaved", virtual_stages=2)
-        0.15789473684210525
-    """
-    api = "bubble_fraction"
-    _check_schedule(api, schedule)
-    v = _interleaved.check_virtual_stages(api, virtual_stages, schedule)
-    _interleaved.check_groups(api, num_stages, num_microbatches, v)
-    extra = f", virtual_stages={v}" if schedule == "interleaved" else ""
-    warnings.warn(
-        f"{api}({num_stages}, {num_microbatches}, {schedule!r}{extra}) is the old spelling; pass "
-        f"parallel.{_value_spelling(schedule, num_microbatches, v)}.bubble_fraction("
-        f"{num_stages}) (a schedule value, which pipeline_value_and_grad takes too).",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    slots = 2 * (num_microbatches * v + num_stages - 1)
-    busy = 2 * num_microbatches * v
-    return (slots - busy) / slots
+def _plain(name: Any) -> Any:
+    """A role as its plain name (``"pipeline"``); any other name as it is."""
+    return name.value if isinstance(name, Role) else name
 
 
-def _value_spelling(schedule: str, m: Any, v: int) -> str:
-    """The schedule value that replaces a string spelling, as code: ``OneFOneB(8)``."""
-    cls = SCHEDULES[schedule].__name__
-    return f"{cls}({m}, virtual={v})" if schedule == "interleaved" else f"{cls}({m})"
+def _value_spelling(name: str) -> str:
+    """The schedule value that replaces a schedule's name, as code: ``OneFOneB(M)``."""
+    cls = SCHEDULES[name]
+    return f"{cls.__name__}(M, virtual=v)" if cls is Interleaved else f"{cls.__name__}(M)"
 
 
-def _as_schedule(api: str, schedule: Any, num_microbatches: Any, virtual_stages: Any) -> Schedule:
-    """The schedule value of either spelling: a :class:`Schedule`, or (deprecated) a string
-    with ``num_microbatches`` and ``virtual_stages``."""
+def check_schedule(api: str, schedule: Any) -> Schedule:
+    """``schedule`` if it is a schedule value; else TypeError, naming the value to pass for a
+    schedule's name (``"1f1b"``) or class."""
     if isinstance(schedule, Schedule):
-        extra = [
-            f"{k}={v!r}"
-            for k, v in (("num_microbatches", num_microbatches), ("virtual_stages", virtual_stages))
-            if v is not None
-        ]
-        if extra:
-            raise TypeError(
-                f"{api}: schedule={schedule!r} carries its micro-batches (and chunks); "
-                f"drop {' and '.join(extra)}."
-            )
         return schedule
-    omitted = schedule is None
-    if omitted:
-        schedule = "gpipe"
-    _check_schedule(api, schedule)
-    if num_microbatches is None:
+    names = {**SCHEDULES, **{cls.__name__.lower(): cls for cls in SCHEDULES.values()}}
+    if isinstance(schedule, str) and schedule.lower() in names:
+        name = names[schedule.lower()].name
+        chunks = ", v the model chunks per stage" if name == Interleaved.name else ""
         raise TypeError(
-            f"{api}: no micro-batch count: pass a schedule value, e.g. "
-            f"schedule=parallel.OneFOneB(8) (or parallel.GPipe(8), parallel.Interleaved(8, "
-            f"virtual=2))."
+            f"{api}: schedule={schedule!r} is gone; pass a schedule value: "
+            f"schedule=parallel.{_value_spelling(name)}, M its micro-batches per step{chunks} "
+            f"(e.g. schedule=parallel.{SCHEDULES[name].__name__}(8))."
         )
-    v = _interleaved.check_virtual_stages(
-        api, 1 if virtual_stages is None else virtual_stages, schedule
+    hint = (
+        f" (the class: pass an instance with its micro-batches, parallel.{schedule.__name__}(8))"
+        if isinstance(schedule, type) and issubclass(schedule, Schedule)
+        else ""
     )
-    _check_count(api, num_microbatches)
-    spelled = (
-        ("" if omitted else f"schedule={schedule!r}, ")
-        + (f"num_microbatches={num_microbatches}")
-        + (f", virtual_stages={v}" if virtual_stages is not None else "")
+    raise TypeError(
+        f"{api}: schedule must be a schedule value ({_VALUES}), got {schedule!r}{hint}."
     )
-    warnings.warn(
-        f"{api}: {spelled} is the old spelling; pass "
-        f"schedule=parallel.{_value_spelling(schedule, num_microbatches, v)} (a value that "
-        f"also gives the schedule's bubble_fraction and kept_inputs).",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    if schedule == "interleaved":
-        return Interleaved(num_microbatches, virtual=v)
-    return SCHEDULES[schedule](num_microbatches)
+
+
+def resolve_schedule(api: str, schedule: Any, dense: bool) -> Schedule:
+    """``schedule``, or the layout in force's where it is None; where neither gives one, the
+    batch whole (``GPipe(1)``) in ``dense`` mode, else TypeError."""
+    if schedule is None:
+        schedule = roles.schedule()
+    if schedule is None and dense:
+        return GPipe(1)
+    if schedule is None:
+        raise TypeError(
+            f"{api}: no schedule is given, and no layout in force has one; pass schedule= "
+            f"({_VALUES}) or give the Trainer's layout one "
+            f"(dp.Layout(pipeline=..., schedule=parallel.OneFOneB(M)))."
+        )
+    return check_schedule(api, schedule)
+
+
+def split_batch(api: str, x: jax.Array, y: PyTree, schedule: Schedule) -> tuple[jax.Array, PyTree]:
+    """``x`` and every leaf of ``y`` cut into ``schedule``'s micro-batches (a leading axis of
+    M), ``y`` checked to hold one row per example of ``x``."""
+    xs = _microbatches(api, x, schedule)
+    _check_targets(api, x.shape[0], y)
+    return xs, jax.tree_util.tree_map(lambda t: _microbatches(api, t, schedule), y)
 
 
 def _headless(loss_fn: Callable) -> Callable:
@@ -203,69 +139,6 @@ def lower(
     return (_gpipe if isinstance(schedule, GPipe) else _one_f_one_b)(api, p)
 
 
-def pipeline_apply(
-    stage_fn: Callable[[PyTree, jax.Array], jax.Array],
-    params: PyTree,
-    x: jax.Array,
-    *,
-    stage_axis: Hashable,
-    num_microbatches: int,
-) -> jax.Array:
-    """Run ``x`` through every stage of the pipeline; every stage gets the last one's output.
-
-    Call inside ``jax.shard_map`` with this stage's ``params`` (stage s holds stage s's).
-    Equivalent to::
-
-        def pipeline_apply(stage_fn, params, x):
-            for s in range(world_size(stage_axis)):
-                x = stage_fn(params_of_stage(s), x)
-            return x
-
-    **Dense mode.** Where ``stage_axis`` is not bound (no enclosing ``jax.shard_map`` names
-    it: a single-device reference run of the same model code), it returns
-    ``stage_fn(params, x)``: pass ALL stages' params, e.g. layers stacked on a leading axis
-    that ``stage_fn`` scans over, which the pipelined run splits over the stages
-    (``P("stage")``) so that each stage scans its own. One model definition then serves both
-    runs. "Not bound" is what jax 0.10 reports as ``NameError`` from
-    ``lax.axis_size(stage_axis)``, under ``jax.jit`` or not; ``num_microbatches`` is checked
-    against the batch in both modes.
-
-    Lowering: the GPipe forward schedule of :func:`pipeline_value_and_grad` (a ``lax.scan``
-    of M + S - 1 steps, one ``sendrecv`` each), then a broadcast from the last stage.
-    Differentiable: ``jax.grad`` of a loss of the output (the same on every stage) gives
-    each stage its own params' gradient, GPipe by autodiff (the scan's transpose runs the
-    backward, the ``sendrecv`` transposes carry the cotangents down, the broadcast's
-    hands the loss's cotangent to the last stage alone). Autodiff keeps every step's
-    residuals, so memory grows with M; :func:`pipeline_value_and_grad` keeps less.
-
-    .. warning::
-        Under ``jax.shard_map(..., check_vma=False)`` jax tracks no replicated types, so
-        ``jax.grad`` of a loss computed on every stage differentiates the sum of the S
-        stages' copies: the gradients come out S times the model's (as for
-        ``lax.psum``'s transpose there). Keep ``check_vma=True`` (the default).
-
-    Example (4 devices as 4 stages, then none)::
-
-        >>> stage = lambda w, h: h * jnp.prod(w)  # this stage's factors (all: dense)
-        >>> f = jax.shard_map(lambda w, x: pipeline_apply(stage, w, x, stage_axis="stage",
-        ...                   num_microbatches=2), mesh=mesh, in_specs=(P("stage"), P()),
-        ...                   out_specs=P())
-        >>> f(jnp.array([1.0, 2.0, 3.0, 4.0]), jnp.ones(4))
-        Array([24., 24., 24., 24.], dtype=float32)
-        >>> pipeline_apply(stage, jnp.array([1.0, 2.0, 3.0, 4.0]), jnp.ones(4),
-        ...                stage_axis="stage", num_microbatches=2)  # no shard_map: dense
-        Array([24., 24., 24., 24.], dtype=float32)
-    """
-    api = "pipeline_apply"
-    xs = _microbatches(api, x, num_microbatches)
-    stage_axis = roles.axis(stage_axis)  # a role ("pipeline"): the layout's axis for it
-    if stage_axis is None or not bound(api, stage_axis, "stage_axis"):
-        return stage_fn(params, x)
-    _, outs = _forward(api, stage_fn, params, xs, stage_axis)
-    last = primitives.world_size(stage_axis) - 1
-    return primitives.broadcast(outs.reshape(x.shape), stage_axis, last)
-
-
 def pipeline_value_and_grad(
     stage_fn: Callable[[PyTree, jax.Array], jax.Array],
     loss_fn: Callable[[jax.Array, PyTree], jax.Array],
@@ -273,19 +146,19 @@ def pipeline_value_and_grad(
     x: jax.Array,
     y: PyTree,
     *,
-    stage_axis: Hashable,
-    schedule: Schedule | str | None = None,
-    data_axis: Hashable | None = None,
-    num_microbatches: int | None = None,
-    virtual_stages: int | None = None,
+    axis_name: Hashable = Role.PIPELINE,
+    schedule: Schedule | None = None,
+    data_axis_name: Hashable | None = None,
 ) -> tuple[jax.Array, PyTree]:
-    """The loss of a staged model and this stage's gradient, by a GPipe, 1F1B or interleaved
-    1F1B schedule (a :mod:`~jaxcoll.parallel.schedules` value:
-    ``schedule=parallel.OneFOneB(8)``).
+    """The loss of a staged model and this stage's gradient, by a GPipe, 1F1B, interleaved
+    1F1B or ZB-H1 schedule (a :mod:`~jaxcoll.parallel.schedules` value:
+    ``schedule=parallel.OneFOneB(8)``): the pipeline primitive, which owns the step.
 
-    Call inside ``jax.shard_map`` over a mesh with a ``stage_axis`` (stage s holds the params
-    of stage s, e.g. ``in_specs=P("stage")`` on params stacked by stage) and optionally a
-    ``data_axis`` (each replica gets its part of the batch). Equivalent to (one device)::
+    Call inside ``jax.shard_map`` over a mesh with a stage axis ``axis_name`` (stage s holds
+    the params of stage s, e.g. ``in_specs=P("stage")`` on params stacked by stage) and
+    optionally a data axis ``data_axis_name`` (each replica gets its part of the batch). For a
+    loss that ``jax.grad`` or a ``dp.Trainer`` differentiates, the same schedules run behind
+    :func:`~jaxcoll.parallel.pipeline_loss`. Equivalent to (one device)::
 
         def model_loss(all_params, x, y):
             for s in range(S):
@@ -353,13 +226,16 @@ def pipeline_value_and_grad(
       ``min(Mv, vS + S - 1)`` at once (on stage 0), kept in that many buffers taken from a
       free list. Activation memory is bounded by S and v, not M (more than 1F1B's S inputs;
       each is one chunk's input).
+    * ``schedule=ZeroBubble(M)`` (ZB-H1): each backward split into B (the input's gradient)
+      and W (the params'), the W's moved into 1F1B's bubble; the slots are
+      :meth:`~jaxcoll.parallel.ZeroBubble.table`'s, one ``sendrecv`` each.
 
     The bubble (``schedule.bubble_fraction(S)``) is ``(S - 1) / (M + S - 1)`` for GPipe and
     1F1B and ``(S - 1) / (vM + S - 1)`` for the interleaved schedule, in slots of one chunk
-    (1/v of a stage's work): Megatron's bubble, for v times the transfers. With ``data_axis`` the
-    gradient is then averaged over the replicas by one all-reduce (exactly once: params are
-    made varying over the axes first, so ``jax.vjp`` adds no hidden reduction; see the
-    gradient trap in docs/dp.md).
+    (1/v of a stage's work): Megatron's bubble, for v times the transfers. With
+    ``data_axis_name`` the gradient is then averaged over the replicas by one all-reduce
+    (exactly once: params are made varying over the axes first, so ``jax.vjp`` adds no hidden
+    reduction; see the gradient trap in docs/dp.md).
 
     Args:
         stage_fn: ``(stage_params, h) -> h`` (one chunk's params with :class:`Interleaved`);
@@ -372,52 +248,57 @@ def pipeline_value_and_grad(
             same array; only its shape is used there).
         y: this replica's targets, leading axis B (a pytree, every leaf one row per example
             of ``x``), read by the last stage.
-        stage_axis: the mesh axis of the stages.
-        schedule: a :class:`~jaxcoll.parallel.GPipe`, :class:`~jaxcoll.parallel.OneFOneB`
-            or :class:`~jaxcoll.parallel.Interleaved` value, with its M micro-batches (M
-            must divide B; a multiple of S for ``Interleaved`` with v > 1); the same loss and
-            gradients whichever it is.
-        data_axis: the mesh axis of data-parallel replicas, or None.
-        num_microbatches: the former spelling of M, with ``schedule`` a string
-            (``"gpipe"``, ``"1f1b"``, ``"interleaved"``) or omitted (GPipe): still accepted,
-            with a DeprecationWarning naming the value that replaces it.
-        virtual_stages: the former spelling of v, with ``schedule="interleaved"``.
+        axis_name: the mesh axis of the stages, or the role ``Role.PIPELINE`` (the
+            default): inside a ``dp.Trainer`` the layout's pipeline axis, elsewhere the mesh
+            axis named ``"pipeline"``.
+        schedule: a :class:`~jaxcoll.parallel.GPipe`, :class:`~jaxcoll.parallel.OneFOneB`,
+            :class:`~jaxcoll.parallel.Interleaved` or :class:`~jaxcoll.parallel.ZeroBubble`
+            value, with its M micro-batches (M must divide B; a multiple of S for
+            ``Interleaved`` with v > 1); the same loss and gradients whichever it is.
+            Default: the schedule of the layout in force (``dp.Layout(schedule=...)``).
+        data_axis_name: the mesh axis of data-parallel replicas, or None.
 
     Returns:
         ``(loss, grads)``: the global mean loss (the same on every device) and this stage's
         gradient averaged over the replicas (leading axis v with :class:`Interleaved`).
 
     Raises:
-        ValueError: an unknown schedule, M not dividing B or (interleaved, v > 1) not a
-            multiple of S, params without the leading axis of v, a stage that changes the
-            activation's shape.
-        TypeError: a schedule value given ``num_microbatches`` or ``virtual_stages`` too, or
-            a string without ``num_microbatches``.
+        ValueError: M not dividing B or (interleaved, v > 1) not a multiple of S, params
+            without the leading axis of v, a stage that changes the activation's shape, a
+            stage axis not bound here.
+        TypeError: ``schedule`` not a schedule value (a schedule's name, ``"1f1b"``: the
+            message names the value to pass, ``parallel.OneFOneB(M)``), or none given.
 
     Example (2 data x 4 stages): see ``examples/06_pipeline.py``.
     """
     api = "pipeline_value_and_grad"
-    sched = _as_schedule(api, schedule, num_microbatches, virtual_stages)
-    m, v = sched.microbatches, sched.virtual
-    xs = _microbatches(api, x, m, sched)
-    _check_targets(api, x.shape[0], y)
-    ys = jax.tree_util.tree_map(lambda t: _microbatches(api, t, m, sched), y)
+    sched = resolve_schedule(api, schedule, dense=False)
+    xs, ys = split_batch(api, x, y, sched)
+    stage_axis = resolve_axis(axis_name)
+    if stage_axis is None or not bound(api, stage_axis, "axis_name"):
+        shown = _plain(axis_name) if stage_axis is None else stage_axis
+        raise ValueError(
+            f"{api}: axis_name={shown!r} is not a mesh axis bound here (no jax.shard_map "
+            f"binds it, or the layout in force gives the pipeline none). Call it inside "
+            f"jax.shard_map over a mesh with that axis; parallel.pipeline_loss runs the "
+            f"dense model where none is bound."
+        )
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     # Varying over every axis first: jax.vjp then gives this device's own contribution, and
     # the one reduction over data below is the only one.
-    axes = (stage_axis,) + ((data_axis,) if data_axis is not None else ())
+    axes = (stage_axis,) + ((data_axis_name,) if data_axis_name is not None else ())
     own = jax.tree_util.tree_map(lambda p: cast_varying(p, axes), params)
     if isinstance(sched, Interleaved):
         sched.check(api, n_stages)
-        _interleaved.check_chunks(api, params, v)
+        _interleaved.check_chunks(api, params, sched.virtual)
     last_loss, grads, _, _ = lower(
         api, sched, stage_fn, _headless(loss_fn), own, xs, ys, stage_axis
     )
 
     loss = primitives.all_reduce(jnp.where(s == n_stages - 1, last_loss, 0.0), stage_axis)
-    if data_axis is not None:
+    if data_axis_name is not None:
         # Gradients cross the data replicas here, once: the mean of the replicas' means.
-        grads = primitives.all_reduce(grads, data_axis, "avg")
-        loss = primitives.all_reduce(loss, data_axis, "avg")
+        grads = primitives.all_reduce(grads, data_axis_name, "avg")
+        loss = primitives.all_reduce(loss, data_axis_name, "avg")
     return loss, grads

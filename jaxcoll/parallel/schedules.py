@@ -1,18 +1,22 @@
-"""Pipeline schedules as values: :class:`GPipe`, :class:`OneFOneB`, :class:`Interleaved`.
+"""Pipeline schedules as values: :class:`GPipe`, :class:`OneFOneB`, :class:`Interleaved`,
+:class:`ZeroBubble`.
 
 A schedule says how many micro-batches a step's batch is split into and in which order the
-stages run their forwards and backwards; :func:`jaxcoll.parallel.pipeline_value_and_grad`
-lowers it. Each value answers, before anything is compiled, what the schedule costs: the idle
-share of a stage's slots (:meth:`Schedule.bubble_fraction`) and the micro-batch inputs a stage
-keeps for its backward (:meth:`Schedule.kept_inputs`, activation memory), as torch's
-``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` objects are built with
-their ``n_microbatches``.
+stages run their forwards and backwards; :func:`jaxcoll.parallel.pipeline_value_and_grad` and
+:func:`jaxcoll.parallel.pipeline_loss` lower it. Each value answers, before anything is
+compiled, what the schedule costs: the idle share of a stage's slots
+(:meth:`Schedule.bubble_fraction`) and the micro-batch inputs a stage keeps for its backward
+(:meth:`Schedule.kept_inputs`, activation memory), as torch's ``ScheduleGPipe`` /
+``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` objects are built with their
+``n_microbatches``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from .._core import roles
 
 
 def _positive_int(owner: str, name: str, value: Any, what: str) -> int:
@@ -31,14 +35,14 @@ class Schedule:
     """M: the micro-batches a step's batch (each data replica's part) is split into."""
 
     name: ClassVar[str] = ""
-    """The lowering :func:`~jaxcoll.parallel.pipeline_value_and_grad` runs for it."""
+    """Its short name (``"1f1b"``): its key in :data:`SCHEDULES`."""
 
     def __post_init__(self) -> None:
-        if type(self) not in (*SCHEDULES.values(), ZeroBubble):
+        if type(self) not in SCHEDULES.values():
             raise TypeError(
-                f"{type(self).__name__}: not a schedule the pipeline lowers; use "
-                f"GPipe(M), OneFOneB(M) or Interleaved(M, virtual=v) (Schedule is their base; "
-                f"a new schedule is a subclass here with its own lowering)."
+                f"{type(self).__name__}: not a schedule the pipeline lowers; use GPipe(M), "
+                f"OneFOneB(M), Interleaved(M, virtual=v) or ZeroBubble(M) (Schedule is their "
+                f"base; a new schedule is a subclass here with its own lowering)."
             )
         _positive_int(
             type(self).__name__, "microbatches", self.microbatches, "micro-batches per step"
@@ -150,7 +154,7 @@ class ZeroBubble(Schedule):
     which each stage idles ``S - 1``, a third of 1F1B's ``3(S - 1)`` (whose backward is B and W
     at once). :meth:`table` is the schedule, slot by slot, as lowered."""
 
-    name: ClassVar[str] = "zb-h1"
+    name: ClassVar[str] = "zb"
 
     def order(self, stages: int, s: int) -> list[tuple[str, int]]:
         """Stage ``s``'s operations in order: ``("F" | "B" | "W", micro-batch)``."""
@@ -242,6 +246,11 @@ class ZeroBubble(Schedule):
         return most
 
 
-SCHEDULES: dict[str, type[Schedule]] = {s.name: s for s in (GPipe, OneFOneB, Interleaved)}
-"""The schedule classes by their former string names (``"gpipe"``, ``"1f1b"``,
-``"interleaved"``)."""
+SCHEDULES: dict[str, type[Schedule]] = {
+    s.name: s for s in (GPipe, OneFOneB, Interleaved, ZeroBubble)
+}
+"""The schedule classes by their short names (``"gpipe"``, ``"1f1b"``, ``"interleaved"``,
+``"zb"``), the one table of them. A name is not a schedule: ``schedule="1f1b"`` is refused,
+naming the value to pass."""
+
+roles.SCHEDULES.update(SCHEDULES)  # where dp.Layout.parse reads them (dp may not import parallel)

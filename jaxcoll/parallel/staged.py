@@ -12,6 +12,7 @@ their gradients as usual, and 1F1B, interleaved 1F1B or ZB-H1 runs inside ``dp.T
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -20,15 +21,15 @@ import numpy as np
 from jax import lax
 
 from .. import primitives
-from .._core import roles
 from .._core.axis import bound
+from .._core.roles import Role
 from .._core.typing import PyTree
 from .._core.vma import cast_varying
 from . import _interleaved
 from ._lowering import axes_of
-from ._stages import _check_targets, _forward, _microbatches, _names
-from .pipeline import lower
-from .schedules import GPipe, Interleaved, Schedule
+from ._stages import _forward, _microbatches, _names
+from .pipeline import lower, resolve_axis, resolve_schedule, split_batch
+from .schedules import Interleaved, Schedule
 
 
 def pipeline_loss(
@@ -39,15 +40,16 @@ def pipeline_loss(
     x: jax.Array,
     y: PyTree,
     *,
-    stage_axis: Hashable | None = "pipeline",
+    axis_name: Hashable | None = Role.PIPELINE,
     schedule: Schedule | None = None,
 ) -> jax.Array:
     """The mean loss of a staged model over this replica's batch, differentiable (``jax.grad``)
     with respect to ``stage_params``, ``head_params`` and ``x`` through ``schedule``'s own
-    backward.
+    backward: the pipeline's loss for a ``dp.Trainer``.
 
-    Call inside ``jax.shard_map`` (e.g. inside a ``dp.Trainer`` loss) over a mesh with a
-    ``stage_axis``. Equivalent to (one device, stage s holding ``stage_params`` of stage s)::
+    Call inside ``jax.shard_map`` (e.g. inside a ``dp.Trainer`` loss) over a mesh with a stage
+    axis ``axis_name``. Equivalent to (one device, stage s holding ``stage_params`` of stage
+    s)::
 
         def loss(all_stage_params, head_params, x, y):
             for s in range(S):
@@ -57,7 +59,7 @@ def pipeline_loss(
     with, for ``Interleaved(M, virtual=v)``, this stage's v chunks stacked on a leading axis
     of ``stage_params`` (chunk c is model chunk ``c*S + s``). Layers stacked ``(L, ...)`` in
     the model's order and reshaped to ``(v, L // v, ...)`` with the spec
-    ``P(None, stage_axis, ...)`` are placed so (stage s gets the s-th slice of each of the v
+    ``P(None, axis_name, ...)`` are placed so (stage s gets the s-th slice of each of the v
     parts), and in dense mode the two leading axes are read back in order. The value is the
     same on every stage; the gradient of ``stage_params`` is this stage's, that of
     ``head_params`` the last stage's and that of ``x`` stage 0's, each reaching the others
@@ -65,15 +67,19 @@ def pipeline_loss(
     embedding before the pipeline, a head tied to it). Nothing is reduced over other axes
     here: a data axis is the caller's (the Trainer's) to average over, as for any loss.
 
-    **Dense mode**, as :func:`pipeline_apply`'s: where ``stage_axis`` is not bound (a
-    single-device run of the same model code), ``stage_fn(stage_params, x)`` with every
-    stage's params, then the head on each micro-batch, differentiated by ``jax.grad`` as
-    usual.
+    **Dense mode.** Where the stage axis is not bound (no enclosing ``jax.shard_map`` names it,
+    or the Trainer's layout has no pipeline axis: a single-device run of the same model code),
+    it returns ``stage_fn(stage_params, x)`` with ALL stages' params (e.g. layers stacked on
+    a leading axis that ``stage_fn`` scans over, which the pipelined run splits over the
+    stages), then the head on each micro-batch, differentiated by ``jax.grad`` as usual. One
+    model definition then serves both runs.
 
     Differentiated, the forward runs every micro-batch's forward and backward, so the backward
     costs nothing more; the residuals are the gradients (the params' size), not activations.
     Activation memory is the schedule's: :meth:`Schedule.kept_inputs` stage inputs. Not
-    differentiated (an evaluation), only the forwards run.
+    differentiated (an evaluation), only the forwards run. Where the step is your own (the
+    loss and this stage's gradient at once, a data axis averaged once), the same schedules run
+    by :func:`~jaxcoll.parallel.pipeline_value_and_grad`.
 
     Args:
         stage_fn: ``(stage_params, h) -> h``, keeping the activation's shape and dtype.
@@ -83,97 +89,127 @@ def pipeline_loss(
         head_params: the head's params (a pytree; ``()`` for none).
         x: this replica's stage-0 input ``(B, ...)`` (the embedding's output).
         y: this replica's targets, leading axis B (a pytree).
-        stage_axis: the mesh axis of the stages, or the role ``"pipeline"`` (the default):
-            inside a ``dp.Trainer`` the layout's pipeline axis (dense where it has none).
+        axis_name: the mesh axis of the stages, or the role ``Role.PIPELINE`` (the
+            default): inside a ``dp.Trainer`` the layout's pipeline axis (dense where it has
+            none), elsewhere the mesh axis named ``"pipeline"``.
         schedule: :class:`GPipe`, :class:`OneFOneB`, :class:`Interleaved` or
             :class:`ZeroBubble` with its M micro-batches (M divides B); default: the
             Trainer's layout's ``schedule`` (dense mode without one: the batch whole).
 
     Raises:
-        TypeError: ``schedule`` not a schedule value.
+        TypeError: ``schedule`` not a schedule value (a schedule's name, ``"1f1b"``: the
+            message names the value to pass, ``parallel.OneFOneB(M)``), or none given or in
+            the layout where the stage axis is bound.
         ValueError: M not dividing B, (interleaved, v > 1) M not a multiple of S, params
             without the leading axis of v, a stage that changes the activation's shape.
     """
     api = "pipeline_loss"
-    stage_axis = roles.axis(stage_axis)
-    if schedule is None:
-        schedule = roles.schedule()
-    dense = stage_axis is None or not bound(api, stage_axis, "stage_axis")
-    if schedule is None and dense:
-        schedule = GPipe(1)
-    if schedule is None:
-        raise TypeError(
-            f"{api}: stage_axis={stage_axis!r} is bound, and no schedule is given; pass "
-            f"schedule= (parallel.OneFOneB(M), ...) or give the Trainer's layout one "
-            f"(dp.Layout(pipeline=..., schedule=parallel.OneFOneB(M)))."
-        )
-    if not isinstance(schedule, Schedule):
-        raise TypeError(
-            f"{api}: schedule must be a schedule value (parallel.GPipe(M), "
-            f"parallel.OneFOneB(M), parallel.Interleaved(M, virtual=v), "
-            f"parallel.ZeroBubble(M)), got {schedule!r}."
-        )
-    m = schedule.microbatches
-    xs = _microbatches(api, x, m, schedule)
-    _check_targets(api, x.shape[0], y)
-    ys = jax.tree_util.tree_map(lambda t: _microbatches(api, t, m, schedule), y)
-    if dense:  # every stage, then the head
-        if isinstance(schedule, Interleaved):  # (v, n, ...): the model's layers in order
-            _interleaved.check_chunks(api, stage_params, schedule.virtual)
-            stage_params = jax.tree_util.tree_map(
-                lambda p: p.reshape((-1,) + p.shape[2:]), stage_params
-            )
-        outs = _microbatches(api, stage_fn(stage_params, x), m, schedule)
-        return jnp.mean(jax.vmap(head_fn, in_axes=(None, 0, 0))(head_params, outs, ys))
-    n_stages = primitives.world_size(stage_axis)
+    stage_axis = resolve_axis(axis_name)
+    dense = stage_axis is None or not bound(api, stage_axis, "axis_name")
+    schedule = resolve_schedule(api, schedule, dense)
+    xs, ys = split_batch(api, x, y, schedule)
+    if dense:
+        return _dense(api, schedule, stage_fn, head_fn, stage_params, head_params, x, ys)
     if isinstance(schedule, Interleaved):
-        schedule.check(api, n_stages)
+        schedule.check(api, primitives.world_size(stage_axis))
         _interleaved.check_chunks(api, stage_params, schedule.virtual)
+    pipe = _Pipe(api, schedule, stage_fn, head_fn, stage_axis)
+    return _scheduled(pipe, stage_params, head_params, xs, ys)
+
+
+def _dense(
+    api: str,
+    schedule: Schedule,
+    stage_fn: Callable,
+    head_fn: Callable,
+    stage_params: PyTree,
+    head_params: PyTree,
+    x: jax.Array,
+    ys: PyTree,
+) -> jax.Array:
+    """Every stage (``stage_params``: all of them), then the head on each micro-batch."""
+    if isinstance(schedule, Interleaved):  # (v, n, ...): the model's layers in order
+        _interleaved.check_chunks(api, stage_params, schedule.virtual)
+        stage_params = jax.tree_util.tree_map(
+            lambda p: p.reshape((-1,) + p.shape[2:]), stage_params
+        )
+    outs = _microbatches(api, stage_fn(stage_params, x), schedule)
+    return jnp.mean(jax.vmap(head_fn, in_axes=(None, 0, 0))(head_params, outs, ys))
+
+
+@dataclass(frozen=True)
+class _Pipe:
+    """What a pipelined loss runs: its schedule, stage and head over a bound stage axis."""
+
+    api: str
+    schedule: Schedule
+    stage_fn: Callable
+    head_fn: Callable
+    stage_axis: Hashable
+
+
+def _with_grads(
+    pipe: _Pipe, stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree
+) -> tuple:
+    """The schedule's forwards and backwards: the loss (the same on every stage) and the
+    gradients of the stage's params, the head's and the inputs (the custom_vjp's residuals)."""
+    stage_axis = pipe.stage_axis
+    s = primitives.rank(stage_axis)
+    # Varying over the stage axis and the batch's axes first: the schedule's gradients
+    # are then this device's own contributions, and the reductions in the backward the
+    # only ones. (Not over the params' other axes: a Megatron block whose output is the
+    # same across its tensor axis keeps it so.)
+    batch_axes = tuple(sorted(set(_names(xs, ys)) | {stage_axis}, key=str))
+    own = jax.tree_util.tree_map(lambda p: cast_varying(p, batch_axes), stage_params)
+    head = jax.tree_util.tree_map(lambda p: cast_varying(p, batch_axes), head_params)
+    out = lower(pipe.api, pipe.schedule, pipe.stage_fn, pipe.head_fn, own, xs, ys, stage_axis, head)
+    last_loss, grads, d_head, d_xs = out
+    last = primitives.world_size(stage_axis) - 1
+    loss = primitives.all_reduce(jnp.where(s == last, last_loss, 0.0), stage_axis)
+    return loss, (grads, d_head, d_xs)
+
+
+def _forwards_only(
+    pipe: _Pipe, stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree
+) -> Any:
+    """Not differentiated (an evaluation): the forwards alone, as GPipe's forward
+    schedule, once per chunk (the last stage's outputs feed stage 0's next chunk)."""
+    stage_axis, schedule = pipe.stage_axis, pipe.schedule
+    s = primitives.rank(stage_axis)
+    last = primitives.world_size(stage_axis) - 1
+    h = xs
+    for c in range(schedule.virtual):
+        params = stage_params
+        if isinstance(schedule, Interleaved):
+            params = jax.tree_util.tree_map(lambda p, c=c: p[c], stage_params)
+        _, outs = _forward(pipe.api, pipe.stage_fn, params, h, stage_axis)
+        if c < schedule.virtual - 1:
+            h = primitives.broadcast(outs, stage_axis, last)
+    typed = (*_names(head_params, outs, ys), stage_axis)
+
+    def head() -> jax.Array:  # the last stage's alone (a cond: the others skip it)
+        losses = jax.vmap(pipe.head_fn, in_axes=(None, 0, 0))(head_params, outs, ys)
+        return cast_varying(jnp.mean(losses).astype(jnp.float32), typed)
+
+    value = lax.cond(s == last, head, lambda: cast_varying(jnp.zeros((), jnp.float32), typed))
+    return primitives.all_reduce(value, stage_axis)
+
+
+def _scheduled(
+    pipe: _Pipe, stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree
+) -> jax.Array:
+    """The schedule behind a ``jax.custom_vjp``: the forwards alone where not
+    differentiated; differentiated, every forward and backward, the gradients kept as
+    residuals and scaled by the loss's cotangent."""
 
     # Everything traced reaches the custom_vjp as an argument (a closed-over tracer would
     # leak out of an enclosing scan, e.g. the Trainer's gradient accumulation).
-    def run(stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree) -> tuple:
-        s = primitives.rank(stage_axis)
-        # Varying over the stage axis and the batch's axes first: the schedule's gradients
-        # are then this device's own contributions, and the reductions in the backward the
-        # only ones. (Not over the params' other axes: a Megatron block whose output is the
-        # same across its tensor axis keeps it so.)
-        batch_axes = tuple(sorted(set(_names(xs, ys)) | {stage_axis}, key=str))
-        own = jax.tree_util.tree_map(lambda p: cast_varying(p, batch_axes), stage_params)
-        head = jax.tree_util.tree_map(lambda p: cast_varying(p, batch_axes), head_params)
-        out = lower(api, schedule, stage_fn, head_fn, own, xs, ys, stage_axis, head)
-        last_loss, grads, d_head, d_xs = out
-        loss = primitives.all_reduce(jnp.where(s == n_stages - 1, last_loss, 0.0), stage_axis)
-        return loss, (grads, d_head, d_xs)
-
-    def loss_only(stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree) -> Any:
-        """Not differentiated (an evaluation): the forwards alone, as GPipe's forward
-        schedule, once per chunk (the last stage's outputs feed stage 0's next chunk)."""
-        s = primitives.rank(stage_axis)
-        last = n_stages - 1
-        h = xs
-        for c in range(schedule.virtual):
-            params = stage_params
-            if isinstance(schedule, Interleaved):
-                params = jax.tree_util.tree_map(lambda p, c=c: p[c], stage_params)
-            _, outs = _forward(api, stage_fn, params, h, stage_axis)
-            if c < schedule.virtual - 1:
-                h = primitives.broadcast(outs, stage_axis, last)
-        typed = (*_names(head_params, outs, ys), stage_axis)
-
-        def head() -> jax.Array:  # the last stage's alone (a cond: the others skip it)
-            losses = jax.vmap(head_fn, in_axes=(None, 0, 0))(head_params, outs, ys)
-            return cast_varying(jnp.mean(losses).astype(jnp.float32), typed)
-
-        value = lax.cond(s == last, head, lambda: cast_varying(jnp.zeros((), jnp.float32), typed))
-        return primitives.all_reduce(value, stage_axis)
-
     @jax.custom_vjp
     def staged(stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree) -> jax.Array:
-        return loss_only(stage_params, head_params, xs, ys)
+        return _forwards_only(pipe, stage_params, head_params, xs, ys)
 
     def forward(stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree) -> tuple:
-        return run(stage_params, head_params, xs, ys)
+        return _with_grads(pipe, stage_params, head_params, xs, ys)
 
     # The axes each primal varies over (static): the cotangents are typed as their primals.
     axes = jax.tree_util.tree_map(axes_of, (stage_params, head_params, xs))

@@ -10,7 +10,7 @@ import jax
 from .._core.axis import Axis, resolve
 from .._core.checks import as_array_leaves, check_rank
 from .._core.ops import ReduceOp, accumulator, check_op_dtype, coerce_op
-from .._core.protocol import handler
+from .._core.protocol import dispatch
 from .._core.typing import AxisName, PyTree
 from ..algorithms import registry
 
@@ -37,6 +37,7 @@ def _in_accumulator(
     ]
 
 
+@dispatch
 def all_reduce(
     x: PyTree, axis_name: AxisName, op: ReduceOp | str = ReduceOp.SUM, *, algorithm: str = "auto"
 ) -> PyTree:
@@ -84,8 +85,6 @@ def all_reduce(
         >>> f(jnp.arange(8.0))
         Array([7., 7., 7., 7., 7., 7., 7., 7.], dtype=float32)
     """
-    if (own := handler(axis_name)) is not None:
-        return own(all_reduce, x, op=op, algorithm=algorithm)
     rop, ax, leaves, kinds, treedef = _validated("all_reduce", x, axis_name, op)
     out = _in_accumulator(
         rop,
@@ -102,6 +101,7 @@ def all_reduce(
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+@dispatch
 def reduce(
     x: PyTree,
     axis_name: AxisName,
@@ -143,8 +143,6 @@ def reduce(
         >>> f(jnp.array([1.0, 2.0, 3.0, 4.0]))
         Array([10., 2., 3., 4.], dtype=float32)
     """
-    if (own := handler(axis_name)) is not None:
-        return own(reduce, x, dst=dst, op=op, algorithm=algorithm)
     rop, ax, leaves, kinds, treedef = _validated("reduce", x, axis_name, op)
     dst = check_rank("reduce", "dst", dst, ax.size)
     out = _in_accumulator(

@@ -6,11 +6,12 @@ import jax
 
 from .._core.axis import resolve
 from .._core.checks import as_array_leaves, check_rank
-from .._core.protocol import handler
+from .._core.protocol import dispatch
 from .._core.typing import AxisName, PyTree
 from ..algorithms import registry
 
 
+@dispatch
 def broadcast(x: PyTree, axis_name: AxisName, src: int, *, algorithm: str = "auto") -> PyTree:
     """Every rank along ``axis_name`` gets rank ``src``'s ``x``.
 
@@ -51,8 +52,6 @@ def broadcast(x: PyTree, axis_name: AxisName, src: int, *, algorithm: str = "aut
         >>> f(jnp.array([1.0, 0.0, 0.0, 0.0]))
         Array([1., 1., 1., 1.], dtype=float32)
     """
-    if (own := handler(axis_name)) is not None:
-        return own(broadcast, x, src=src, algorithm=algorithm)
     ax = resolve("broadcast", axis_name)
     src = check_rank("broadcast", "src", src, ax.size)
     leaves, treedef = as_array_leaves("broadcast", x)

@@ -6,28 +6,29 @@ import jax
 
 from .._core import lowering
 from .._core.axis import resolve
-from .._core.checks import as_array_leaves, check_gather_axis, check_rank
-from .._core.protocol import handler
+from .._core.checks import as_array_leaves, check_gather_dim, check_rank, map_leaves
+from .._core.protocol import dispatch
 from .._core.typing import AxisName, PyTree
 from ..algorithms import registry
 
 
+@dispatch
 def all_gather(
     x: PyTree,
     axis_name: AxisName,
     *,
-    axis: int = 0,
+    dim: int = 0,
     tiled: bool = False,
     algorithm: str = "auto",
 ) -> PyTree:
-    """Every rank gets all ranks' ``x``, stacked along ``axis`` in rank order.
+    """Every rank gets all ranks' ``x``, stacked along ``dim`` in rank order.
 
     The SPMD counterpart of ``torch.distributed.all_gather(tensor_list, tensor)`` (and of
     ``all_gather_into_tensor`` with ``tiled=True``). Equivalent to::
 
-        def all_gather(x, axis_name, axis=0, tiled=False):
+        def all_gather(x, axis_name, dim=0, tiled=False):
             xs = [x_of_rank(j) for j in range(world_size(axis_name))]
-            return jnp.concatenate(xs, axis) if tiled else jnp.stack(xs, axis)
+            return jnp.concatenate(xs, dim) if tiled else jnp.stack(xs, dim)
 
     Lowering: one ``lax.all_gather`` (HLO all-gather; NCCL all_gather on GPU), typed invariant
     (the same on every rank, so ``out_specs=P()`` checks). Any dtype.
@@ -37,17 +38,18 @@ def all_gather(
     Args:
         x: an array or a pytree of arrays.
         axis_name: mesh axis name or tuple of names.
-        axis: where the new rank axis goes (``tiled=False``, ``0..x.ndim``) or which axis to
-            concatenate along (``tiled=True``, ``0..x.ndim-1``). Negative values count from the end.
+        dim: where the new rank dimension goes (``tiled=False``, ``0..x.ndim``) or which
+            dimension to concatenate along (``tiled=True``, ``0..x.ndim-1``). Negative values
+            count from the end.
         tiled: concatenate instead of stacking.
         algorithm: ``"native"`` (the lowering above), ``"ring"``, ``"tree"`` (Bruck),
             ``"hierarchical"`` (tuple axis_name) or ``"auto"``; see :mod:`jaxcoll.algorithms`.
 
     Returns:
-        A new pytree; each leaf has a new axis of size n (or ``axis`` n times longer).
+        A new pytree; each leaf has a new dimension of size n (or ``dim`` n times longer).
 
     Note:
-        torch fills a list of n tensors; here the list is an extra array axis.
+        torch fills a list of n tensors; here the list is an extra array dimension.
 
     Example (4 devices)::
 
@@ -56,33 +58,33 @@ def all_gather(
         >>> f(jnp.array([1.0, 2.0, 3.0, 4.0]))[0]
         Array([[1.], [2.], [3.], [4.]], dtype=float32)
     """
-    if (own := handler(axis_name)) is not None:
-        return own(all_gather, x, axis=axis, tiled=tiled, algorithm=algorithm)
     api = "all_gather"
     ax = resolve(api, axis_name)
     leaves, treedef = as_array_leaves(api, x)
-    axes = [check_gather_axis(api, leaf.shape, axis, bool(tiled)) for leaf in leaves]
-    out = registry.each(
+    dims = [check_gather_dim(api, leaf.shape, dim, bool(tiled)) for leaf in leaves]
+    out = registry.run(
         api,
         api,
         algorithm,
         leaves,
         ax,
-        lambda mod, v, i: mod.all_gather(v, ax, axes[i], bool(tiled)),
+        lambda mod, v, i: mod.all_gather(v, ax, dims[i], bool(tiled)),
+        by_dtype=False,
     )
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+@dispatch
 def gather(
-    x: PyTree, axis_name: AxisName, dst: int, *, axis: int = 0, tiled: bool = False
+    x: PyTree, axis_name: AxisName, dst: int, *, dim: int = 0, tiled: bool = False
 ) -> PyTree:
     """Rank ``dst`` gets all ranks' ``x`` stacked in rank order; other ranks get zeros.
 
     The SPMD counterpart of ``torch.distributed.gather(tensor, gather_list, dst)``.
     Equivalent to::
 
-        def gather(x, axis_name, dst, axis=0, tiled=False):
-            g = all_gather(x, axis_name, axis=axis, tiled=tiled)
+        def gather(x, axis_name, dst, dim=0, tiled=False):
+            g = all_gather(x, axis_name, dim=dim, tiled=tiled)
             return g if rank(axis_name) == dst else jnp.zeros_like(g)
 
     Lowering: ``lax.all_gather`` then a select on the rank (lax has no rooted gather; every
@@ -92,7 +94,7 @@ def gather(
         x: an array or a pytree of arrays.
         axis_name: mesh axis name or tuple of names.
         dst: the destination rank, a static int in ``0..world_size-1``.
-        axis: as in :func:`all_gather`.
+        dim: as in :func:`all_gather`.
         tiled: as in :func:`all_gather`.
 
     Returns:
@@ -109,16 +111,13 @@ def gather(
         >>> f(jnp.array([1.0, 2.0, 3.0, 4.0]))[:, :, 0]
         Array([[1., 2., 3., 4.], [0., 0., 0., 0.], [0., 0., 0., 0.], [0., 0., 0., 0.]], ...)
     """
-    if (own := handler(axis_name)) is not None:
-        return own(gather, x, dst=dst, axis=axis, tiled=tiled)
-    api = "gather"
-    ax = resolve(api, axis_name)
-    dst = check_rank(api, "dst", dst, ax.size)
-    leaves, treedef = as_array_leaves(api, x)
-    out = [
-        lowering.gather(
-            leaf, ax, dst, check_gather_axis(api, leaf.shape, axis, bool(tiled)), bool(tiled)
-        )
-        for leaf in leaves
-    ]
-    return jax.tree_util.tree_unflatten(treedef, out)
+    ax = resolve("gather", axis_name)
+    dst = check_rank("gather", "dst", dst, ax.size)
+    tiled = bool(tiled)
+    return map_leaves(
+        "gather",
+        x,
+        lambda leaf: lowering.gather(
+            leaf, ax, dst, check_gather_dim("gather", leaf.shape, dim, tiled), tiled
+        ),
+    )

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
-
 from .._core import lowering
 from .._core.axis import resolve
-from .._core.checks import as_array_leaves, check_pairs, check_static_int
-from .._core.protocol import handler
+from .._core.checks import check_pairs, check_static_int, map_leaves
+from .._core.protocol import dispatch
 from .._core.typing import AxisName, PyTree
 
 
+@dispatch
 def sendrecv(x: PyTree, axis_name: AxisName, pairs: Sequence[tuple[int, int]]) -> PyTree:
     """Each ``(src, dst)`` in ``pairs`` sends ``src``'s ``x`` to ``dst``, all at once.
 
@@ -50,15 +49,14 @@ def sendrecv(x: PyTree, axis_name: AxisName, pairs: Sequence[tuple[int, int]]) -
         >>> f(jnp.array([10.0, 1.0, 2.0, 3.0]))
         Array([10.,  1.,  2., 10.], dtype=float32)
     """
-    if (own := handler(axis_name)) is not None:
-        return own(sendrecv, x, pairs=pairs)
     ax = resolve("sendrecv", axis_name)
     pairs = check_pairs("sendrecv", pairs, ax.size)
-    leaves, treedef = as_array_leaves("sendrecv", x)
-    out = [lowering.sendrecv(leaf, ax, pairs) if pairs else leaf for leaf in leaves]
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return map_leaves(
+        "sendrecv", x, lambda leaf: lowering.sendrecv(leaf, ax, pairs) if pairs else leaf
+    )
 
 
+@dispatch
 def shift(x: PyTree, axis_name: AxisName, offset: int = 1) -> PyTree:
     """Rank r gets the ``x`` of rank ``(r - offset) mod n``: one step around the ring.
 
@@ -86,10 +84,6 @@ def shift(x: PyTree, axis_name: AxisName, offset: int = 1) -> PyTree:
         >>> f(jnp.array([0.0, 1.0, 2.0, 3.0]))
         Array([3., 0., 1., 2.], dtype=float32)
     """
-    if (own := handler(axis_name)) is not None:
-        return own(shift, x, offset=offset)
     ax = resolve("shift", axis_name)
     offset = check_static_int("shift", "offset", offset)
-    leaves, treedef = as_array_leaves("shift", x)
-    out = [lowering.shift(leaf, ax, offset) for leaf in leaves]
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return map_leaves("shift", x, lambda leaf: lowering.shift(leaf, ax, offset))

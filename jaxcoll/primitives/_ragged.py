@@ -19,27 +19,10 @@ from .._core import lowering, ragged_lowering
 from .._core.axis import Axis, resolve
 from .._core.checks import as_array_leaves, check_rank, check_sizes, check_static_int
 from .._core.ops import ReduceOp, check_op_dtype, coerce_op
-from .._core.protocol import handler
+from .._core.protocol import dispatch
 from .._core.typing import AxisName, PyTree
 from ._all_reduce import all_reduce
 from ._reduce_scatter import reduce_scatter
-
-
-def delegate(own: Any, primitive: Any, x: Any, **kwargs: Any) -> Any:
-    """A group passed as ``axis_name`` runs the op itself (see :mod:`jaxcoll._core.protocol`).
-
-    A group that covers its mesh axis in order runs the plain op over that axis; the groups'
-    row-reference table (``groups._ON_ROWS``) has no entry for the uneven ops yet, so any
-    other group is refused here with a clear message instead of a KeyError.
-    """
-    try:
-        return own(primitive, x, **kwargs)
-    except KeyError:
-        raise NotImplementedError(
-            f"{primitive.__name__}: a group that is not its whole mesh axis in order is not "
-            f"supported inside shard_map yet. Use jaxcoll.distributed on the group (it runs on the "
-            f"member devices), or a mesh axis of the members."
-        ) from None
 
 
 def _leading(api: str, leaves: list[jax.Array], what: str) -> int:
@@ -82,6 +65,7 @@ def _int_array(api: str, argname: str, value: Any, shape: tuple[int, ...]) -> ja
     return v.astype(jnp.int32)
 
 
+@dispatch
 def ragged_all_to_all(
     x: PyTree,
     axis_name: AxisName,
@@ -144,8 +128,6 @@ def ragged_all_to_all(
         >>> g(jnp.array([[1., 2., 2.], [3., 4., 0.]]), jnp.array([[1, 2], [1, 1]]))
         (Array([[1., 3., 0.], [2., 2., 4.]], dtype=float32), Array([[1, 1], [2, 1]], ...))
     """
-    if (own := handler(axis_name)) is not None:
-        return delegate(own, ragged_all_to_all, x, send_sizes=send_sizes, out_size=out_size)
     out, recv, _ = ragged_exchange(x, axis_name, send_sizes, out_size=out_size)
     return out, recv
 
@@ -193,6 +175,7 @@ def ragged_return(
     return jax.tree_util.tree_unflatten(treedef, back)
 
 
+@dispatch
 def all_gather_uneven(
     x: PyTree, axis_name: AxisName, size: jax.typing.ArrayLike
 ) -> tuple[PyTree, jax.Array]:
@@ -230,8 +213,6 @@ def all_gather_uneven(
         >>> f(jnp.ones((16, 2)))[0]
         Array([1, 2, 3, 4], dtype=int32)
     """
-    if (own := handler(axis_name)) is not None:
-        return delegate(own, all_gather_uneven, x, size=size)
     api = "all_gather_uneven"
     ax = resolve(api, axis_name)
     leaves, treedef = as_array_leaves(api, x)
@@ -241,6 +222,7 @@ def all_gather_uneven(
     return jax.tree_util.tree_unflatten(treedef, out), lowering.all_gather(size, ax)
 
 
+@dispatch
 def gather_uneven(
     x: PyTree, axis_name: AxisName, size: jax.typing.ArrayLike, dst: int
 ) -> tuple[PyTree, jax.Array]:
@@ -277,8 +259,6 @@ def gather_uneven(
         >>> f(jnp.ones((16, 2)))[:, 0]
         Array([0, 2, 0, 0], dtype=int32)
     """
-    if (own := handler(axis_name)) is not None:
-        return delegate(own, gather_uneven, x, size=size, dst=dst)
     api = "gather_uneven"
     ax = resolve(api, axis_name)
     dst = check_rank(api, "dst", dst, ax.size)
@@ -290,6 +270,7 @@ def gather_uneven(
     )
 
 
+@dispatch
 def reduce_scatter_uneven(
     x: PyTree,
     axis_name: AxisName,
@@ -346,8 +327,6 @@ def reduce_scatter_uneven(
         Array([[ 0.,  0.,  0.], [ 4.,  8.,  0.], [12., 16., 20.], [24., 28.,  0.]],
               dtype=float32)
     """
-    if (own := handler(axis_name)) is not None:
-        return delegate(own, reduce_scatter_uneven, x, sizes=sizes, op=op)
     api = "reduce_scatter_uneven"
     op = coerce_op(api, op)
     ax = resolve(api, axis_name)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import jax
 
 from .._core.axis import resolve
-from .._core.protocol import handler
+from .._core.protocol import dispatch
 from .._core.typing import AxisName
 
 
+@dispatch
 def rank(axis_name: AxisName) -> jax.Array:
     """This device's rank along ``axis_name``: an int32 scalar in ``0..world_size-1``.
 
@@ -27,17 +28,14 @@ def rank(axis_name: AxisName) -> jax.Array:
         >>> f()
         Array([0, 1, 2, 3], dtype=int32)
     """
-    if (own := handler(axis_name)) is not None:
-        return own(rank, None)
     return resolve("rank", axis_name).rank()
 
 
+@dispatch
 def world_size(axis_name: AxisName) -> int:
     """The number of ranks along ``axis_name`` (the product over a tuple of names).
 
     Equivalent to ``jax.lax.axis_size(axis_name)``. A Python int, known at trace time. For a
     group passed as ``axis_name``, the group's size.
     """
-    if (own := handler(axis_name)) is not None:
-        return own(world_size, None)
     return resolve("world_size", axis_name).size

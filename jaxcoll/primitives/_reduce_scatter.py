@@ -7,11 +7,12 @@ import jax
 from .._core.axis import resolve
 from .._core.checks import as_array_leaves, check_split
 from .._core.ops import ReduceOp, accumulator, check_op_dtype, coerce_op
-from .._core.protocol import handler
+from .._core.protocol import dispatch
 from .._core.typing import AxisName, PyTree
 from ..algorithms import registry
 
 
+@dispatch
 def reduce_scatter(
     x: PyTree,
     axis_name: AxisName,
@@ -56,15 +57,6 @@ def reduce_scatter(
         >>> f(jnp.arange(16.0))        # rank j holds [4j, 4j+1, 4j+2, 4j+3]
         Array([12., 13., 14., 15.], dtype=float32)
     """
-    if (own := handler(axis_name)) is not None:
-        return own(
-            reduce_scatter,
-            x,
-            op=op,
-            scatter_dimension=scatter_dimension,
-            tiled=tiled,
-            algorithm=algorithm,
-        )
     api = "reduce_scatter"
     op = coerce_op(api, op)
     ax = resolve(api, axis_name)
@@ -77,13 +69,14 @@ def reduce_scatter(
     wide = [
         leaf.astype(acc) if (acc := accumulator(op, leaf.dtype)) else leaf for leaf in leaves
     ]  # float16 SUM/AVG in float32, as all_reduce
-    out = registry.each(
+    out = registry.run(
         api,
         api,
         algorithm,
         wide,
         ax,
         lambda mod, v, i: mod.reduce_scatter(v, ax, op, kinds[i], dims[i], bool(tiled)),
+        by_dtype=False,
     )
     out = [
         o if o.dtype == leaf.dtype else o.astype(leaf.dtype)

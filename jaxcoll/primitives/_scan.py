@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import jax
-
 from .._core import lowering
 from .._core.axis import resolve
-from .._core.checks import as_array_leaves
+from .._core.checks import map_leaves
 from .._core.ops import ReduceOp, accumulator, check_op_dtype, coerce_op
-from .._core.protocol import handler
+from .._core.protocol import dispatch
 from .._core.typing import AxisName, PyTree
-from ._ragged import delegate
 
 
 def _prefix(
@@ -18,16 +15,17 @@ def _prefix(
 ) -> PyTree:
     rop = coerce_op(api, op)
     ax = resolve(api, axis_name)
-    leaves, treedef = as_array_leaves(api, x)
-    out = []
-    for leaf in leaves:
+
+    def one(leaf):
         kind = check_op_dtype(api, rop, leaf.dtype)
         acc = accumulator(rop, leaf.dtype)  # float16 SUM/AVG add in float32, rounded once
         wide = leaf.astype(acc) if acc else leaf
-        out.append(lowering.scan(wide, ax, rop, kind, exclusive).astype(leaf.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+        return lowering.scan(wide, ax, rop, kind, exclusive).astype(leaf.dtype)
+
+    return map_leaves(api, x, one)
 
 
+@dispatch
 def scan(x: PyTree, axis_name: AxisName, op: ReduceOp | str = ReduceOp.SUM) -> PyTree:
     """Rank r gets ``op`` over the values of ranks 0..r (an inclusive prefix reduction).
 
@@ -61,11 +59,10 @@ def scan(x: PyTree, axis_name: AxisName, op: ReduceOp | str = ReduceOp.SUM) -> P
         >>> f(jnp.array([1.0, 2.0, 3.0, 4.0]))
         Array([ 1.,  3.,  6., 10.], dtype=float32)
     """
-    if (own := handler(axis_name)) is not None:
-        return delegate(own, scan, x, op=op)
     return _prefix("scan", x, axis_name, op, exclusive=False)
 
 
+@dispatch
 def exscan(x: PyTree, axis_name: AxisName, op: ReduceOp | str = ReduceOp.SUM) -> PyTree:
     """Rank r gets ``op`` over the values of ranks 0..r-1; rank 0 gets the op's identity.
 
@@ -100,6 +97,4 @@ def exscan(x: PyTree, axis_name: AxisName, op: ReduceOp | str = ReduceOp.SUM) ->
         >>> f(jnp.array([3.0, 1.0, 4.0, 1.0]))
         Array([-inf,   3.,   3.,   4.], dtype=float32)
     """
-    if (own := handler(axis_name)) is not None:
-        return delegate(own, exscan, x, op=op)
     return _prefix("exscan", x, axis_name, op, exclusive=True)

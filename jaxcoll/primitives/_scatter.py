@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
-import jax
-
 from .._core import lowering
 from .._core.axis import resolve
-from .._core.checks import as_array_leaves, check_rank, check_split
-from .._core.protocol import handler
+from .._core.checks import check_rank, check_split, map_leaves
+from .._core.protocol import dispatch
 from .._core.typing import AxisName, PyTree
 
 
+@dispatch
 def scatter(
-    x: PyTree, axis_name: AxisName, src: int, *, axis: int = 0, tiled: bool = False
+    x: PyTree, axis_name: AxisName, src: int, *, dim: int = 0, tiled: bool = False
 ) -> PyTree:
     """Rank r gets slice r of rank ``src``'s ``x``; other ranks' ``x`` is ignored.
 
     The SPMD counterpart of ``torch.distributed.scatter(tensor, scatter_list, src)``, with
-    ``scatter_list`` stacked along ``axis``. Equivalent to::
+    ``scatter_list`` stacked along ``dim``. Equivalent to::
 
-        def scatter(x, axis_name, src, axis=0, tiled=False):
-            parts = jnp.split(x_of_rank(src), n, axis)           # tiled
-            # untiled: parts = [x_of_rank(src).take(i, axis) for i in range(n)]
+        def scatter(x, axis_name, src, dim=0, tiled=False):
+            parts = jnp.split(x_of_rank(src), n, dim)            # tiled
+            # untiled: parts = [x_of_rank(src).take(i, dim) for i in range(n)]
             return parts[rank(axis_name)]
 
     Lowering: one ``lax.all_to_all`` (HLO all-to-all) then the row from ``src`` is kept; bit-exact
@@ -29,12 +28,12 @@ def scatter(
     rank as a ring scatter would, in one collective.)
 
     Args:
-        x: an array or a pytree of arrays with ``n`` slices along ``axis``
-            (``x.shape[axis] == n``, or divisible by n when ``tiled``).
+        x: an array or a pytree of arrays with ``n`` slices along ``dim``
+            (``x.shape[dim] == n``, or divisible by n when ``tiled``).
         axis_name: mesh axis name or tuple of names.
         src: the source rank, a static int in ``0..world_size-1``.
-        axis: the axis that holds the slices.
-        tiled: split ``axis`` into n equal chunks (kept) instead of n slices (dropped).
+        dim: the dimension that holds the slices.
+        tiled: split ``dim`` into n equal chunks (kept) instead of n slices (dropped).
 
     Returns:
         A new pytree: slice r of ``src``'s leaves.
@@ -50,16 +49,13 @@ def scatter(
         >>> f(data)
         Array([1., 2., 3., 4.], dtype=float32)
     """
-    if (own := handler(axis_name)) is not None:
-        return own(scatter, x, src=src, axis=axis, tiled=tiled)
-    api = "scatter"
-    ax = resolve(api, axis_name)
-    src = check_rank(api, "src", src, ax.size)
-    leaves, treedef = as_array_leaves(api, x)
-    out = [
-        lowering.scatter(
-            leaf, ax, src, check_split(api, leaf.shape, axis, ax.size, bool(tiled)), bool(tiled)
-        )
-        for leaf in leaves
-    ]
-    return jax.tree_util.tree_unflatten(treedef, out)
+    ax = resolve("scatter", axis_name)
+    src = check_rank("scatter", "src", src, ax.size)
+    tiled = bool(tiled)
+    return map_leaves(
+        "scatter",
+        x,
+        lambda leaf: lowering.scatter(
+            leaf, ax, src, check_split("scatter", leaf.shape, dim, ax.size, tiled), tiled
+        ),
+    )

@@ -56,6 +56,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .. import trace
 from ._group import POLL_S as _POLL_S
@@ -75,6 +76,23 @@ def _parser() -> argparse.ArgumentParser:
         description="Start N processes of a JAX program on this host as one jax.distributed "
         "job (the torchrun of jaxcoll).",
     )
+    _add_job_options(p)
+    _add_supervision_options(p)
+    _add_watchdog_options(p)
+    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
+    p.add_argument(
+        "-m",
+        dest="module",
+        action="store_true",
+        help="run the program as a module (python -m), like python -m",
+    )
+    p.add_argument("program", help="the script (or, with -m, the module) to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the program")
+    return p
+
+
+def _add_job_options(p: argparse.ArgumentParser) -> None:
+    """The job's shape: processes, devices, nodes and where the coordinator listens."""
     p.add_argument(
         "--nprocs",
         "--nproc-per-node",
@@ -108,6 +126,10 @@ def _parser() -> argparse.ArgumentParser:
         help="where the coordination service listens (default: the coordinator "
         "address itself, so loopback for a one-node job)",
     )
+
+
+def _add_supervision_options(p: argparse.ArgumentParser) -> None:
+    """What the launcher does when a process fails, and how long joining may take."""
     p.add_argument(
         "--max-restarts",
         type=int,
@@ -132,6 +154,10 @@ def _parser() -> argparse.ArgumentParser:
         default=20,
         help="seconds without heartbeat before a peer counts as dead",
     )
+
+
+def _add_watchdog_options(p: argparse.ArgumentParser) -> None:
+    """jaxcoll's watchdog in each process: collective timeouts, flight records, debug."""
     p.add_argument(
         "--timeout",
         type=float,
@@ -161,16 +187,6 @@ def _parser() -> argparse.ArgumentParser:
         help="'detail': check at each program's first use that every process runs "
         "the same collective (JAXCOLL_DEBUG)",
     )
-    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
-    p.add_argument(
-        "-m",
-        dest="module",
-        action="store_true",
-        help="run the program as a module (python -m), like python -m",
-    )
-    p.add_argument("program", help="the script (or, with -m, the module) to run")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the program")
-    return p
 
 
 def _error(msg: str) -> None:
@@ -250,17 +266,25 @@ def _say(msg: str) -> None:
     print(f"jaxcoll-run: {msg}", file=sys.stderr, flush=True)
 
 
-def _analyse(group: _Group, expected: int, failed: bool) -> bool:
+@dataclass
+class _Traces:
+    """The flight records' directory, and whether to keep it (given, or reported on)."""
+
+    path: str
+    keep: bool
+
+
+def _analyse(group: _Group, expected: int, failed: bool, traces: _Traces) -> None:
     """Print what the processes' flight records say (:mod:`jaxcoll.trace`): after a failure
-    always, after a clean run only when they disagree. True when it printed."""
+    always, after a clean run only when they disagree. Keeps the records when it printed."""
     records = trace.load(group.trace_dir)
     if not records or not (failed or trace.analyze(records)):
-        return False
+        return
     head = "flight records" if failed else "warning: the processes' flight records disagree"
     _say(f"{head} (python -m jaxcoll.trace {group.trace_dir}):")
     for line in trace.report(records, expected):
         _say(f"  {line}")
-    return True
+    traces.keep = True
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -284,81 +308,102 @@ def run(argv: Sequence[str] | None = None) -> int:
         received.append(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    traces = a.trace_dir or tempfile.mkdtemp(prefix="jaxcoll-trace-")
-    keep = a.trace_dir is not None
+    traces = _Traces(
+        a.trace_dir or tempfile.mkdtemp(prefix="jaxcoll-trace-"), keep=a.trace_dir is not None
+    )
     try:
-        restart = 0  # generations started after the first (JAXCOLL_RESTART_COUNT)
-        retries = 0  # restarts at the current size
-        slots = list(range(a.nprocs))  # the original local ranks still in the job
-        while True:
-            group = _Group(a, command, restart, traces, slots)
-            n = a.nnodes * len(slots)
-            failed: list[Proc] = []
-            while True:
-                if received:
-                    sig = received[0]
-                    _say(
-                        f"received {signal.Signals(sig).name}; forwarding it to "
-                        f"{len(group.procs)} process(es)."
-                    )
-                    group.stop(a.grace, sig)
-                    group.join_output()
-                    keep |= _analyse(group, n, failed=True)
-                    return 128 + sig
-                failed = group.failures()
-                if failed or group.all_done():
-                    break
-                time.sleep(_POLL_S)
-            if not failed:
-                group.join_output()
-                keep |= _analyse(group, n, failed=False)
-                return 0
-            group.settle(_SETTLE_S)
-            proc = group.first_cause()
-            code = proc.popen.returncode
-            others = [p.index for p in group.procs if p.exited_at is None]
-            rest = (
-                f"stopping process(es) {others} (SIGTERM, SIGKILL after {a.grace:g}s)"
-                if others
-                else "every other process has ended"
-            )
-            _say(
-                f"process {proc.index} (pid {proc.popen.pid}) {describe_exit(code)} first; {rest}."
-            )
-            group.stop(a.grace)
-            group.join_output()
-            for p in group.failures():
-                if p is proc:
-                    continue
-                _say(f"then process {p.index} {describe_exit(p.popen.returncode)}{because(p)}.")
-            keep |= _analyse(group, n, failed=True)
-            if retries < a.max_restarts:
-                restart += 1
-                retries += 1
-                _say(
-                    f"restarting all {len(slots)} process(es) (restart {retries} of "
-                    f"{a.max_restarts})."
-                )
-                continue
-            if len(slots) > a.min_nprocs:
-                # Elastic: the process that failed last goes; the survivors restart on their
-                # own devices, from the job's checkpoints (more examples per device).
-                gone = slots.pop(proc.index - a.node_rank * len(group.slots))
-                restart += 1
-                retries = 0
-                _say(
-                    f"process {proc.index} failed {a.max_restarts + 1} time(s) in a row; "
-                    f"going on without it (its devices, local slot {gone}): restarting "
-                    f"{len(slots)} process(es) (--nprocs {a.min_nprocs}:{a.nprocs})."
-                )
-                continue
-            _say(f"failed: process {proc.index} {describe_exit(code)}{because(proc)}.")
-            return code if code > 0 else 128 - code
+        return _supervise(a, command, traces, received)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        if not keep:  # a clean run's records say nothing
-            shutil.rmtree(traces, ignore_errors=True)
+        if not traces.keep:  # a clean run's records say nothing
+            shutil.rmtree(traces.path, ignore_errors=True)
+
+
+def _supervise(
+    a: argparse.Namespace, command: list[str], traces: _Traces, received: list[int]
+) -> int:
+    """Run the group, restarting it (or, elastic, a smaller one) after a failure while the
+    options allow; the job's exit code."""
+    restart = 0  # generations started after the first (JAXCOLL_RESTART_COUNT)
+    retries = 0  # restarts at the current size
+    slots = list(range(a.nprocs))  # the original local ranks still in the job
+    while True:
+        group = _Group(a, command, restart, traces.path, slots)
+        n = a.nnodes * len(slots)
+        failed = _wait(group, received)
+        if failed is None:
+            sig = received[0]
+            _say(
+                f"received {signal.Signals(sig).name}; forwarding it to "
+                f"{len(group.procs)} process(es)."
+            )
+            group.stop(a.grace, sig)
+            group.join_output()
+            _analyse(group, n, True, traces)
+            return 128 + sig
+        if not failed:
+            group.join_output()
+            _analyse(group, n, False, traces)
+            return 0
+        proc = _stop_after_failure(a, group)
+        _analyse(group, n, True, traces)
+        if retries < a.max_restarts:
+            restart += 1
+            retries += 1
+            _say(
+                f"restarting all {len(slots)} process(es) (restart {retries} of {a.max_restarts})."
+            )
+            continue
+        if len(slots) > a.min_nprocs:
+            # Elastic: the process that failed last goes; the survivors restart on their
+            # own devices, from the job's checkpoints (more examples per device).
+            gone = slots.pop(proc.index - a.node_rank * len(group.slots))
+            restart += 1
+            retries = 0
+            _say(
+                f"process {proc.index} failed {a.max_restarts + 1} time(s) in a row; "
+                f"going on without it (its devices, local slot {gone}): restarting "
+                f"{len(slots)} process(es) (--nprocs {a.min_nprocs}:{a.nprocs})."
+            )
+            continue
+        code = proc.popen.returncode
+        _say(f"failed: process {proc.index} {describe_exit(code)}{because(proc)}.")
+        return code if code > 0 else 128 - code
+
+
+def _wait(group: _Group, received: list[int]) -> list[Proc] | None:
+    """Poll the group until a process fails or all are done (the failures, none for a clean
+    run), or until the launcher receives a signal (None)."""
+    while not received:
+        failed = group.failures()
+        if failed or group.all_done():
+            return failed
+        time.sleep(_POLL_S)
+    return None
+
+
+def _stop_after_failure(a: argparse.Namespace, group: _Group) -> Proc:
+    """Give the others time to end by themselves, stop the rest, and say which process failed
+    first (the cause, returned) and which after it."""
+    group.settle(_SETTLE_S)
+    proc = group.first_cause()
+    others = [p.index for p in group.procs if p.exited_at is None]
+    rest = (
+        f"stopping process(es) {others} (SIGTERM, SIGKILL after {a.grace:g}s)"
+        if others
+        else "every other process has ended"
+    )
+    _say(
+        f"process {proc.index} (pid {proc.popen.pid}) {describe_exit(proc.popen.returncode)} "
+        f"first; {rest}."
+    )
+    group.stop(a.grace)
+    group.join_output()
+    for p in group.failures():
+        if p is not proc:
+            _say(f"then process {p.index} {describe_exit(p.popen.returncode)}{because(p)}.")
+    return proc
 
 
 def main(argv: Sequence[str] | None = None) -> None:

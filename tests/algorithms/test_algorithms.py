@@ -80,7 +80,7 @@ def _run(algorithm: str, shape: tuple[int, ...]):
         out["broadcast"] = C.broadcast(trees, axis, src, algorithm=algorithm)
         out["all_gather"] = C.all_gather(trees, axis, algorithm=algorithm)
         out["all_gather_tiled"] = C.all_gather(
-            trees["int32"]["b"], axis, axis=1, tiled=True, algorithm=algorithm
+            trees["int32"]["b"], axis, dim=1, tiled=True, algorithm=algorithm
         )
         out["reduce_scatter"] = C.reduce_scatter(rs, axis, "sum", tiled=True, algorithm=algorithm)
         out["reduce_scatter_min"] = C.reduce_scatter(

@@ -143,7 +143,7 @@ def test_data_movement(name: str) -> None:
                 lambda xs: o.scatter(xs, src, True),
             ),
             "all_to_all": (
-                dist.all_to_all(x, split_axis=0, concat_axis=1, **a),
+                dist.all_to_all(x, split_dim=0, concat_dim=1, **a),
                 lambda xs: o.all_to_all_untiled(xs, 0, 1),
             ),
             "all_to_all tiled": (

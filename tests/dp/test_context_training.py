@@ -76,18 +76,20 @@ def reference():
     return jax.device_get(params)
 
 
-LAYOUTS = {
-    "cp2": (dp.Layout(replicate=4, context=2), parallel.Ring()),
-    "cp8": (dp.Layout(context=8), parallel.Ring()),
-    "fsdp2xcp2xtp2": (dp.Layout(shard=2, context=2, tensor=2), parallel.Ring()),
-    "cp4-ulysses": (dp.Layout(replicate=2, context=4), parallel.Ulysses()),
-}
+#: (layout's name, the attention over the context axis)
+LAYOUTS = [
+    ("dp4xcp2", parallel.Ring()),
+    ("cp8", parallel.Ring()),
+    ("fsdp2xcp2xtp2", parallel.Ring()),
+    ("dp2xcp4", parallel.Ulysses()),
+]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_context_layouts_train_as_one_device(name, reference):
-    layout, method = LAYOUTS[name]
-    trainer = dp.Trainer(_loss(method), twin_optimizer(), layout=layout)
+@pytest.mark.parametrize(
+    "name, method", LAYOUTS, ids=[f"{n}-{type(m).__name__.lower()}" for n, m in LAYOUTS]
+)
+def test_context_layouts_train_as_one_device(name, method, reference):
+    trainer = dp.Trainer(_loss(method), twin_optimizer(), layout=dp.Layout.parse(name))
     state = trainer.init(_params(boxed=True), jax.random.key(0))
     for b in _batches():
         state, _ = trainer.step(state, b)

@@ -53,7 +53,10 @@ VARIANTS = {
     # "auto" picks "native" on CPU at these sizes: "bucketed" is the native variant
     "ring": {"sync": DDP(algorithm="ring", bucket_mb=0.001)},
     "tree": {"sync": DDP(algorithm="tree")},
-    "hierarchical": {"sync": DDP(algorithm="hierarchical"), "axis_name": ("node", "local")},
+    "hierarchical": {
+        "sync": DDP(algorithm="hierarchical"),
+        "layout": dp.Layout(replicate=("node", "local")),
+    },
 }
 
 CNN_VARIANTS = ("bucketed", "bucketing-off", "accum4", "zero1", "fsdp")
@@ -70,7 +73,7 @@ def _setup(kind):
 
 
 def _train(model, params, model_state, data, optimizer=OPT, **kw):
-    two_level = isinstance(kw.get("axis_name"), tuple)
+    two_level = "layout" in kw
     mesh = mesh_2d(2, 4) if two_level else mesh_1d(8, "data")
     trainer = dp.Trainer(model, optimizer, mesh=mesh, **kw)
     state = trainer.init(params, jax.random.key(1), model_state=model_state)

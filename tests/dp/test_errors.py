@@ -321,7 +321,7 @@ def test_params_split_over_a_non_data_axis_are_refused_not_made_whole():
     def loss(p, batch, rng):
         return jnp.mean((batch["x"] @ p["w"]) ** 2), {}
 
-    trainer = dp.Trainer(loss, optax.sgd(0.1), mesh=mesh, axis_name="data")
+    trainer = dp.Trainer(loss, optax.sgd(0.1), mesh=mesh, layout=dp.Layout(replicate="data"))
     whole = {"w": np.ones((8, 4), np.float32)}
     split = {"w": jax.device_put(whole["w"], NamedSharding(mesh, P(None, "model")))}
     want = (

@@ -15,9 +15,10 @@ import numpy as np
 import optax
 import pytest
 
-from jaxcoll import dp
+from jaxcoll import dp, parallel
 from jaxcoll import nn as pnn
 from tests.dp._models import max_rel_diff, token_batches, twin_optimizer
+from tests.parallel.test_experts import BAD_ARGUMENTS
 
 VOCAB, WIDTH, SEQ, BATCH, STEPS, EXPERTS = 16, 16, 8, 16, 20, 8
 AUX = 0.1
@@ -49,7 +50,7 @@ def _loss(capacity_factor):
             )
             logp = jax.nn.log_softmax(logits)
             ce = -jnp.mean(jnp.take_along_axis(logp, batch["y"][..., None], -1))
-            metrics = pnn.moe_metrics(sown["intermediates"])
+            metrics = parallel.moe_metrics(sown["intermediates"])
             total += ce + AUX * metrics["moe_aux"]
         return total, metrics
 
@@ -172,6 +173,26 @@ def test_experts_the_expert_axis_does_not_divide_are_named():
         ValueError, match=r"num_experts=5 is not divisible by the 8 ranks of mesh axis 'shard'"
     ):
         trainer.init(params, jax.random.key(0))
+
+
+@pytest.mark.parametrize("kwargs, match", BAD_ARGUMENTS)
+def test_the_layer_refuses_what_moe_mlp_refuses(kwargs, match):
+    # one check, in parallel.moe_mlp's body, naming the layer that called it
+    class Bad(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return pnn.MoE(EXPERTS, 8, **kwargs, name="moe")(x)
+
+    with pytest.raises(ValueError, match=r"^MoE 'moe': " + match):
+        Bad().init(jax.random.key(0), jnp.zeros((2, SEQ, WIDTH)))
+
+
+def test_a_capacity_under_context_parallel_is_refused():
+    # each device holds a part of every sequence: a per-sequence capacity cannot be counted
+    trainer = dp.Trainer(_loss(1.0), optax.sgd(0.1), layout=dp.Layout(shard=4, context=2, expert=4))
+    state = trainer.init(_params(boxed=True), jax.random.key(0))
+    with pytest.raises(ValueError, match=r"capacity_factor=1.0 .* the context axis 'context'"):
+        trainer.step(state, _batches()[0])
 
 
 def test_a_checkpoint_moves_between_expert_layouts(tmp_path, references):

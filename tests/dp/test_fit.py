@@ -386,30 +386,51 @@ def test_save_best_and_early_stopping(run, tmp_path):
         )
 
 
-def test_the_keywords_before_the_components_still_work_for_one_release(run):
-    trainer, fresh, _, data, test, _ = run
-    val = dp.Batches(test, 64)
-    with pytest.warns(
-        DeprecationWarning,
-        match=r"Trainer.fit: eval_data=, eval_every=, tokens_per_example= are deprecated and "
-        r"will be removed .*; pass callbacks=\[dp.Evaluate\(eval_data, every=eval_every, "
-        r"on_start=eval_on_start\)\]; callbacks=\[dp.Throughput\(",
+class _Untouchable:
+    def __iter__(self):
+        raise AssertionError("fit read the data before checking its keywords")
+
+
+# fit's keywords before its components, and (a pattern of) the replacement each error names.
+REPLACED = {
+    "eval_data": r"callbacks=\[dp.Evaluate\(eval_data, every=eval_every, on_start=",
+    "eval_every": r"callbacks=\[dp.Evaluate\(eval_data, every=eval_every, on_start=",
+    "eval_on_start": r"callbacks=\[dp.Evaluate\(eval_data, .*on_start=eval_on_start\)\]",
+    "tokens_per_example": r"callbacks=\[dp.Throughput\(tokens_per_example=\.\.\., ",
+    "peak_flops": r"callbacks=\[dp.Throughput\(.*peak_flops=\.\.\.\)\]",
+    "profile_steps": r"callbacks=\[dp.Profile\(profile_dir, steps=profile_steps\)\]",
+    "profile_dir": r"callbacks=\[dp.Profile\(profile_dir, steps=profile_steps\)\]",
+    "log_every": r"progress=dp.Progress\(every=log_every\)",
+}
+
+
+@pytest.mark.parametrize("keyword", sorted(REPLACED))
+def test_each_keyword_before_the_components_raises_naming_its_replacement(run, keyword):
+    trainer, fresh, *_ = run
+    state = fresh()
+    with pytest.raises(
+        TypeError, match=rf"Trainer.fit: {keyword}= is gone; pass {REPLACED[keyword]}"
     ):
-        state, old = trainer.fit(
-            fresh(), data, steps=3, eval_data=val, eval_every=2, tokens_per_example=7
+        trainer.fit(state, _Untouchable(), steps=3, **{keyword: 1})
+    assert int(state.step) == 0
+
+
+def test_old_keywords_together_name_each_replacement_and_unknown_ones_are_refused(run):
+    trainer, fresh, *_ = run
+    with pytest.raises(
+        TypeError,
+        match=r"Trainer.fit: eval_data=, eval_every=, tokens_per_example= are gone; pass "
+        r"callbacks=\[dp.Evaluate\(eval_data, every=eval_every, on_start=eval_on_start\)\]; "
+        r"callbacks=\[dp.Throughput\(tokens_per_example=\.\.\., peak_flops=\.\.\.\)\] "
+        r"instead\.",
+    ):
+        trainer.fit(
+            fresh(), _Untouchable(), steps=3, eval_data=[1], eval_every=2, tokens_per_example=7
         )
-    comps = [dp.Evaluate(val, every=2), dp.Throughput(tokens_per_example=7)]
-    _, new = trainer.fit(fresh(), data, steps=3, callbacks=comps)
-    assert [sorted(h) for h in old] == [sorted(h) for h in new]
-    assert "tokens_per_s" in old[0] and "eval_loss" in old[1] and "eval_loss" not in old[0]
-
-    def exact(h):  # the values that are no timings: the same in both runs
-        return {k: v for k, v in h.items() if k in ("step", "loss", "lr") or k[:5] == "eval_"}
-
-    assert [exact(h) for h in old] == [exact(h) for h in new]
-    assert {k[5:]: v for k, v in old[-1].items() if k.startswith("eval_")} == trainer.evaluate(
-        state, val
-    )
+    with pytest.raises(
+        TypeError, match=r"Trainer.fit\(\) got an unexpected keyword argument 'evals'; it takes"
+    ):
+        trainer.fit(fresh(), _Untouchable(), steps=3, evals=[1])
 
 
 def test_throughput_measures_the_peak_once_and_keeps_it_in_the_first_step(run, monkeypatch, capsys):

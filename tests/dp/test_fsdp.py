@@ -176,8 +176,8 @@ def test_the_mean_divides_the_slice_after_the_reduce_scatter():
     # In the gradients' own dtype (the fp32 master's, also under a bf16 policy that reduces
     # in fp32) the division by n runs on each rank's slice after the sum: 1/n of the bytes,
     # one rounding. Cast to another wire dtype it runs before, so the sum stays in range.
-    bf16 = dp.MixedPrecisionPolicy(param_dtype=jnp.bfloat16)
-    bf16_fp32 = dp.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+    bf16 = dp.sync.MixedPrecisionPolicy(param_dtype=jnp.bfloat16)
+    bf16_fp32 = dp.sync.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
     for sync, before in (
         (dp.sync.FSDP(), False),
         (dp.sync.FSDP(hook=dp.hooks.Compress(jnp.bfloat16)), True),

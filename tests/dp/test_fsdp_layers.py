@@ -280,8 +280,8 @@ def test_hsdp_equals_one_device_and_holds_a_quarter_per_device(kind):
         model,
         OPT,
         mesh=jax.make_mesh((2, 4), ("replica", "shard")),
-        axis_name=("replica", "shard"),
-        sync=dp.sync.FSDP(shard_axis="shard"),
+        layout=dp.Layout(replicate="replica", shard="shard"),
+        sync=dp.sync.FSDP(),
     )
     state = trainer.init(params, jax.random.key(1))
     devices = trainer.mesh.devices
@@ -311,12 +311,14 @@ def test_the_per_layer_step_exports_for_gpu_and_runs_equal():
     }
     batch = {"x": rng.normal(size=(N, D)).astype(np.float32), "y": np.zeros((N, D), np.float32)}
     layouts = (
-        (dp.sync.FSDP(), mesh_1d(N, "data"), "data"),
-        (dp.sync.FSDP(shard_axis="shard"), jax.make_mesh((2, 4), ("replica", "shard")), None),
+        (mesh_1d(N, "data"), dp.Layout(shard="data")),
+        (
+            jax.make_mesh((2, 4), ("replica", "shard")),
+            dp.Layout(replicate="replica", shard="shard"),
+        ),
     )
-    for sync, mesh, axis in layouts:
-        axis = axis or ("replica", "shard")
-        trainer = dp.Trainer(_deep_loss, optax.sgd(0.1), mesh=mesh, axis_name=axis, sync=sync)
+    for mesh, layout in layouts:
+        trainer = dp.Trainer(_deep_loss, optax.sgd(0.1), mesh=mesh, layout=layout)
         step, args = trainer.step_program(trainer.init(params, jax.random.key(1)), batch)
         exported = jax.export.export(step, platforms=("cuda", "cpu"))(*args)
         text = exported.mlir_module()

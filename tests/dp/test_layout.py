@@ -8,6 +8,7 @@ optax on the whole batch.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -44,28 +45,33 @@ def _mesh(shape, names):
     return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
 
 
-#: name: (layout, sync); sync None: the layout's default (FSDP over a shard role, else DDP).
-LAYOUTS = {
-    "dp8": (dp.Layout(replicate=8), None),
-    "fsdp8": (dp.Layout(shard=8), None),
-    "dp2xfsdp4": (dp.Layout(replicate=2, shard=4), None),
-    "fsdp4xtp2": (dp.Layout(shard=4, tensor=2), None),
-    "zero1x4xtp2": (dp.Layout(shard=4, tensor=2), dp.sync.ZeRO1()),
-    "dp2xtp2xpp2": (dp.Layout(replicate=2, tensor=2, pipeline=2), None),
-    "fsdp2xtp2xpp2": (dp.Layout(shard=2, tensor=2, pipeline=2), None),
-}
+#: (layout's name, sync); sync None: the layout's default (FSDP over a shard role, else DDP).
+LAYOUTS = [
+    ("dp8", None),
+    ("fsdp8", None),
+    ("dp2xfsdp4", None),
+    ("fsdp4xtp2", None),
+    ("fsdp4xtp2", dp.sync.ZeRO1()),
+    ("dp2xtp2xpp2", None),
+    ("fsdp2xtp2xpp2", None),
+]
 
 
-def _trainer(name, loss=loss_fn, schedule=None):
-    layout, sync = LAYOUTS[name]
+def _id(case):
+    name, sync = case
+    return name if sync is None else f"{name}-{type(sync).__name__.lower()}"
+
+
+def _trainer(name, loss=loss_fn, schedule=None, sync=None):
+    zero1 = isinstance(sync, dp.sync.ZeRO1)
     return dp.Trainer(
         loss,
         optimizer(),
         sync=sync,
-        layout=dataclasses.replace(layout, schedule=schedule),
+        layout=dataclasses.replace(dp.Layout.parse(name), schedule=schedule),
         # Accumulation: its sums of sliced gradients are typed as the slices are.
-        accum_steps=2 if name in ("fsdp2xtp2xpp2", "dp2xtp2xpp2", "fsdp4xtp2") else 1,
-        extra=dp.ema(0.5) if name == "zero1x4xtp2" else None,
+        accum_steps=2 if name in ("fsdp2xtp2xpp2", "dp2xtp2xpp2", "fsdp4xtp2") and not zero1 else 1,
+        extra=dp.ema(0.5) if zero1 else None,
     )
 
 
@@ -78,9 +84,9 @@ def _max_rel(got, want):
     return max(jax.tree_util.tree_leaves(diffs))
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_every_layout_equals_one_device(name, reference):
-    trainer = _trainer(name)
+@pytest.mark.parametrize("name, sync", LAYOUTS, ids=[_id(c) for c in LAYOUTS])
+def test_every_layout_equals_one_device(name, sync, reference):
+    trainer = _trainer(name, sync=sync)
     state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
     for batch in data():
         state, metrics = trainer.step(state, batch)
@@ -98,8 +104,8 @@ def test_every_layout_equals_one_device(name, reference):
     if isinstance(trainer.sync, dp.sync.FSDP):
         want /= sizes["shard"]
     assert held == pytest.approx(want), (name, held, want)
-    want_sync = dp.sync.ZeRO1 if name.startswith("zero1") else dp.sync.DDP
-    if "fsdp" in name:
+    want_sync = type(sync) if sync is not None else dp.sync.DDP
+    if sync is None and "fsdp" in name:
         want_sync = dp.sync.FSDP
     assert type(trainer.sync) is want_sync, (name, trainer.sync)
     assert np.isfinite(float(metrics["loss"]))
@@ -161,7 +167,7 @@ def test_a_tensor_split_leaf_keeps_its_split_and_fsdp_adds_the_data_split():
     assert mu.sharding.spec == P(None, "shard", "tensor")
     # Under ZeRO-1 the params stay whole over the data axis, the moments and an EMA of the
     # params split there too, and all keep the tensor split.
-    trainer = _trainer("zero1x4xtp2")
+    trainer = _trainer("fsdp4xtp2", sync=dp.sync.ZeRO1())
     state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
     assert state.params["sgd"]["blocks"]["w1"].sharding.spec == P(None, None, "tensor")
     mu = state.opt_state.inner_states["adam"].inner_state[0].mu["adam"]["blocks"]["w1"]
@@ -266,10 +272,6 @@ def test_layout_value_checks():
     "kwargs, match",
     [
         (
-            dict(layout=dp.Layout(shard=8), axis_name="data"),
-            r"axis_name='data' and Layout\(shard=8\) both name the data axes",
-        ),
-        (
             dict(layout=dp.Layout(shard=8), mesh=_mesh((8,), ("data",))),
             r"Layout\(shard=8\) gives degrees, so it builds the mesh itself",
         ),
@@ -280,10 +282,6 @@ def test_layout_value_checks():
         (
             dict(layout=dp.Layout(replicate=8), sync=dp.sync.FSDP()),
             r"sync=FSDP\(\) splits the state over the data shards, and Layout\(replicate=8\)",
-        ),
-        (
-            dict(layout=dp.Layout(replicate=2, shard=4), sync=dp.sync.FSDP(shard_axis="x")),
-            r"FSDP\(shard_axis='x'\) and Layout\(replicate=2, shard=4\) name different shard",
         ),
     ],
 )
@@ -298,7 +296,7 @@ def test_a_layout_names_the_roles_of_a_users_mesh(reference):
     mesh = _mesh((2, 2, 2), ("p", "d", "m"))
     layout = dp.Layout(shard="d", tensor="m", pipeline="p", schedule=parallel.OneFOneB(MICRO))
     trainer = dp.Trainer(nd_model.scheduled_loss(), optimizer(), mesh=mesh, layout=layout)
-    assert isinstance(trainer.sync, dp.sync.FSDP) and trainer.axis_name == "d"
+    assert isinstance(trainer.sync, dp.sync.FSDP) and trainer.layout.axis_name == "d"
     state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
     assert state.params["sgd"]["blocks"]["w1"].sharding.spec == P("p", "d", "m")
     for batch in data():
@@ -435,17 +433,214 @@ def test_a_context_role_splits_the_sequence_and_averages_over_it():
     layout = dp.Layout(shard=2, context=2, tensor=2)
     assert layout.make_mesh().axis_names == ("shard", "context", "tensor")
     assert layout.data_axes == ("shard", "context") and layout.batch_axes == ("shard",)
-    assert layout.binding().axes["context"] == "context"
-    assert dp.Layout(shard=8).binding().axes["context"] is None
+    assert layout.bind().binding.axes["context"] == "context"
+    assert dp.Layout(shard=8).bind().binding.axes["context"] is None
 
     def loss(w, batch, rng):
         return jnp.mean((batch["x"] @ w) ** 2), {}
 
     trainer = dp.Trainer(loss, optax.sgd(0.1), layout=dp.Layout(replicate=2, context=4))
-    assert trainer.n == 2 and trainer.batch_sharding.spec == P("replicate")
+    assert trainer.layout.n == 2 and trainer.batch_sharding.spec == P("replicate")
     state = trainer.init(jnp.ones((3, 2)), jax.random.key(0))
     with pytest.raises(ValueError, match=r"batch\['x'\] has a sequence of 6 .* 8 equal chunks"):
         trainer.step(state, {"x": np.ones((4, 6, 3), np.float32)})
     # a (batch, features) array beside the sequences would be cut along its features
     with pytest.raises(ValueError, match=r"these differ in length: batch\['f'\]: 3, batch\['x'\]"):
         trainer.step(state, {"x": np.ones((4, 8, 3), np.float32), "f": np.ones((4, 3))})
+
+
+# ------------------------------------------------------------------------------ the grammar
+#: Layouts by degree, each with its short name: Layout.parse(name) is the layout, and
+#: str(layout) is the name.
+NAMED = [
+    (dp.Layout(replicate=1), "single"),
+    (dp.Layout(replicate=8), "dp8"),
+    (dp.Layout(shard=8), "fsdp8"),
+    (dp.Layout(replicate=2, shard=4, tensor=2), "dp2xfsdp4xtp2"),
+    (dp.Layout(shard=2, context=2, tensor=2), "fsdp2xcp2xtp2"),
+    (dp.Layout(replicate=1, context=8), "dp1xcp8"),
+    (dp.Layout(tensor=2), "tp2"),
+    (dp.Layout(shard=-1, pipeline=2), "fsdp-1xpp2"),
+    (dp.Layout(shard=8, expert=8), "fsdp8xep8"),
+    (dp.Layout(replicate=2, shard=4, expert=4), "dp2xfsdp4xep4"),
+    (dp.Layout(expert=8), "ep8"),
+    (
+        dp.Layout(shard=2, tensor=2, pipeline=2, schedule=parallel.OneFOneB(8)),
+        "fsdp2xtp2xpp2:1f1b8",
+    ),
+    (dp.Layout(pipeline=4, schedule=parallel.Interleaved(8, virtual=2)), "pp4:interleaved8v2"),
+    (dp.Layout(pipeline=4, schedule=parallel.Interleaved(8, virtual=3)), "pp4:interleaved8v3"),
+    (dp.Layout(pipeline=4, schedule=parallel.ZeroBubble(8)), "pp4:zb8"),
+    (dp.Layout(pipeline=2, schedule=parallel.GPipe(4)), "pp2:gpipe4"),
+    (
+        dp.Layout(replicate=2, tensor=2, pipeline=2, schedule=parallel.GPipe(16)),
+        "dp2xtp2xpp2:gpipe16",
+    ),
+]
+
+
+@pytest.mark.parametrize("layout, name", NAMED, ids=[n for _, n in NAMED])
+def test_a_layout_prints_and_parses_its_short_name(layout, name):
+    assert str(layout) == layout.name == name
+    assert dp.Layout.parse(name) == layout
+    assert dp.Layout.parse(str(layout)) == layout
+
+
+def test_the_short_name_round_trips_over_every_combination_of_roles():
+    import itertools
+
+    schedules = [None, parallel.GPipe(2), parallel.OneFOneB(4), parallel.ZeroBubble(3)]
+    schedules += [parallel.Interleaved(4, virtual=2)]
+    seen = set()
+    for degrees in itertools.product([None, 1, 2, 4], repeat=5):
+        kwargs = dict(zip(("replicate", "shard", "context", "tensor", "pipeline"), degrees))
+        for schedule in schedules if kwargs["pipeline"] else [None]:
+            try:
+                layout = dp.Layout(**kwargs, schedule=schedule)
+            except ValueError:
+                continue
+            if not layout.by_degree:
+                continue
+            name = str(layout)
+            assert dp.Layout.parse(name) == layout, (name, layout)
+            seen.add(name)
+    assert len(seen) > 500  # every combination has its own name
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("tp2x3", r"'3' is not a role and its degree; a layout's name is its roles "),
+        ("zero1x4xtp2", r"'zero1' is not a role and its degree"),
+        ("dp2xdp4", r"'dp4' repeats a role"),
+        ("tp0", r"'tp0' is not a role and its degree"),
+        ("dp8:", r"'' is no schedule; the schedule is one of \['1f1b', 'gpipe', 'interleaved', "),
+        ("pp2:2f2b", r"'2f2b' is no schedule"),
+        ("pp2:1f1b", r"'1f1b' is no schedule; .*followed by its micro-batches"),
+        ("pp2:1f1b8v2", r"the schedule '1f1b' has no model chunks per stage \('v2'\)"),
+        ("fsdp4xep2", r"is no layout: dp.Layout: .*the expert role borrows"),
+        ("dp2:1f1b4", r"is no layout: .*schedules a pipeline, and Layout\(replicate=2\) has none"),
+        ("", r"'' is not a role and its degree"),
+    ],
+)
+def test_a_bad_name_is_named_with_the_grammar(name, match):
+    with pytest.raises(
+        ValueError, match=r"dp\.Layout\.parse: " + re.escape(repr(name)) + ".*" + match
+    ):
+        dp.Layout.parse(name)
+
+
+def test_a_layout_without_a_short_name_says_why():
+    with pytest.raises(
+        ValueError,
+        match=r"dp\.Layout\.name: Layout\(shard='d', tensor='m'\) "
+        r"has no short name: it names mesh axes",
+    ):
+        _ = dp.Layout(shard="d", tensor="m").name
+    with pytest.raises(ValueError, match=r"has no short name: it has rules=\{'vocab': None\}"):
+        _ = dp.Layout(shard=8, rules={"vocab": None}).name
+    # str() never raises: a layout without a short name prints its repr
+    assert str(dp.Layout(shard="d")) == repr(dp.Layout(shard="d")) == "Layout(shard='d')"
+    with pytest.raises(TypeError, match=r"dp\.Layout\.parse: name must be a layout's short"):
+        dp.Layout.parse(8)
+
+
+def test_single_is_one_device():
+    mesh = dp.Layout.parse("single").make_mesh()
+    assert dict(mesh.shape) == {"replicate": 1} and mesh.devices.flat[0] == jax.devices()[0]
+
+
+# ------------------------------------------------------------------------- old spellings
+def test_the_old_spellings_raise_naming_their_replacement():
+    with pytest.raises(
+        TypeError,
+        match=r"Trainer: axis_name= is gone; name the data axes in the layout: "
+        r"layout=dp\.Layout\(replicate='data'\)",
+    ):
+        dp.Trainer(loss_fn, optimizer(), mesh=_mesh((8,), ("data",)), axis_name="data")
+    for cls in (dp.sync.FSDP, dp.sync.ZeRO1):
+        with pytest.raises(
+            TypeError,
+            match=rf"dp\.sync\.{cls.__name__}: shard_axis= is gone; the layout names the "
+            r"shard axis: layout=dp\.Layout\(shard=\.\.\.\).*"
+            r"layout=dp\.Layout\(replicate=\.\.\., shard=\.\.\.\)",
+        ):
+            cls(shard_axis="shard")
+        with pytest.raises(TypeError, match=r"shard_axis= is gone"):
+            cls().replace(shard_axis="shard")
+    # the signatures shown stay the classes' own
+    import inspect
+
+    assert "axis_name" not in inspect.signature(dp.Trainer).parameters
+    assert "layout" in inspect.signature(dp.Trainer).parameters
+    assert "shard_axis" not in inspect.signature(dp.sync.FSDP).parameters
+    assert "reshard_after_forward" in inspect.signature(dp.sync.FSDP).parameters
+
+
+# ------------------------------------------------------------------- one bound layout
+def test_the_trainer_keeps_its_bound_layout_as_one_attribute():
+    trainer = _trainer("dp2xfsdp4")
+    bound = trainer.layout
+    assert isinstance(bound, dp.BoundLayout) and bound.layout == dp.Layout(replicate=2, shard=4)
+    assert str(bound) == "dp2xfsdp4"
+    assert trainer.mesh is bound.mesh and trainer.sync.layout is bound
+    assert bound.data_axes == ("replicate", "shard") and bound.axis_name == bound.data_axes
+    assert bound.n == 8 and bound.split.spec == P(("replicate", "shard"))
+    assert trainer.batch_sharding == bound.batch_sharding
+    # No other copy of what the bound layout answers: no mesh, data axes, split, device count
+    # or binding of its own.
+    held = vars(trainer)
+    for gone in ("axis_name", "n", "_split", "mesh", "_model_specs", "_specs_known"):
+        assert gone not in held, gone
+    for key, value in held.items():
+        if key != "layout":
+            assert not isinstance(value, (dp.BoundLayout, dp.Layout, Mesh)), key
+    # A layout binds on its own too: the same value the Trainer keeps.
+    again = dp.Layout(replicate=2, shard=4).bind()
+    assert again.mesh.shape == bound.mesh.shape and again.data_axes == bound.data_axes
+    users = dp.Layout(shard="d", tensor="m").bind(jax.make_mesh((4, 2), ("d", "m")))
+    assert users.mesh.axis_types == (jax.sharding.AxisType.Auto,) * 2
+    assert users.axis_name == "d" and users.axes == ("m",) and users.binding.axes["mlp"] == "m"
+    with pytest.raises(
+        ValueError,
+        match=r"dp\.Layout\.bind: the data axis 'data' \(Layout\(\) "
+        r"names none: the default\) is not an axis of the mesh",
+    ):
+        dp.Layout().bind(_mesh((8,), ("x",)))
+
+
+def test_the_model_specs_are_found_once_and_travel_with_the_state(monkeypatch, tmp_path):
+    # init finds them; a step on the state it returned, on a copy of that state and on one
+    # restored into its template reads no specs again (each is placed as the Trainer places
+    # it), nor does evaluate.
+    from jaxcoll.dp import trainer as trainer_module
+
+    calls = []
+    found = trainer_module.model_specs
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return found(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "model_specs", counted)
+    trainer = _trainer("fsdp4xtp2")
+    batches = data()
+    state = trainer.init(params0(), jax.random.key(1), specs=SPECS)
+    state, _ = trainer.step(state, batches[0])
+    state, _ = trainer.step(state, batches[1])
+    state, _ = trainer.step(jax.tree.map(lambda x: x, state), batches[2])  # not just returned
+    ckpt = dp.Checkpointer(tmp_path)
+    ckpt.save(state)
+    ckpt.close()
+    restored = dp.Checkpointer(tmp_path).restore_latest(state)
+    state, _ = trainer.step(restored, batches[3])
+    state, _ = trainer.step(state, batches[4])
+    trainer.evaluate(state, batches[:1])
+    assert calls == ["Trainer.init"]
+    # A state placed otherwise is read (once) and refused, as before.
+    w = state.params["adam"]["inp"]
+    moved = jax.device_put(w, NamedSharding(trainer.mesh, P(None, "tensor")))
+    bad = state.replace(params={**state.params, "adam": {**state.params["adam"], "inp": moved}})
+    with pytest.raises(ValueError, match=r"Trainer.step: params\['adam'\]\['inp'\] is placed "):
+        trainer.step(bad, batches[5])
+    assert calls == ["Trainer.init", "Trainer.step"]

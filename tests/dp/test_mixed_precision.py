@@ -1,4 +1,4 @@
-"""dp.MixedPrecisionPolicy: params gathered and computed in bfloat16, gradients reduced in the
+"""dp.sync.MixedPrecisionPolicy: params gathered and computed in bfloat16, gradients reduced in the
 policy's reduce dtype, fp32 master params and optimizer state.
 
 Checked against an independent oracle: the same loss on one device with the same casts (each
@@ -70,8 +70,8 @@ _grad16 = jax.jit(
     )
 )
 
-_bf16 = dp.MixedPrecisionPolicy(param_dtype=BF16)
-_bf16_fp32 = dp.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=jnp.float32)
+_bf16 = dp.sync.MixedPrecisionPolicy(param_dtype=BF16)
+_bf16_fp32 = dp.sync.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=jnp.float32)
 
 
 def _keep_grads() -> optax.GradientTransformation:
@@ -182,17 +182,17 @@ def test_fsdp_in_bf16_trains_as_one_device_with_the_same_casts(opt):
     ],
 )
 def test_the_policy_checks_its_fields(kwargs, error, message):
-    with pytest.raises(error, match=rf"dp\.MixedPrecisionPolicy: {message}"):
-        dp.MixedPrecisionPolicy(**kwargs)
+    with pytest.raises(error, match=rf"dp\.sync\.MixedPrecisionPolicy: {message}"):
+        dp.sync.MixedPrecisionPolicy(**kwargs)
 
 
 @pytest.mark.parametrize("cls", [dp.sync.DDP, dp.sync.ZeRO1, dp.sync.FSDP])
 def test_a_strategy_takes_a_policy_or_a_hook_not_both(cls):
     with pytest.raises(ValueError, match=rf"dp\.sync\.{cls.__name__}: mp_policy=.* and hook="):
         cls(mp_policy=_bf16, hook=dp.hooks.Compress(BF16))
-    with pytest.raises(TypeError, match=r"mp_policy must be a dp\.MixedPrecisionPolicy"):
+    with pytest.raises(TypeError, match=r"mp_policy must be a dp\.sync\.MixedPrecisionPolicy"):
         cls(mp_policy="bf16")
-    assert dp.MixedPrecisionPolicy().wire_dtype is None
+    assert dp.sync.MixedPrecisionPolicy().wire_dtype is None
     assert _bf16.wire_dtype == BF16 and _bf16_fp32.wire_dtype == jnp.float32
 
 

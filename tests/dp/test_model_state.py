@@ -33,11 +33,12 @@ def test_plain_batchnorm_stats_are_bit_identical_on_every_device(algorithm):
         mesh, axis = mesh_2d(2, 4), ("node", "local")
     else:
         mesh, axis = mesh_1d(8, "data"), "data"
+    layout = dp.Layout(replicate=axis)
     model = dp.Linen(CNN(None), cross_entropy)  # plain BatchNorm: per-rank statistics
     data = batches("cnn", K, 32)
     params, ms = model.init(jax.random.key(0), data[0])
     trainer = dp.Trainer(
-        model, optax.adam(1e-2), mesh=mesh, axis_name=axis, sync=dp.sync.DDP(algorithm=algorithm)
+        model, optax.adam(1e-2), mesh=mesh, layout=layout, sync=dp.sync.DDP(algorithm=algorithm)
     )
     state = trainer.init(params, jax.random.key(1), model_state=ms)
     for batch in data:

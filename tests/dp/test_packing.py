@@ -116,7 +116,7 @@ def _run(mesh, axis, algorithm, buckets):
                 wire_dtype=jnp.bfloat16,
             )
         out["gather/ref"] = [
-            C.all_gather(x, axis, axis=d, tiled=True, algorithm=algorithm)
+            C.all_gather(x, axis, dim=d, tiled=True, algorithm=algorithm)
             for x, d in zip(shards, dims, strict=True)
         ]
         out["scatter/ref"] = [

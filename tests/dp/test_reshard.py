@@ -26,7 +26,7 @@ LAYOUTS = {
     "fsdp4": (lambda: dp.sync.FSDP(), 4),
     "fsdp8": (lambda: dp.sync.FSDP(), 8),
     # HSDP: split over "shard" (4), replicated over "replica" (2)
-    "hsdp2x4": (lambda: dp.sync.FSDP(shard_axis="shard"), (2, 4)),
+    "hsdp2x4": (lambda: dp.sync.FSDP(), (2, 4)),
 }
 SAVED_AT, END = 2, 4
 
@@ -58,12 +58,14 @@ def _batches():
 
 
 def _trainer(sync, n):
+    layout = None  # the mesh's axis "data"
     if isinstance(n, tuple):
-        mesh, axis = jax.make_mesh(n, ("replica", "shard")), ("replica", "shard")
+        mesh = jax.make_mesh(n, ("replica", "shard"))
+        layout = dp.Layout(replicate="replica", shard="shard")
     else:
-        mesh, axis = mesh_1d(n, "data"), "data"
+        mesh = mesh_1d(n, "data")
     return dp.Trainer(
-        _loss, optax.adam(0.05), mesh=mesh, axis_name=axis, sync=sync, extra=dp.ema(0.5)
+        _loss, optax.adam(0.05), mesh=mesh, layout=layout, sync=sync, extra=dp.ema(0.5)
     )
 
 

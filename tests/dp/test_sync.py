@@ -103,12 +103,12 @@ def test_the_sharded_strategies_take_only_elementwise_hooks(cls):
             cls(prefetch="yes")
 
 
-def test_the_trainer_binds_a_copy_and_the_value_stays_unbound():
+def test_the_trainer_prepares_a_copy_and_the_value_stays_unprepared():
     value = dp.sync.ZeRO1(bucket_mb=1.0)
     with pytest.raises(
         RuntimeError,
-        match=r"dp\.sync\.ZeRO1: this strategy is not bound to an "
-        r"optimizer and a mesh yet; pass it to "
+        match=r"dp\.sync\.ZeRO1: this strategy is not prepared for an "
+        r"optimizer and a layout yet; pass it to "
         r"dp\.Trainer\(\.\.\., sync=\.\.\.\)",
     ):
         _ = value.mesh
@@ -116,10 +116,11 @@ def test_the_trainer_binds_a_copy_and_the_value_stays_unbound():
     trainer = dp.Trainer(_loss, optax.sgd(0.1), mesh=mesh, sync=value)
     assert trainer.sync == value and trainer.sync is not value
     assert trainer.sync.mesh is mesh and trainer.sync.axis_name == "data"
+    assert trainer.sync.layout is trainer.layout
     assert trainer.sync.n == 8 and trainer.sync.bucket_bytes == 2**20
-    with pytest.raises(RuntimeError, match="not bound"):
+    with pytest.raises(RuntimeError, match="not prepared"):
         _ = value.optimizer
-    # replace keeps the binding and checks the new fields
+    # replace keeps the preparation and checks the new fields
     assert value.replace(bucket_mb=None).bucket_bytes is None
     assert trainer.sync.replace(bucket_mb=2.0).n == 8
     with pytest.raises(ValueError, match=r"dp\.sync\.ZeRO1: bucket_mb=0"):
@@ -128,13 +129,14 @@ def test_the_trainer_binds_a_copy_and_the_value_stays_unbound():
 
 def test_phases_belong_to_the_strategy():
     hook = PowerSGD(rank=2, start_iter=3)
-    sync = dp.sync.DDP(hook=hook).bind(optax.sgd(0.1), mesh_1d(8, "data"), "data")
+    layout = dp.Layout(replicate="data").bind(mesh_1d(8, "data"))
+    sync = dp.sync.DDP(hook=hook).prepare(optax.sgd(0.1), layout)
     assert sync.phased and not dp.sync.DDP().phased
     assert dp.sync.DDP().phase(7) == dp.sync.DDP()
     before, after = sync.phase(2), sync.phase(3)
     assert before == sync.phase(0) and after == sync.phase(100) and before != after
     assert len({before, after, sync.phase(1)}) == 2  # hashable: one program per phase
-    assert not before.phased and before.n == 8  # a phase is bound as its strategy was
+    assert not before.phased and before.n == 8  # a phase is prepared as its strategy was
 
 
 @pytest.mark.parametrize(

@@ -108,7 +108,7 @@ def test_zero1_over_two_axes_with_hierarchical_collectives():
         params,
         data,
         mesh=mesh_2d(2, 4),
-        axis_name=("node", "local"),
+        layout=dp.Layout(shard=("node", "local")),  # split over both axes' 8 devices
         algorithm="hierarchical",
     )
     assert max_rel_diff(state.params, want) <= TOL
@@ -183,16 +183,20 @@ def test_hybrid_sharding_matches_one_device_with_one_quarter_of_the_state_per_de
     model = dp.Linen(Twin(MLP), twin_loss)
     params, _ = model.init(jax.random.key(0), data[0])
     want, _ = oracle(model, twin_optimizer(), params, {}, data, n=8)
-    sync = dp.sync.ZeRO1(shard_axis="shard", bucket_mb=0.001)  # ~1 kB: several buckets
+    sync = dp.sync.ZeRO1(bucket_mb=0.001)  # ~1 kB: several buckets
     trainer = dp.Trainer(
         model,
         twin_optimizer(),
         mesh=_hybrid_mesh(),
-        axis_name=("replica", "shard"),
+        layout=dp.Layout(replicate="replica", shard="shard"),
         sync=sync,
     )
-    bound = trainer.sync
-    assert (bound.shard_axis_name, bound.n_shard, bound.replica_axes) == ("shard", 4, ("replica",))
+    prepared = trainer.sync
+    assert (prepared.shard_axis_name, prepared.n_shard, prepared.replica_axes) == (
+        "shard",
+        4,
+        ("replica",),
+    )
     state = trainer.init(params, jax.random.key(1))
     for batch in data:
         state, _ = trainer.step(state, batch)
@@ -213,39 +217,33 @@ def test_hybrid_sharding_matches_one_device_with_one_quarter_of_the_state_per_de
         np.testing.assert_array_equal(whole, np.asarray(m))
 
 
-def test_shard_axis_is_checked_at_construction_and_when_bound():
-    with pytest.raises(
-        TypeError,
-        match=r"dp\.sync\.ZeRO1: shard_axis must be the name of one data axis \(a string\) "
-        r"or None, got \('shard',\) of type tuple instead",
-    ):
-        dp.sync.ZeRO1(shard_axis=("shard",))
+def test_the_layout_names_the_shard_axis_and_hierarchical_is_refused_beside_it():
+    # The layout says which axis the state is split over (HSDP: its shard axis, beside
+    # replicas); shard_axis= is gone. The two-level algorithm runs over a tuple of axes,
+    # which hybrid sharding's per-axis collectives never pass it.
+    with pytest.raises(TypeError, match=r"dp\.sync\.ZeRO1: shard_axis= is gone; the layout"):
+        dp.sync.ZeRO1(shard_axis="shard")
     with pytest.raises(
         ValueError,
         match=r"dp\.sync\.ZeRO1: algorithm='hierarchical' needs collectives over a tuple of "
-        r"axes, but shard_axis='shard' runs them over one axis .* Pass algorithm='auto'",
+        r"axes, but Layout\(replicate='replica', shard='shard'\) splits the state over its "
+        r"shard axis 'shard' alone .* Pass algorithm='auto'",
     ):
-        dp.sync.ZeRO1(shard_axis="shard", algorithm="hierarchical")
-    message = (
-        r"dp\.sync\.ZeRO1: shard_axis='{}' is not one of the Trainer's data axes "
-        r"\({}\)\. Pass one of them \(the params are split over it and replicated over the "
-        r"others\), or shard_axis=None to split over all of them\."
-    )
-    with pytest.raises(ValueError, match=message.format("model", r"'replica', 'shard'")):
         dp.Trainer(
             lambda w, b, r: (w.sum(), {}),
             optax.sgd(0.1),
             mesh=_hybrid_mesh(),
-            axis_name=("replica", "shard"),
-            sync=dp.sync.ZeRO1(shard_axis="model"),
+            layout=dp.Layout(replicate="replica", shard="shard"),
+            sync=dp.sync.ZeRO1(algorithm="hierarchical"),
         )
     trainer = dp.Trainer(
         lambda w, b, r: (w.sum(), {}),
         optax.sgd(0.1),
         mesh=_hybrid_mesh(),
-        axis_name="shard",
-        sync=dp.sync.ZeRO1(shard_axis="shard"),
+        layout=dp.Layout(shard="shard"),
+        sync=dp.sync.ZeRO1(),
     )
     assert trainer.sync.replica_axes == () and trainer.sync.n_shard == 4
-    with pytest.raises(ValueError, match=message.format("replica", r"'shard',")):
+    assert trainer.sync.shard_axis_name == "shard"
+    with pytest.raises(TypeError, match=r"shard_axis= is gone"):
         trainer.sync.replace(shard_axis="replica")

@@ -133,7 +133,7 @@ def test_different_collectives_end_at_the_timeout(tmp_path):
     expected = (
         f"the processes disagree at call #1 of processes 0-1: process 0 runs "
         f"dist.all_reduce(float32[4,3]) op=SUM at {site}; process 1 runs "
-        f"dist.all_gather(float32[4,3]) axis=0 tiled=False at {site}."
+        f"dist.all_gather(float32[4,3]) dim=0 tiled=False at {site}."
     )
     assert _first_finding(job) == expected, job.stderr[-3000:]
     # The same analysis offline, from the records the job left in --trace-dir.
@@ -209,7 +209,7 @@ def test_different_collectives_are_named_by_detection(tmp_path):
         job,
         ("dist.all_reduce", "dist.all_gather"),
         "process 0: all_reduce float32[4,3] op=SUM; process 1: all_gather "
-        "float32[4,3] axis=0 tiled=False",
+        "float32[4,3] dim=0 tiled=False",
     )
 
 

@@ -135,9 +135,10 @@ def test_fsdp_2x4_matches_1x8_and_resumes_after_a_kill(tmp_path, single):
 
 @pytest.mark.timeout(200)
 def test_hsdp_with_replicas_across_processes_matches_1x8(tmp_path, single):
-    # dp.sync.FSDP(shard_axis="shard") on a (replica 2, shard 4) mesh whose rows are the two
-    # processes: params split over each process's 4 devices, replicated across processes,
-    # the gradient slices summed across them (HSDP across nodes).
+    # dp.Layout(replicate="replica", shard="shard") (FSDP over "shard": HSDP) on a (replica 2,
+    # shard 4) mesh whose rows are the two processes: params split over each process's 4
+    # devices, replicated across processes, the gradient slices summed across them (HSDP
+    # across nodes).
     _, two = _train(tmp_path, "hsdp", ["--nprocs", "2", "--devices-per-proc", "4"], strategy="hsdp")
     assert len(two) == 2
     for k in KEYS:
@@ -155,7 +156,7 @@ def test_the_gpt_example_across_processes_equals_one_device(tmp_path):
     from tests.test_gpt import STEPS, TOL, _flat, _max_rel, _train
 
     out = tmp_path / "params.npz"
-    args = ["--tiny", "--layout", "fsdp2xtp2xpp2:1f1b"]
+    args = ["--tiny", "--layout", "fsdp2xtp2xpp2:1f1b2"]
     args += ["--steps", str(STEPS), "--out", str(out)]
     job = launch(
         ["--nprocs", "2", "--devices-per-proc", "4"],
@@ -165,7 +166,7 @@ def test_the_gpt_example_across_processes_equals_one_device(tmp_path):
     )
     assert job.returncode == 0, job.stderr[-4000:]
     assert survivors(job.token) == []
-    assert "fsdp2xtp2xpp2:1f1b: mesh {'pipeline': 2, 'shard': 2, 'tensor': 2}" in job.stdout
+    assert "fsdp2xtp2xpp2:1f1b2: mesh {'pipeline': 2, 'shard': 2, 'tensor': 2}" in job.stdout
     single, _ = _train("single")
     assert _max_rel(dict(np.load(out)), _flat(single)) <= TOL
 

@@ -249,7 +249,7 @@ def test_param_names_and_partition_specs():
         "fc1": {"kernel": P(None, "tensor"), "bias": P("tensor")},
         "fc2": {"kernel": P("tensor", None), "bias": P(None)},
     }
-    attn = ParallelSelfAttention(num_heads=HEADS, out_features=12, axis="model")
+    attn = ParallelSelfAttention(num_heads=HEADS, out_features=12, axis_name="model")
     variables = jax.eval_shape(attn.init, jax.random.key(0), x)  # shapes only: no compile
     specs = linen.get_partition_spec(variables)["params"]
     shapes = jax.tree.map(jnp.shape, linen.meta.unbox(variables))["params"]
@@ -259,8 +259,8 @@ def test_param_names_and_partition_specs():
     assert specs["out"] == {"kernel": P("model", None, None), "bias": P(None)}
     assert shapes["out"] == {"kernel": (HEADS, D // HEADS, 12), "bias": (12,)}
     assert jax.eval_shape(attn.apply, variables, x).shape == (B, S, 12)
-    # axis=None: the dense layer everywhere, nothing split
-    dense = jax.eval_shape(ParallelMLP(D, HIDDEN, axis=None).init, jax.random.key(0), x)
+    # axis_name=None: the dense layer everywhere, nothing split
+    dense = jax.eval_shape(ParallelMLP(D, HIDDEN, axis_name=None).init, jax.random.key(0), x)
     assert linen.get_partition_spec(dense)["params"]["fc1"]["kernel"] == P(None, None)
 
 
@@ -524,7 +524,7 @@ def test_error_arguments():
         _abstract_init(ParallelMLP(features=D, hidden=32.0), x)
     with pytest.raises(ValueError, match=r"dropout_rate=1\.0 must be in \[0, 1\)"):
         _abstract_init(ParallelSelfAttention(num_heads=HEADS, dropout_rate=1.0), x)
-    with pytest.raises(ValueError, match=r"x has shape \(16,\); it needs a sequence axis"):
+    with pytest.raises(ValueError, match=r"x has shape \(16,\); it needs a sequence dim"):
         _abstract_init(ParallelSelfAttention(num_heads=HEADS), x[0, 0])
 
     class Named(linen.Module):  # below the root, the error names the layer's path

@@ -66,12 +66,12 @@ def test_split_attention_equals_numpy_over_the_whole_sequence(n, causal, method)
         jax.shard_map(per_rank, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, (spec,) * 3))
     )
     placed = [
-        jax.device_put(parallel.to_context_layout(a, n), NamedSharding(mesh, spec))
+        jax.device_put(parallel.to_context_order(a, n), NamedSharding(mesh, spec))
         for a in (q, k, v, w)
     ]
     o, grads = f(*placed)
     want_o, want_grads = _np_attention(q, k, v, w, causal)
-    got = [parallel.from_context_layout(x, n) for x in (o, *grads)]
+    got = [parallel.from_context_order(x, n) for x in (o, *grads)]
     diffs = [_rel(g, w_) for g, w_ in zip(got, [want_o, *want_grads], strict=True)]
     assert max(diffs) <= 1e-5, diffs
 
@@ -82,7 +82,7 @@ def test_unbound_it_is_dense_attention():
     assert _rel(o, _np_attention(q, k, v, w, True)[0]) <= 1e-5
 
 
-def test_the_layout_and_the_positions_agree():
+def test_the_order_and_the_positions_agree():
     n = 4
     order = parallel.context_order(S, n)
     c = S // (2 * n)
@@ -90,7 +90,10 @@ def test_the_layout_and_the_positions_agree():
     assert list(order[c : 2 * c]) == list(range((2 * n - 1) * c, 2 * n * c))  # ... and the last
     assert sorted(order) == list(range(S))
     x = np.arange(S)[None]
-    assert np.array_equal(parallel.from_context_layout(parallel.to_context_layout(x, n), n), x)
+    assert np.array_equal(parallel.from_context_order(parallel.to_context_order(x, n), n), x)
+    assert np.array_equal(  # the sequence along another dim
+        parallel.to_context_order(x.T, n, dim=0), parallel.to_context_order(x, n).T
+    )
     mesh = mesh_1d(n, "context")
     pos = jax.jit(
         jax.shard_map(
@@ -111,7 +114,16 @@ def test_the_layout_and_the_positions_agree():
             out_specs=P(None, "context"),
         )
     )(x)
-    assert np.array_equal(np.asarray(parts), np.asarray(parallel.to_context_layout(x, n)))
+    assert np.array_equal(np.asarray(parts), np.asarray(parallel.to_context_order(x, n)))
+    parts = jax.jit(
+        jax.shard_map(
+            lambda x: parallel.context_part(x, dim=0),  # the role "context", the sequence first
+            mesh=mesh,
+            in_specs=P(),
+            out_specs=P("context"),
+        )
+    )(x.T)
+    assert np.array_equal(np.asarray(parts), np.asarray(parallel.to_context_order(x.T, n, dim=0)))
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])

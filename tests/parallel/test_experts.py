@@ -1,6 +1,7 @@
 """parallel.moe_mlp: a mixture of experts split over 2, 4 and 8 devices equals a NumPy oracle
 of the whole batch (softmax and sigmoid routing, dropless and with a capacity), its gradients
-equal the one-device run's, and the load it reports is the whole batch's."""
+equal the one-device run's, and the load it reports is the whole batch's; the arguments it
+refuses, at trace time."""
 
 from __future__ import annotations
 
@@ -70,10 +71,10 @@ ROUTINGS = {
 }
 
 
-def _layer(routing, axis):
+def _layer(routing, axis_name):
     def f(x, router, w_in, w_out):
         return parallel.moe_mlp(
-            x, router, w_in, w_out, k=K, axis=axis, data_axes=axis,
+            x, router, w_in, w_out, k=K, axis_name=axis_name, data_axis_name=axis_name,
             score_func=routing["score_func"], normalize=routing["normalize"],
             capacity_factor=routing["factor"],
         )  # fmt: skip
@@ -144,7 +145,50 @@ def test_without_an_expert_axis_every_expert_is_local():
 def test_experts_that_do_not_match_the_router_are_refused():
     x, router, w_in, w_out = _inputs()
     with pytest.raises(ValueError, match=r"w_in holds 4 experts on each of 1 devices"):
-        parallel.moe_mlp(x, router, w_in[:4], w_out[:4], k=K, axis=None)
+        parallel.moe_mlp(x, router, w_in[:4], w_out[:4], k=K, axis_name=None)
+
+
+# Arguments moe_mlp refuses at trace time (nn.MoE refuses the same ones, by the same check:
+# tests/dp/test_expert_training.py), each error naming the argument, its value and the fix.
+BAD_ARGUMENTS = [
+    (dict(k=10), r"k=10 experts per token, of num_experts=8 .*pass 1 <= k <= 8"),
+    (dict(k=0), r"k=0 experts per token, of num_experts=8 .*pass 1 <= k <= 8"),
+    (dict(score_func="relu"), r"score_func='relu' is not a score function; pass one of"),
+    (dict(capacity_factor=0), r"capacity_factor=0 must be a positive number .* or None"),
+    (dict(capacity_factor=-1.0), r"capacity_factor=-1.0 must be a positive number"),
+    (dict(capacity_factor=float("inf")), r"capacity_factor=inf must be a positive number"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", BAD_ARGUMENTS)
+def test_bad_arguments_are_refused_at_trace_time(kwargs, match):
+    x, router, w_in, w_out = _inputs()
+    kwargs = {"k": K, **kwargs}
+    with pytest.raises(ValueError, match=r"^parallel\.moe_mlp: " + match):
+        jax.jit(lambda *a: parallel.moe_mlp(*a, **kwargs)).trace(x, router, w_in, w_out)
+
+
+def test_a_k_that_is_not_an_int_is_refused():
+    x, router, w_in, w_out = _inputs()
+    with pytest.raises(TypeError, match=r"parallel\.moe_mlp: k must be an int, got 2.0"):
+        parallel.moe_mlp(x, router, w_in, w_out, k=2.0)
+
+
+def test_tokens_that_are_not_a_batch_of_sequences_are_refused():
+    x, router, w_in, w_out = _inputs()
+    with pytest.raises(ValueError, match=r"moe_mlp: x has shape \(48, 8\); pass a batch of"):
+        parallel.moe_mlp(x.reshape(B * S, D), router, w_in, w_out, k=K)
+
+
+def test_a_capacity_is_refused_where_the_context_axis_splits_the_sequences():
+    # each device would count its part of every sequence: not the one-device capacity
+    mesh = jax.make_mesh((2, 2), ("expert", "context"), devices=jax.devices()[:4])
+    specs = (P(None, "context"), P(), P("expert"), P("expert"))
+    layer = _layer(ROUTINGS["softmax-capacity"], "expert")
+    split = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=specs, out_specs=P()))
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(_inputs(), specs)]
+    with pytest.raises(ValueError, match=r"moe_mlp: capacity_factor=1.0 .* context axis"):
+        split.trace(*placed)
 
 
 def test_on_gpus_the_tokens_travel_by_four_ragged_all_to_alls_and_one_count_exchange():

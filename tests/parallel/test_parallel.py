@@ -1,6 +1,6 @@
 """jaxcoll.parallel beyond what the examples prove (05/06/07 run in tests/test_examples.py):
-the pipeline without a data axis and its forward, that forward differentiated and run dense
-(no stage axis bound), MoE with a capacity that drops tokens, and every error."""
+the pipeline without a data axis and its loss (``pipeline_loss``), that loss differentiated
+and run dense (no stage axis bound), MoE with a capacity that drops tokens, and every error."""
 
 from __future__ import annotations
 
@@ -51,22 +51,30 @@ def test_pipeline_without_data_axis_matches_one_device():
     def body(p, x, y):
         mine = jax.tree.map(lambda v: v[0], p)
         loss, g = parallel.pipeline_value_and_grad(
-            stage_fn, loss_fn, mine, x, y, stage_axis="stage", schedule=parallel.GPipe(3)
+            stage_fn, loss_fn, mine, x, y, axis_name="stage", schedule=parallel.GPipe(3)
         )
-        out = parallel.pipeline_apply(stage_fn, mine, x, stage_axis="stage", num_microbatches=4)
-        return loss, jax.tree.map(lambda v: v[None], g), out
+        # The same schedules' loss alone (not differentiated: the forwards only).
+        value = parallel.pipeline_loss(
+            stage_fn, _headless, mine, (), x, y, axis_name="stage", schedule=parallel.GPipe(4)
+        )
+        return loss, jax.tree.map(lambda v: v[None], g), value
 
     f = jax.jit(
         jax.shard_map(
             body, mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=(P(), P("stage"), P())
         )
     )
-    loss, grads, out = f(jax.device_put(params, NamedSharding(mesh, P("stage"))), x, y)
+    loss, grads, value = f(jax.device_put(params, NamedSharding(mesh, P("stage"))), x, y)
     want_loss, want_grads = jax.value_and_grad(lambda p: loss_fn(_reference(p, x), y))(params)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     for k in params:
         np.testing.assert_allclose(grads[k], want_grads[k], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(out, _reference(params, x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(value, want_loss, rtol=1e-6)
+
+
+def _headless(head, h, y):
+    """``loss_fn`` as ``pipeline_loss`` calls a head: ``(head params, h, y)``, here none."""
+    return loss_fn(h, y)
 
 
 LAYERS = 2  # per stage: one model, S * LAYERS layers stacked on a leading axis
@@ -85,44 +93,60 @@ def layers_fn(p, h):
     return jax.lax.scan(lambda h, layer: (stage_fn(layer, h), None), h, p)[0]
 
 
-def model(p, x):
-    return parallel.pipeline_apply(layers_fn, p, x, stage_axis="stage", num_microbatches=4)
-
-
 def model_loss(p, x, y):
-    return loss_fn(model(p, x), y)
+    """The model's loss by GPipe over 4 micro-batches: pipelined where "stage" is bound (``p``
+    this stage's layers), the dense model where not (``p`` every layer)."""
+    return parallel.pipeline_loss(
+        layers_fn, _headless, p, (), x, y, axis_name="stage", schedule=parallel.GPipe(4)
+    )
 
 
-def test_pipeline_apply_is_the_dense_model_where_the_stage_axis_is_unbound():
+def test_pipeline_loss_is_the_dense_model_where_the_stage_axis_is_unbound():
     params = _layers()
-    x = np.random.default_rng(4).normal(size=(8, W)).astype(np.float32)
-    want = x
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(8, W)).astype(np.float32)
+    y = rng.normal(size=(8, W)).astype(np.float32)
+    h = x
     for k in range(S * LAYERS):
-        want = stage_fn(jax.tree.map(lambda v, k=k: v[k], params), want)
-    np.testing.assert_allclose(model(params, x), want, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(jax.jit(model)(params, x), want, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match=r"pipeline_apply: the batch has 8 examples, which do "):
-        parallel.pipeline_apply(layers_fn, params, x, stage_axis="stage", num_microbatches=3)
+        h = stage_fn(jax.tree.map(lambda v, k=k: v[k], params), h)
+    want = loss_fn(h, y)
+    np.testing.assert_allclose(model_loss(params, x, y), want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(jax.jit(model_loss)(params, x, y), want, rtol=1e-6, atol=1e-7)
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline_loss: the batch has 8 examples, which do not split into the 3 of "
+        r"GPipe\(microbatches=3\)",
+    ):
+        parallel.pipeline_loss(
+            layers_fn, _headless, params, (), x, y, axis_name="stage", schedule=parallel.GPipe(3)
+        )
 
 
-def test_pipeline_apply_refuses_a_stage_axis_bound_in_part():
+def test_pipeline_loss_refuses_a_stage_axis_bound_in_part():
     mesh = mesh_1d(S, "stage")
 
     def body(p, x):
-        return parallel.pipeline_apply(
-            layers_fn, p, x, stage_axis=("stage", "other"), num_microbatches=4
+        return parallel.pipeline_loss(
+            layers_fn,
+            _headless,
+            p,
+            (),
+            x,
+            x,
+            axis_name=("stage", "other"),
+            schedule=parallel.GPipe(4),
         )
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P()))
     with pytest.raises(
         ValueError,
-        match=r"pipeline_apply: stage_axis=\('stage', 'other'\) is bound only in part "
+        match=r"pipeline_loss: axis_name=\('stage', 'other'\) is bound only in part "
         r"\(\['other'\] not bound here\)",
     ):
         f.trace(_layers(), jax.ShapeDtypeStruct((8, W), jnp.float32))
 
 
-def test_grad_through_pipeline_apply_equals_the_dense_gradient():
+def test_grad_through_pipeline_loss_equals_the_dense_gradient():
     # The same loss function, inside shard_map over 4 stages (each holding its 2 layers) and
     # outside it (dense, all 8 layers): jax.grad must agree, for the params (varying over the
     # stages) and for the input (invariant: its gradient is summed over the stages once).
@@ -186,7 +210,7 @@ def test_pipeline_errors(kwargs, match):
             mine,
             x,
             x,
-            stage_axis="stage",
+            axis_name="stage",
             schedule=args["schedule"],
         )[0]
 
@@ -223,7 +247,7 @@ def test_pipeline_refuses_targets_that_do_not_match_the_examples(y, match):
         mine = jax.tree.map(lambda v: v[0], p)
         loss_of = loss_fn if not isinstance(y, dict) else lambda h, t: loss_fn(h, t["h"])
         return parallel.pipeline_value_and_grad(
-            stage_fn, loss_of, mine, x, y, stage_axis="stage", schedule=parallel.GPipe(4)
+            stage_fn, loss_of, mine, x, y, axis_name="stage", schedule=parallel.GPipe(4)
         )[0]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=P()))
@@ -264,12 +288,55 @@ def test_moe_capacity_drops_come_back_as_zeros():
     assert (out == 0).all(axis=-1).sum() > 0
 
 
-def test_shard_mlp_error():
-    with pytest.raises(ValueError, match=r"shard_mlp: the hidden width 6 does not split over 4"):
-        parallel.shard_mlp(
-            {"w1": np.zeros((2, 6)), "b1": np.zeros(6), "w2": np.zeros((6, 2)), "b2": np.zeros(2)},
-            4,
+def test_mlp_specs_split_the_whole_params_as_the_layers_boxes_do():
+    whole = {"w1": np.zeros((2, 8)), "b1": np.zeros(8), "w2": np.zeros((8, 2)), "b2": np.zeros(2)}
+    assert parallel.mlp_specs(whole) == {
+        "w1": P(None, "tensor"),
+        "b1": P("tensor"),
+        "w2": P("tensor", None),
+        "b2": P(),
+    }
+    assert parallel.mlp_specs({"w1": whole["w1"], "w2": whole["w2"]}, "mlp") == {
+        "w1": P(None, "mlp"),
+        "w2": P("mlp", None),
+    }
+    with pytest.raises(ValueError, match=r"parallel\.mlp_specs: params must hold 'w1' and 'w2'"):
+        parallel.mlp_specs({"w1": whole["w1"], "w3": whole["w2"]})
+
+
+def test_tensor_parallel_functions_are_dense_where_the_axis_is_not_bound():
+    # The same calls outside shard_map (or over a mesh without the axis): the whole params,
+    # the dense block, no collective; sequence_parallel does nothing there.
+    rng = np.random.default_rng(5)
+    p = {
+        "w1": rng.normal(size=(8, 16)).astype(np.float32),
+        "b1": rng.normal(size=(16,)).astype(np.float32),
+        "w2": rng.normal(size=(16, 8)).astype(np.float32),
+        "b2": rng.normal(size=(8,)).astype(np.float32),
+    }
+    x = rng.normal(size=(6, 8)).astype(np.float32)
+    want = parallel.gelu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    for sp in (False, True):
+        np.testing.assert_allclose(
+            np.asarray(parallel.mlp(p, x, "tensor", sequence_parallel=sp)), want, rtol=1e-6
         )
+    assert parallel.sequence_gather(x, "tensor", dim=-2) is x
+    np.testing.assert_allclose(
+        np.asarray(parallel.row_parallel(x, p["w1"], None, p["b1"], scatter=True)),
+        x @ p["w1"] + p["b1"],
+        rtol=1e-6,
+    )
+    f = jax.jit(
+        jax.shard_map(
+            lambda p, x: parallel.mlp(p, x),
+            mesh=mesh_1d(2, "data"),
+            in_specs=(P(), P("data")),
+            out_specs=P("data"),
+        )
+    )
+    lowered = f.lower(p, x)
+    assert "all_reduce" not in lowered.as_text()
+    np.testing.assert_allclose(np.asarray(lowered.compile()(p, x)), want, rtol=1e-5, atol=1e-5)
 
 
 def test_gelu_is_torchs_exact_gelu():
@@ -290,21 +357,27 @@ def test_mlp_without_biases_and_with_the_exact_gelu_equals_the_dense_block():
     h = x.astype(np.float64) @ w1
     gelu = np.vectorize(lambda v: 0.5 * v * (1 + math.erf(v / math.sqrt(2))))
     want = gelu(h) @ w2
-    shards = parallel.shard_mlp({"w1": w1, "w2": w2}, n)
-    assert sorted(shards) == ["w1", "w2"]
+    whole = {"w1": w1, "w2": w2}  # the params whole; each device is handed its slices
+    specs = parallel.mlp_specs(whole, "model")
+    assert specs == {"w1": P(None, "model"), "w2": P("model", None)}
     mesh = mesh_1d(n, "model")
 
     def body(p, x):
-        return parallel.mlp({k: v[0] for k, v in p.items()}, x, "model")
+        assert p["w1"].shape == (d, f // n) and p["w2"].shape == (f // n, d)  # the slices
+        return parallel.mlp(p, x, "model")
 
-    specs = {"w1": P("model"), "w2": P("model")}
-    placed = jax.device_put(shards, {k: NamedSharding(mesh, s) for k, s in specs.items()})
+    placed = jax.device_put(whole, {k: NamedSharding(mesh, s) for k, s in specs.items()})
     y = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=P()))(placed, x)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match=r"parallel\.mlp: params must hold 'w1' and 'w2'"):
-        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=({"w1": P("model")}, P()), out_specs=P()))(
-            {"w1": placed["w1"]}, x
-        )
+        jax.jit(
+            jax.shard_map(
+                lambda p, x: parallel.mlp(p, x, "model"),
+                mesh=mesh,
+                in_specs=({"w1": specs["w1"]}, P()),
+                out_specs=P(),
+            )
+        )({"w1": placed["w1"]}, x)
 
 
 def test_sequence_parallel_backward_reduce_scatters_the_input_cotangent():
@@ -321,16 +394,12 @@ def test_sequence_parallel_backward_reduce_scatters_the_input_cotangent():
     }
     x = rng.normal(size=(t, d)).astype(np.float32)
     mesh = mesh_1d(n, "model")
-    specs = {"w1": P("model"), "w2": P("model")}
-    placed = jax.device_put(
-        parallel.shard_mlp(dense, n), {k: NamedSharding(mesh, s) for k, s in specs.items()}
-    )
+    specs = parallel.mlp_specs(dense, "model")
+    placed = jax.device_put(dense, {k: NamedSharding(mesh, s) for k, s in specs.items()})
 
     def body(p, x_rows):
         def loss(x_rows):
-            y = parallel.mlp(
-                {k: v[0] for k, v in p.items()}, x_rows, "model", sequence_parallel=True
-            )
+            y = parallel.mlp(p, x_rows, "model", sequence_parallel=True)
             return jnp.sum(y**2)
 
         return jax.grad(loss)(x_rows)

@@ -1,11 +1,10 @@
-"""The pipeline's three schedules, as values (``parallel.GPipe``, ``parallel.OneFOneB``,
+"""The pipeline's schedules, as values (``parallel.GPipe``, ``parallel.OneFOneB``,
 ``parallel.Interleaved``): 1F1B and interleaved 1F1B give GPipe's loss and gradients (and the
 dense model's), on their own and beside a data axis; they keep fewer activations than GPipe in
 the compiled program, a number that does not grow with the micro-batches; the interleaved
 schedule's table (every dependency, the buffers, the idle slots) and each value's bubble and
-kept inputs; bad values. Then the old spelling (``schedule="1f1b", num_microbatches=8``,
-``parallel.bubble_fraction``): the same program with a DeprecationWarning naming the value, and
-its errors."""
+kept inputs; bad values. A schedule's name (``schedule="1f1b"``) is refused, naming the value
+to pass; the stage axis defaults to the role ``"pipeline"``."""
 
 from __future__ import annotations
 
@@ -69,7 +68,7 @@ def _check_grads(got_loss, got_grads, params, x, y):
         np.testing.assert_allclose(got_grads[k], want_grads[k], rtol=1e-4, atol=1e-6)
 
 
-def _both(stage_axis, m, data_axis=None):
+def _both(axis_name, m, data_axis_name=None):
     """A shard_map body that runs GPipe and 1F1B (one compiled program for the two)."""
 
     def body(p, x, y):
@@ -82,9 +81,9 @@ def _both(stage_axis, m, data_axis=None):
                 mine,
                 x,
                 y,
-                stage_axis=stage_axis,
+                axis_name=axis_name,
                 schedule=schedule,
-                data_axis=data_axis,
+                data_axis_name=data_axis_name,
             )
             out.append((loss, jax.tree.map(lambda v: v[None], g)))
         return tuple(out)
@@ -119,7 +118,7 @@ def test_1f1b_with_a_data_axis_averages_the_replicas_once():
     params, x, y = _problem(32)  # 16 examples per replica
     f = jax.jit(
         jax.shard_map(
-            _both("local", 2, data_axis="node"),  # 2 micro-batches: fewer than the stages
+            _both("local", 2, data_axis_name="node"),  # 2 micro-batches: fewer than the stages
             mesh=mesh,
             in_specs=(P("local"), P("node"), P("node")),
             out_specs=((P(), P("local")),) * 2,
@@ -179,16 +178,7 @@ def _values(m):
     )
 
 
-def _old_spellings(m):
-    """The same three in the deprecated spelling (GPipe by the default schedule)."""
-    return (
-        {"num_microbatches": m},
-        {"schedule": "1f1b", "num_microbatches": m},
-        {"schedule": "interleaved", "num_microbatches": m, "virtual_stages": V},
-    )
-
-
-def _three(stage_axis, spelled, data_axis=None):
+def _three(axis_name, spelled, data_axis_name=None):
     """One shard_map body running GPipe and 1F1B (stage s: model chunks Vs..Vs+V-1) and the
     interleaved schedule (stage s: chunks s, s + S), given as ``spelled``: one compiled
     program for the three."""
@@ -204,8 +194,8 @@ def _three(stage_axis, spelled, data_axis=None):
                 jax.tree.map(lambda t: t[0], p),
                 x,
                 y,
-                stage_axis=stage_axis,
-                data_axis=data_axis,
+                axis_name=axis_name,
+                data_axis_name=data_axis_name,
                 **schedule,
             )
             out.append((loss, jax.tree.map(lambda t: t[None], g)))
@@ -215,10 +205,10 @@ def _three(stage_axis, spelled, data_axis=None):
 
 
 @functools.cache
-def _three_run(m, data, old=False):
+def _three_run(m, data):
     """The chunked problem and the three schedules' ``(loss, grads)`` (host arrays, grads
-    ``(S, V, ...)`` as each schedule places the chunks), 4 stages or 2 data x 4 stages; with
-    ``old``, through the deprecated spelling. Cached: the program compiles once per case."""
+    ``(S, V, ...)`` as each schedule places the chunks), 4 stages or 2 data x 4 stages.
+    Cached: the program compiles once per case."""
     if data:
         mesh, stage_axis, data_axis = mesh_2d(2, S), "local", "node"  # all 8 devices
         params, x, y = _chunked_problem(32)  # 16 examples per replica
@@ -226,10 +216,9 @@ def _three_run(m, data, old=False):
         mesh, stage_axis, data_axis = mesh_1d(S, "stage"), "stage", None
         params, x, y = _chunked_problem(16)
     rows = P(data_axis) if data else P()
-    spelled = _old_spellings(m) if old else _values(m)
     f = jax.jit(
         jax.shard_map(
-            _three(stage_axis, spelled, data_axis),
+            _three(stage_axis, _values(m), data_axis),
             mesh=mesh,
             in_specs=(P(stage_axis), P(stage_axis), rows, rows),
             out_specs=((P(), P(stage_axis)),) * 3,
@@ -353,7 +342,7 @@ def _temp_bytes(schedule, rows=64, width=256):
 
     def body(w, x, y):
         loss, g = parallel.pipeline_value_and_grad(
-            block, mse, w[0], x, y, stage_axis="stage", schedule=schedule
+            block, mse, w[0], x, y, axis_name="stage", schedule=schedule
         )
         return loss, g[None]
 
@@ -548,33 +537,6 @@ def test_a_bad_schedule_value_is_refused_when_made(make, args, kwargs, error, me
         make(*args, **kwargs)
 
 
-@pytest.mark.parametrize(
-    "schedule, extra, dropped",
-    [
-        (parallel.GPipe(2), {"num_microbatches": 2}, "num_microbatches=2"),
-        (parallel.OneFOneB(2), {"virtual_stages": 1}, "virtual_stages=1"),
-        (
-            parallel.Interleaved(4, virtual=2),
-            {"num_microbatches": 4, "virtual_stages": 2},
-            "num_microbatches=4 and virtual_stages=2",
-        ),
-    ],
-    ids=["gpipe", "1f1b", "interleaved"],
-)
-def test_a_value_with_the_old_counts_too_is_refused(schedule, extra, dropped):
-    params, x, y = _problem(8)
-    with pytest.raises(
-        TypeError,
-        match=re.escape(
-            f"pipeline_value_and_grad: schedule={schedule!r} carries its micro-batches (and "
-            f"chunks); drop {dropped}."
-        ),
-    ):
-        parallel.pipeline_value_and_grad(
-            stage_fn, loss_fn, params, x, y, stage_axis="stage", schedule=schedule, **extra
-        )
-
-
 def _trace_interleaved(params, **schedule):
     mesh = mesh_1d(S, "stage")
 
@@ -586,7 +548,7 @@ def _trace_interleaved(params, **schedule):
             mine,
             x,
             x,
-            stage_axis="stage",
+            axis_name="stage",
             **schedule,
         )[0]
 
@@ -629,70 +591,38 @@ def test_interleaving_needs_the_chunks_on_a_leading_axis():
         _trace_interleaved(one_chunk, schedule=parallel.Interleaved(4, virtual=V))
 
 
-# ------------------------------------------------- the old spelling: deprecated, still working
-def test_the_old_spelling_runs_the_same_program_and_names_the_value():
-    # GPipe by the default schedule, 1F1B and interleaved by their strings, all with
-    # num_microbatches=4: one DeprecationWarning each, at the caller's line, naming the value.
-    with pytest.warns(DeprecationWarning, match="is the old spelling; pass schedule=") as caught:
-        _, old = _three_run(4, False, old=True)
-    tail = " (a value that also gives the schedule's bubble_fraction and kept_inputs)."
-    assert [str(w.message) for w in caught] == [
-        f"pipeline_value_and_grad: {was} is the old spelling; pass schedule=parallel.{value}{tail}"
-        for was, value in [
-            ("num_microbatches=4", "GPipe(4)"),  # no schedule given: GPipe
-            ("schedule='1f1b', num_microbatches=4", "OneFOneB(4)"),
-            (
-                "schedule='interleaved', num_microbatches=4, virtual_stages=2",
-                "Interleaved(4, virtual=2)",
-            ),
-        ]
-    ]
-    assert {w.filename for w in caught} == {__file__}
-    # Bit for bit the values' loss and grads (the program of
-    # test_interleaved_equals_gpipe_1f1b_and_the_dense_model[4-4-stages]).
-    _, new = _three_run(4, False)
-    for got, want in zip(jax.tree.leaves(old), jax.tree.leaves(new), strict=True):
-        np.testing.assert_array_equal(got, want)
-
-
+# ------------------------------------------------ a schedule is a value, never a name
 @pytest.mark.parametrize(
-    "args, kwargs, value, bubble",
+    "name, value",
     [
-        ((4, 8), {}, parallel.GPipe(8), 3 / 11),  # the default schedule
-        ((4, 16, "gpipe"), {}, parallel.GPipe(16), 3 / 19),
-        ((8, 8, "1f1b"), {}, parallel.OneFOneB(8), 7 / 15),
-        ((1, 5, "1f1b"), {}, parallel.OneFOneB(5), 0.0),
-        ((4, 8, "interleaved"), {"virtual_stages": 2}, parallel.Interleaved(8, virtual=2), 3 / 19),
-        (
-            (4, 16, "interleaved"),
-            {"virtual_stages": 4},
-            parallel.Interleaved(16, virtual=4),
-            3 / 67,
-        ),
-        ((4, 6, "interleaved"), {}, parallel.Interleaved(6, virtual=1), 1 / 3),
+        ("gpipe", "GPipe(M)"),
+        ("1f1b", "OneFOneB(M)"),
+        ("interleaved", "Interleaved(M, virtual=v)"),
+        (parallel.ZeroBubble.name, "ZeroBubble(M)"),
+        ("OneFOneB", "OneFOneB(M)"),  # a class's name, as a string
     ],
-    ids=str,
 )
-def test_the_old_bubble_fraction_warns_and_equals_the_values(args, kwargs, value, bubble):
-    code = repr(value).replace("microbatches=", "")  # Interleaved(8, virtual=2)
-    was = f"{args[0]}, {args[1]}, {(args + ('gpipe',))[2]!r}"
-    if isinstance(value, parallel.Interleaved):  # the chunks the call gave, default 1
-        was += f", virtual_stages={value.virtual}"
-    with pytest.warns(
-        DeprecationWarning,
-        match=re.escape(
-            f"bubble_fraction({was}) is the old "
-            f"spelling; pass parallel.{code}.bubble_fraction({args[0]}) (a schedule value, "
-            f"which pipeline_value_and_grad takes too)."
-        ),
-    ) as caught:
-        got = parallel.bubble_fraction(*args, **kwargs)
-    assert got == value.bubble_fraction(args[0]) == bubble
-    assert len(caught) == 1 and caught[0].filename == __file__
+def test_a_schedule_name_is_refused_naming_the_value_to_pass(name, value):
+    params, x, y = _problem(8)
+    cls = value.split("(")[0]
+    chunks = ", v the model chunks per stage" if cls == "Interleaved" else ""
+    message = (
+        f"schedule={name!r} is gone; pass a schedule value: schedule=parallel.{value}, M its "
+        f"micro-batches per step{chunks} (e.g. schedule=parallel.{cls}(8))."
+    )
+    with pytest.raises(TypeError, match=re.escape(f"pipeline_value_and_grad: {message}")):
+        parallel.pipeline_value_and_grad(
+            stage_fn, loss_fn, params, x, y, axis_name="stage", schedule=name
+        )
+    blocks = {"w": params["w"][None], "b": params["b"][None]}
+    with pytest.raises(TypeError, match=re.escape(f"pipeline_loss: {message}")):
+        parallel.pipeline_loss(  # refused in dense mode too
+            stage_fn, lambda head, h, t: loss_fn(h, t), blocks, (), x, y, schedule=name
+        )
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "Interleaved", "", 1, parallel.GPipe])
-def test_an_unknown_schedule_is_refused(schedule):
+@pytest.mark.parametrize("schedule", ["GPipe(8)", "", 1, parallel.GPipe])
+def test_anything_but_a_schedule_value_is_refused(schedule):
     params, x, y = _problem(8)
     # The class itself is named as such, with the instance to pass.
     hint = (
@@ -701,92 +631,71 @@ def test_an_unknown_schedule_is_refused(schedule):
         else ""
     )
     with pytest.raises(
-        ValueError,
+        TypeError,
         match=re.escape(
-            f"pipeline_value_and_grad: schedule={schedule!r} is not a pipeline schedule{hint}; "
-            "expected a schedule value, parallel.GPipe(M), parallel.OneFOneB(M) or "
-            "parallel.Interleaved(M, virtual=v) (or, deprecated, one of 'gpipe', '1f1b', "
-            "'interleaved')."
+            f"pipeline_value_and_grad: schedule must be a schedule value (parallel.GPipe(M), "
+            f"parallel.OneFOneB(M), parallel.Interleaved(M, virtual=v) or "
+            f"parallel.ZeroBubble(M)), got {schedule!r}{hint}."
         ),
     ):
         parallel.pipeline_value_and_grad(
-            stage_fn,
-            loss_fn,
-            params,
-            x,
-            y,
-            stage_axis="stage",
-            num_microbatches=2,
-            schedule=schedule,
+            stage_fn, loss_fn, params, x, y, axis_name="stage", schedule=schedule
         )
-    with pytest.raises(ValueError, match=re.escape(f"bubble_fraction: schedule={schedule!r} is")):
-        parallel.bubble_fraction(4, 8, schedule)
 
 
 @pytest.mark.parametrize(
-    "schedule, v, error, match",
+    "kwargs",
     [
-        ("interleaved", 0, ValueError, r"virtual_stages=0 must be a positive int"),
-        ("interleaved", -2, ValueError, r"virtual_stages=-2 must be a positive int"),
-        ("interleaved", 2.0, TypeError, r"virtual_stages must be an int .*got 2\.0 instead"),
-        ("interleaved", True, TypeError, r"virtual_stages must be an int .*got True instead"),
-        ("interleaved", "2", TypeError, r"virtual_stages must be an int .*got '2' instead"),
-        (
-            "1f1b",
-            2,
-            ValueError,
-            r"virtual_stages=2 needs schedule='interleaved', got schedule='1f1b', which runs "
-            r"one chunk per stage\. Pass schedule='interleaved', or virtual_stages=1\.",
+        {"num_microbatches": 8},
+        {"virtual_stages": 2},
+        {"stage_axis": "stage"},
+        {"data_axis": "data"},
+    ],
+    ids=str,
+)
+def test_the_old_keywords_are_gone(kwargs):
+    params, x, y = _problem(8)
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(kwargs))}'"):
+        parallel.pipeline_value_and_grad(
+            stage_fn, loss_fn, params, x, y, schedule=parallel.GPipe(2), **kwargs
+        )
+    assert not hasattr(parallel, "pipeline_apply") and not hasattr(parallel, "bubble_fraction")
+
+
+def test_no_schedule_is_refused_and_the_stage_axis_defaults_to_the_role():
+    params, x, y = _problem(8)
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "pipeline_value_and_grad: no schedule is given, and no layout in force has one; "
+            "pass schedule= (parallel.GPipe(M), "
         ),
-        ("gpipe", 3, ValueError, r"virtual_stages=3 needs schedule='interleaved'"),
-    ],
-)
-def test_the_old_spellings_bad_virtual_stages_are_refused(schedule, v, error, match):
-    params, x, y = _problem(8)
-    with pytest.raises(error, match=rf"pipeline_value_and_grad: {match}"):
-        parallel.pipeline_value_and_grad(
-            stage_fn,
-            loss_fn,
-            params,
-            x,
-            y,
-            stage_axis="stage",
-            num_microbatches=2,
-            schedule=schedule,
-            virtual_stages=v,
-        )
-    with pytest.raises(error, match=rf"bubble_fraction: {match}"):
-        parallel.bubble_fraction(4, 8, schedule, virtual_stages=v)
-
-
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"schedule": "1f1b"}, TypeError, "no micro-batch count: pass a schedule value"),
-        ({}, TypeError, "no micro-batch count: pass a schedule value, e.g. "),
-        ({"num_microbatches": 0}, ValueError, "num_microbatches=0 must be a positive int."),
-        ({"num_microbatches": 2.0}, ValueError, "num_microbatches=2.0 must be a positive int."),
-    ],
-    ids=["string-alone", "nothing", "zero", "float"],
-)
-def test_the_old_spellings_bad_counts_are_refused(kwargs, error, match):
-    params, x, y = _problem(8)
-    with pytest.raises(error, match=re.escape(f"pipeline_value_and_grad: {match}")):
-        parallel.pipeline_value_and_grad(
-            stage_fn, loss_fn, params, x, y, stage_axis="stage", **kwargs
-        )
-
-
-def test_the_old_spellings_interleaving_needs_groups_of_the_stages():
-    with (
-        pytest.warns(DeprecationWarning, match=re.escape("pass schedule=parallel.Interleaved(6")),
-        pytest.raises(ValueError, match=re.escape(f"pipeline_value_and_grad: {GROUPS}")),
     ):
-        _trace_interleaved(CHUNKS, schedule="interleaved", num_microbatches=6, virtual_stages=2)
+        parallel.pipeline_value_and_grad(stage_fn, loss_fn, params, x, y, axis_name="stage")
     with pytest.raises(
         ValueError,
-        match=r"bubble_fraction: num_microbatches=6 is not a multiple of the 4 stages; "
-        r"schedule='interleaved' with virtual_stages=2 runs the micro-batches in groups of "
-        r"one per stage\. Pick num_microbatches a multiple of 4\.",
+        match=re.escape(
+            "pipeline_value_and_grad: axis_name='pipeline' is not a mesh axis bound here"
+        ),
     ):
-        parallel.bubble_fraction(4, 6, "interleaved", virtual_stages=2)
+        parallel.pipeline_value_and_grad(
+            stage_fn, loss_fn, params, x, y, schedule=parallel.GPipe(2)
+        )
+    # The role's default: the mesh axis named "pipeline" (no layout in force).
+    mesh = mesh_1d(S, "pipeline")
+
+    def body(p, x, y):
+        mine = jax.tree.map(lambda v: v[0], p)
+        loss, g = parallel.pipeline_value_and_grad(
+            stage_fn, loss_fn, mine, x, y, schedule=parallel.OneFOneB(4)
+        )
+        return loss, jax.tree.map(lambda v: v[None], g)
+
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("pipeline"), P(), P()), out_specs=(P(), P("pipeline"))
+        )
+    )
+    params, x, y = _problem(16)
+    loss, grads = f(jax.device_put(params, NamedSharding(mesh, P("pipeline"))), x, y)
+    _check_grads(loss, grads, params, x, y)

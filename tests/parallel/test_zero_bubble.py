@@ -171,7 +171,7 @@ def test_a_slot_runs_one_sendrecv_and_copies_no_buffer():
             {},
             h,
             h,
-            stage_axis="stage",
+            axis_name="stage",
             schedule=parallel.ZeroBubble(8),
         )
 

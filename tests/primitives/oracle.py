@@ -108,9 +108,9 @@ def all_to_all_tiled(xs):
     return [np.concatenate([chunks(x, n)[r] for x in xs], 0) for r in range(n)]
 
 
-def all_to_all_untiled(xs, split_axis, concat_axis):
+def all_to_all_untiled(xs, split_dim, concat_dim):
     n = len(xs)
-    return [np.stack([np.take(x, r, axis=split_axis) for x in xs], concat_axis) for r in range(n)]
+    return [np.stack([np.take(x, r, axis=split_dim) for x in xs], concat_dim) for r in range(n)]
 
 
 def sendrecv(xs, pairs):

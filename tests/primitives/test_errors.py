@@ -63,15 +63,15 @@ def trace(body, n=4, shape=(8, 3), dtype=jnp.float32):
         ),
         (
             lambda x: C.all_to_all(x, "x", 1, 0, tiled=True),
-            r"all_to_all: x.shape\[1\] \(split_axis\) has size 3, which is not divisible by the "
+            r"all_to_all: x.shape\[1\] \(split_dim\) has size 3, which is not divisible by the "
             r"group size 4",
         ),
         (
             lambda x: C.all_to_all(x, "x", 3, 0),
-            r"all_to_all: split_axis=3 is out of range for an "
+            r"all_to_all: split_dim=3 is out of range for an "
             r"array of rank 2",
         ),
-        (lambda x: C.all_gather(x, "x", axis=5), r"all_gather: axis=5 is out of range"),
+        (lambda x: C.all_gather(x, "x", dim=5), r"all_gather: dim=5 is out of range"),
         (
             lambda x: C.all_reduce(x, "y"),
             r"all_reduce: axis_name='y' is not bound here. Call it inside jax.shard_map over a "

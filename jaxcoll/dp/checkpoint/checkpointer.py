@@ -97,7 +97,8 @@ class Checkpointer:
     waits for it at any time, and ``enable_async_checkpointing=False`` at every save. A save
     whose commit cannot complete because a process is gone (it ended, failed, or gave no
     sign of life; see :mod:`jaxcoll.dp.checkpoint._commit`) ends the processes left with a
-    line naming it and the newest committed step, exit code 1, instead of an abort inside orbax or JAX.
+    line naming it and the newest committed step, exit code 1, instead of an abort inside
+    orbax or JAX.
 
     Saved: the whole :class:`TrainState` (params, optimizer state, model state, step, rng,
     extra, hook state), each leaf as one global array: a checkpoint written under any

@@ -20,7 +20,7 @@ class Batches:
     each epoch), so every batch has ``batch_size`` examples and the gradient mean stays exact.
 
     Args:
-        arrays: a pytree of NumPy arrays sharing their leading (example) axis.
+        arrays: a pytree of NumPy arrays sharing their leading (example) dim.
         batch_size: the global batch size.
         shuffle: draw a new permutation each epoch; otherwise batches are in order.
         seed: the shuffle seed.
@@ -112,12 +112,12 @@ def leading_size(api: str, batch: PyTree) -> int:
     if None in sizes or len(sizes) != 1:
         raise ValueError(
             f"{api}: every array in the batch needs the same leading (example) "
-            f"axis, got leading sizes {sizes}."
+            f"dim, got leading sizes {sizes}."
         )
     size = np.shape(leaves[0])[0]  # every leaf's, checked above
     if size == 0:
         raise ValueError(
-            f"{api}: the batch has 0 examples (every array's leading axis is "
+            f"{api}: the batch has 0 examples (every array's leading dim is "
             f"empty); a mean over no examples is NaN. Skip empty batches."
         )
     return int(size)

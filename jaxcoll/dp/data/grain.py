@@ -174,7 +174,7 @@ class _Rows:
 
 def process_rows(sharding: Sharding, batch_size: int) -> np.ndarray:
     """The rows of a global batch of ``batch_size`` examples that this process's devices
-    hold under ``sharding`` (split along the leading axis), in order: what this process
+    hold under ``sharding`` (split along the leading dim), in order: what this process
     reads and gives ``jax.make_array_from_process_local_data``."""
     rows: set[int] = set()
     for index in sharding.addressable_devices_indices_map((batch_size,)).values():
@@ -216,7 +216,7 @@ class TokenBatches:
         seed: the shuffle's seed.
         shuffle: a new permutation of the windows each epoch; False: in file order.
         sharding: where a global batch goes (``trainer.batch_sharding``, split along the
-            leading axis); None: whole NumPy batches on the host.
+            leading dim); None: whole NumPy batches on the host.
         prefetch: batches read ahead of the one in use (grain's prefetch buffer); 0: read
             each when asked for.
         threads: threads reading batches ahead (grain's ``ReadOptions.num_threads``).

@@ -1,5 +1,7 @@
-"""Evaluation: :func:`evaluate` (``Trainer.evaluate``'s exact means over any number of
-examples) and :class:`Evaluate`, the component that evaluates during ``fit``."""
+"""Evaluation, through one door: :func:`evaluate` computes the exact means over any number of
+examples, :meth:`Trainer.evaluate <jaxcoll.dp.Trainer.evaluate>` runs it on its evaluation
+program, and :class:`Evaluate`, the component that evaluates during ``fit``, calls
+``Trainer.evaluate`` for each of its sets."""
 
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ computed in :mod:`jaxcoll.dp.reports.metrics`.
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,8 +21,7 @@ from ..checks import check_state
 from ..data.batches import Batches
 from ..state import TrainState
 from .args import check_checkpoint, check_data, total_steps
-from .components import Profile, Progress, Steps, Throughput
-from .evaluate import Evaluate
+from .components import Progress, Steps
 from .evaluate import evaluate as evaluate  # Trainer.evaluate's
 from .runner import Runner
 
@@ -39,7 +37,7 @@ def fit(
     checkpoint: Checkpointer | None = None,
     progress: bool | Progress | None = None,
     prefetch: bool = True,
-    **deprecated: Any,
+    **gone: Any,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """``Trainer.fit(state, data, ...)``: train until ``state.step`` reaches ``steps`` (or
     ``epochs`` epochs of ``data``), or a callback asks to stop.
@@ -84,10 +82,10 @@ def fit(
             stderr is a terminal.
         prefetch: build and place batch s+1 while step s runs (at most two steps in
             flight); False: one step at a time, each waited for before the next batch.
-        **deprecated: the keywords before the components (``eval_data``, ``eval_every``,
-            ``eval_on_start``, ``tokens_per_example``, ``peak_flops``, ``profile_steps``,
-            ``profile_dir``, ``log_every``) still work for one release, with a
-            ``DeprecationWarning`` that names the component to pass instead.
+        **gone: the keywords ``fit`` took before its components (``eval_data``,
+            ``eval_every``, ``eval_on_start``, ``tokens_per_example``, ``peak_flops``,
+            ``profile_steps``, ``profile_dir``, ``log_every``) are gone: each raises a
+            TypeError naming the component to pass instead.
 
     Returns:
         The final state and a history: one dict per step taken in this call with the step,
@@ -103,11 +101,11 @@ def fit(
     programs on few cores). The step metrics add no wait: they are read with the loss.
     """
     api = "Trainer.fit"
+    _check_keywords(api, gone)
     check_state(api, state)
     check_data(api, "data", data)
     total = total_steps(data, steps, epochs)
-    old, progress = _old_keywords(api, deprecated, progress)
-    cbs = old + as_callbacks(api, callbacks)
+    cbs = as_callbacks(api, callbacks)
     check_checkpoint(api, checkpoint, cbs)
     cbs += _progress(api, progress, cbs)  # last: the bar moves once the callbacks are done
     return Runner(trainer, state, data, total, cbs, checkpoint, prefetch).run()
@@ -128,8 +126,8 @@ def _progress(api: str, progress: Any, callbacks: list[Callback]) -> list[Callba
     return [Progress()] if progress else []
 
 
-# The keywords fit had before its components, and what replaces each.
-_REPLACED = {
+# The keywords fit had before its components, and the component that replaces each.
+_GONE = {
     "eval_data": "callbacks=[dp.Evaluate(eval_data, every=eval_every, on_start=eval_on_start)]",
     "eval_every": "callbacks=[dp.Evaluate(eval_data, every=eval_every, on_start=eval_on_start)]",
     "eval_on_start": "callbacks=[dp.Evaluate(eval_data, every=eval_every, on_start=eval_on_start)]",
@@ -141,37 +139,19 @@ _REPLACED = {
 }
 
 
-def _old_keywords(api: str, old: dict[str, Any], progress: Any) -> tuple[list[Callback], Any]:
-    """The components the deprecated keywords ask for, and ``progress`` with ``log_every``."""
-    unknown = [k for k in old if k not in _REPLACED]
-    if unknown:
+def _check_keywords(api: str, extra: dict[str, Any]) -> None:
+    """A TypeError for any keyword ``fit`` does not take, naming the component that replaces
+    each of its old keywords (:data:`_GONE`)."""
+    gone = [k for k in extra if k in _GONE]
+    if gone:
+        instead = "; ".join(dict.fromkeys(_GONE[k] for k in gone))
         raise TypeError(
-            f"{api}() got an unexpected keyword argument {unknown[0]!r}; it takes steps=, "
-            f"epochs=, callbacks=, checkpoint=, progress= and prefetch= (evaluation, throughput "
-            f"and profiling are callbacks: dp.Evaluate, dp.Throughput, dp.Profile)."
+            f"{api}: {', '.join(k + '=' for k in gone)} {'is' if len(gone) == 1 else 'are'} "
+            f"gone; pass {instead} instead."
         )
-    if not old:
-        return [], progress
-    instead = "; ".join(dict.fromkeys(_REPLACED[k] for k in old))
-    warnings.warn(
-        f"{api}: {', '.join(k + '=' for k in old)} {'is' if len(old) == 1 else 'are'} "
-        f"deprecated and will be removed in the next release; pass {instead} instead.",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-
-    def get(key: str, default: Any = None) -> Any:  # the keywords were typed as documented
-        return old.get(key, default)
-
-    out: list[Callback] = []
-    if get("profile_steps") is not None or get("profile_dir") is not None:
-        out.append(Profile(get("profile_dir"), steps=get("profile_steps")))
-    if get("tokens_per_example") is not None or get("peak_flops") is not None:
-        out.append(Throughput(get("tokens_per_example"), get("peak_flops")))
-    if get("eval_data") is not None or get("eval_on_start"):
-        on_start = get("eval_on_start", False)
-        out.append(Evaluate(get("eval_data"), every=get("eval_every"), on_start=on_start))
-    if "log_every" in old and progress is not False and not isinstance(progress, Progress):
-        if progress or sys.stderr.isatty():
-            progress = Progress(every=old["log_every"])
-    return out, progress
+    if extra:
+        raise TypeError(
+            f"{api}() got an unexpected keyword argument {next(iter(extra))!r}; it takes "
+            f"steps=, epochs=, callbacks=, checkpoint=, progress= and prefetch= (evaluation, "
+            f"throughput and profiling are callbacks: dp.Evaluate, dp.Throughput, dp.Profile)."
+        )

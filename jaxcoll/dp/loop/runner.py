@@ -18,7 +18,7 @@ import jax
 
 from ..._core.typing import PyTree
 from ..._watch import handle_preemption, preemption_point
-from ..callbacks.base import Action, Callback, requested
+from ..callbacks.base import Action, Callback, eval_keys, requested
 from ..checkpoint.checkpointer import Checkpointer
 from ..data.batches import leading_size
 from ..reports.metrics import Costs, StepMetrics
@@ -100,7 +100,7 @@ class Runner:
 
     def report_eval(self, at: int, results: dict[str, float]) -> None:
         """Evaluation results at step ``at``: into the history and to every ``on_eval``."""
-        scored = {f"eval_{k}": v for k, v in results.items()}
+        scored = eval_keys(results)
         if self.history and self.history[-1]["step"] == at:
             self.history[-1].update(scored)
         else:

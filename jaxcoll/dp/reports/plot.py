@@ -4,9 +4,12 @@ profile trace. Needs matplotlib (drawn with its Agg backend: no display)."""
 
 from __future__ import annotations
 
+import glob
+import gzip
+import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +26,32 @@ def _series(history: Sequence[dict[str, Any]], key: str) -> tuple[list[int], lis
             steps.append(int(h["step"]))
             values.append(float(v))
     return steps, values
+
+
+def _pyplot(api: str) -> tuple[Any, Any]:
+    """``matplotlib`` and ``matplotlib.pyplot`` on the Agg backend (no display), or an
+    ImportError naming ``api``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.patches
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        raise ImportError(
+            f"{api} needs matplotlib: pip install matplotlib (or 'jaxcoll[bench]')."
+        ) from None
+    return matplotlib, plt
+
+
+def _save(plt: Any, fig: Any, path: str | os.PathLike) -> str:
+    """Write ``fig`` as a PNG at ``path`` (its directory created), close it; the path."""
+    out = os.path.abspath(os.fspath(path))
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
 
 
 def plot_history(
@@ -47,16 +76,7 @@ def plot_history(
         ...                              callbacks=[dp.Evaluate({"val": val})])
         >>> dp.plot_history(history, "out/run.png", title="digits MLP, 8 devices")
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        raise ImportError(
-            "dp.plot_history needs matplotlib: pip install matplotlib (or 'jaxcoll[bench]')."
-        ) from None
+    matplotlib, plt = _pyplot("dp.plot_history")
     keys: list[str] = []
     for h in history:
         keys += [k for k in h if k not in keys]
@@ -77,8 +97,6 @@ def plot_history(
             f"dp.plot_history: the history has nothing to plot (keys: {keys}); pass the "
             f"history Trainer.fit returned (a list of dicts with 'step' and 'loss')."
         )
-    path = os.path.abspath(os.fspath(path))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     fig, axes = plt.subplots(
         len(panels), 1, figsize=(7, 2.4 * len(panels) + 0.4), sharex=True, squeeze=False
     )
@@ -108,9 +126,7 @@ def plot_history(
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 class PlotWriter(Callback):
@@ -137,8 +153,6 @@ class PlotWriter(Callback):
 
 def _trace_file(profile_dir: str) -> str:
     """The newest ``*.trace.json.gz`` that ``jax.profiler`` wrote under ``profile_dir``."""
-    import glob
-
     found = glob.glob(os.path.join(profile_dir, "**", "*.trace.json.gz"), recursive=True)
     if not found:
         raise FileNotFoundError(
@@ -172,37 +186,9 @@ def plot_trace(
         >>> trainer.fit(state, data, steps=20, callbacks=[dp.Profile("prof", steps=(10, 13))])
         >>> dp.plot_trace("prof", "out/trace.png")["ops"][:3]
     """
-    import gzip
-    import json
-
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError(
-            "dp.plot_trace needs matplotlib: pip install matplotlib (or 'jaxcoll[bench]')."
-        ) from None
+    matplotlib, plt = _pyplot("dp.plot_trace")
     file = _trace_file(os.fspath(profile_dir))
-    with gzip.open(file, "rt") as fh:
-        data = json.load(fh)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    process_names, thread_names = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            process_names[e.get("pid")] = e["args"]["name"]
-        elif e.get("ph") == "M" and e.get("name") == "thread_name":
-            thread_names[(e.get("pid"), e.get("tid"))] = e["args"]["name"]
-    # Timed events, less the Python tracer's frames ("$file.py:N function"): the runtime's
-    # and XLA's own (dispatches, executions, ops, transfers).
-    spans = [
-        e
-        for e in events
-        if e.get("ph") == "X" and "dur" in e and "ts" in e and not str(e["name"]).startswith("$")
-    ]
-    if not spans:
-        raise ValueError(f"dp.plot_trace: {file} holds no timed events.")
+    spans, label = _timed_events(file)
     busy: dict[Any, float] = {}
     total: dict[str, float] = {}
     for e in spans:
@@ -215,11 +201,6 @@ def plot_trace(
     t1 = max(e["ts"] + e["dur"] for e in spans)
     cmap = plt.get_cmap("tab10")
     colour = {name: cmap(i % 10) for i, name in enumerate(top)}
-
-    def label(key: Any) -> str:
-        proc = process_names.get(key[0], str(key[0]))
-        return f"{proc} {thread_names.get(key, key[1])}"[:48]
-
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(shown) + 1.8))
     for row, key in enumerate(shown):
         bars = [
@@ -245,13 +226,38 @@ def plot_trace(
     )
     ax.set_title(f"jax.profiler trace: {os.path.basename(file)}", fontsize=9)
     fig.tight_layout()
-    out = os.path.abspath(os.fspath(path))
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
     return {
         "file": file,
         "threads": [(label(k), busy[k] / 1e6) for k in shown],
         "ops": [(n, t / 1e6) for n, t in sorted(total.items(), key=lambda kv: -kv[1])],
         "span_s": (t1 - t0) / 1e6,
     }
+
+
+def _timed_events(file: str) -> tuple[list[dict[str, Any]], Callable[[Any], str]]:
+    """The timed events of a trace file, less the Python tracer's frames
+    (``$file.py:N function``): the runtime's and XLA's own (dispatches, executions, ops,
+    transfers); and each thread's label, by ``(pid, tid)``."""
+    with gzip.open(file, "rt") as fh:
+        data = json.load(fh)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    process_names, thread_names = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            process_names[e.get("pid")] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            thread_names[(e.get("pid"), e.get("tid"))] = e["args"]["name"]
+    spans = [
+        e
+        for e in events
+        if e.get("ph") == "X" and "dur" in e and "ts" in e and not str(e["name"]).startswith("$")
+    ]
+    if not spans:
+        raise ValueError(f"dp.plot_trace: {file} holds no timed events.")
+
+    def label(key: Any) -> str:
+        proc = process_names.get(key[0], str(key[0]))
+        return f"{proc} {thread_names.get(key, key[1])}"[:48]
+
+    return spans, label

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from ..callbacks.base import Callback
+from ..callbacks.base import ScalarWriter
 from ..checks import as_path
 
 
@@ -28,7 +28,7 @@ def _tensorboardx(api: str) -> Any:
     return tensorboardX
 
 
-class TensorBoardWriter(Callback):
+class TensorBoardWriter(ScalarWriter):
     """Write every step's metrics and every evaluation's results to TensorBoard event files.
 
     A :class:`~jaxcoll.dp.Callback` for ``fit(callbacks=[...])`` and a metric writer
@@ -71,12 +71,6 @@ class TensorBoardWriter(Callback):
             return
         for tag, value in scalars.items():
             writer.add_scalar(tag, float(value), int(step))
-
-    def on_step(self, step: int, metrics: dict[str, float]) -> None:
-        self.write_scalars(step, metrics)
-
-    def on_eval(self, step: int, results: dict[str, float]) -> None:
-        self.write_scalars(step, {f"eval_{k}": v for k, v in results.items()})
 
     def on_end(self, step: int, history: list[dict[str, Any]]) -> None:
         self.close()

@@ -1,101 +1,36 @@
-"""The step builder: one jitted program per Trainer, from a loss, a strategy and a mesh.
+"""The step builder: one jitted program per Trainer, from a loss, a strategy and a bound
+layout.
 
 Pure functions: nothing here keeps state. :func:`build_step` returns the jitted step,
 :func:`build_eval` the jitted evaluation; both run their per-rank part in ``jax.shard_map``
-with checking on (``check_vma=True``), whatever the algorithm.
+with checking on (``check_vma=True``), whatever the algorithm, with the layout's names in
+force while it is traced (model code's roles and logical axes resolve to its mesh axes:
+:mod:`jaxcoll._core.roles`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ... import primitives
-from ..._core.context import local_part
+from ..._core import roles
 from ..._core.typing import AxisName, PyTree
 from ..._core.vma import axis_names, to_varying, varying_axes
 from ..checks import LossOutputError, float_params
-from ..data.batches import leading_size
 from ..extra import Extra
+from ..layout import BoundLayout
 from ..state import TrainState
 from ..sync.base import Strategy, specs_like
 
 # loss(params, model_state, batch, rng, step) -> (loss, (aux, new_model_state)), its output
 # already checked (the Trainer wraps the user's loss_fn or dp.Model into this form).
 StateLoss = Callable[..., tuple[jax.Array, tuple[dict[str, jax.Array], PyTree]]]
-
-
-class BatchSplit(NamedTuple):
-    """How the batch reaches each device: its examples split over ``axes`` (a mesh axis, a
-    tuple of them, or () for none), and, with a ``context`` axis of ``n_context`` devices,
-    every array with a sequence axis (its second) split along it in the load-balanced layout
-    (:mod:`jaxcoll._core.context`)."""
-
-    axes: AxisName
-    context: str | None = None
-    n_context: int = 1
-
-    @property
-    def spec(self) -> P:
-        """The batch's ``PartitionSpec`` as the step receives it (whole along the sequence:
-        each device takes its part inside the step, no communication)."""
-        return P(self.axes) if self.axes else P()
-
-    def check(self, api: str, batch: PyTree, n: int, accum: int) -> None:
-        """Raise ValueError, naming ``api``, if ``batch``'s examples do not split evenly over
-        ``n`` devices times ``accum`` micro-batches, or a sequence over the context axis."""
-        size = leading_size(api, batch)
-        if self.context is not None:
-            parts = 2 * self.n_context
-            seqs = {
-                jax.tree_util.keystr(path): np.shape(x)[1]
-                for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
-                if np.ndim(x) >= 2
-            }
-            if len(set(seqs.values())) > 1:
-                raise ValueError(
-                    f"{api}: with the context axis {self.context!r} every array of the batch "
-                    f"with two axes or more is a sequence along its second, split over that "
-                    f"axis; these differ in length: "
-                    + ", ".join(f"batch{k}: {v}" for k, v in seqs.items())
-                    + ". Give per-example features one axis (or as many positions as the "
-                    "sequence), or a layout without context."
-                )
-            for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-                if np.ndim(x) >= 2 and np.shape(x)[1] % parts:
-                    raise ValueError(
-                        f"{api}: batch{jax.tree_util.keystr(path)} has a sequence of "
-                        f"{np.shape(x)[1]} (its second axis), which does not split into "
-                        f"{parts} equal chunks (2 for each of the {self.n_context} devices of "
-                        f"the context axis {self.context!r}); use a sequence length that is a "
-                        f"multiple of {parts}."
-                    )
-        unit = n * accum
-        if size % unit:
-            over = [f"{n} devices"] + [f"accum_steps={accum}"] * (accum != 1)
-            why = "an uneven split would bias the gradient mean"
-            fix = "Drop the short batch (dp.Batches(..., drop_last=True)) or use a batch size"
-            raise ValueError(
-                f"{api}: the global batch has {size} examples, which does not split evenly over "
-                f"{' x '.join(over)} (a multiple of {unit} is needed); {why}. {fix} that is a "
-                f"multiple of {unit}."
-            )
-
-    def part(self, batch: PyTree) -> PyTree:
-        """Per device, inside ``shard_map``: this device's part of its batch."""
-        context = self.context
-        if context is None:
-            return batch
-        return jax.tree_util.tree_map(
-            lambda x: local_part(x, context, self.n_context) if jnp.ndim(x) >= 2 else x, batch
-        )
 
 
 def local_grads(
@@ -187,7 +122,7 @@ def invariant_over(model_axes: tuple, loss: jax.Array, metrics: dict[str, jax.Ar
                 f"pipeline axis): each device there must compute the same value. End the "
                 f"tensor-parallel part of the model with a reduction over {axes[0]!r} (a "
                 f"row-parallel layer, jaxcoll.nn's layers do) and a pipeline with "
-                f"parallel.pipeline_apply, which gives every stage the last stage's output.",
+                f"parallel.pipeline_loss, whose value is the same on every stage.",
             )
 
 
@@ -283,55 +218,89 @@ def build_step(
     loss: StateLoss,
     strategy: Strategy,
     state: TrainState,
+    layout: BoundLayout,
     *,
     accum_steps: int,
     donate: bool,
     extra: Extra | None = None,
     skip_nonfinite: bool = False,
-    model_axes: tuple = (),
-    split: BatchSplit | None = None,
 ):
     """The jitted step ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
 
-    Per rank (``shard_map``, params replicated, the batch split over the data axis): the
-    local gradients, the metrics and the model state averaged over ranks, the gradients
-    synchronised by ``strategy.reduce``. Then, in the global view of the same program:
+    Per rank (``shard_map``, params as the state holds them, the batch split over the data
+    axes as ``layout.split`` says): the local gradients, the metrics and the model state
+    averaged over ranks, the gradients synchronised by ``strategy.reduce``
+    (:func:`per_rank_step`). Then, in the global view of the same program:
     ``strategy.update``, then ``extra.update`` (:class:`~jaxcoll.dp.Extra`). With
     ``skip_nonfinite``, a step whose loss or synchronised gradients hold an inf or NaN keeps
     the old params, optimizer state, model state and extra (the step count still advances:
-    it is the data position) and reports ``skipped=1.0``. The state's buffers are donated
-    when ``donate``.
+    it is the data position) and reports ``skipped=1.0`` (:func:`keep_if_finite`). The
+    state's buffers are donated when ``donate``.
     """
+    mapped = per_rank_step(loss, strategy, state, layout, accum_steps)
+
+    def step(state: TrainState, batch: PyTree):
+        # Checked when traced (each new state signature): an integer param would otherwise
+        # fail inside jax.grad, unnamed.
+        float_params("Trainer.step", state.params, strategy.grad_route)
+        grads, model_state, comm_state, metrics = mapped(
+            state.params, state.model_state, state.comm_state, batch, state.step, state.rng
+        )
+        params, opt_state = strategy.update(grads, state.opt_state, state.params)
+        new = TrainState(
+            params, opt_state, model_state, state.step + 1, state.rng, state.extra, comm_state
+        )
+        if extra is not None:
+            new = new.replace(extra=extra.update(state.extra, new, metrics))
+        if skip_nonfinite:
+            new, metrics = keep_if_finite(state, new, grads, metrics)
+        return new, metrics
+
+    out = (state_shardings(strategy, state), NamedSharding(strategy.mesh, P()))
+    return jax.jit(step, donate_argnums=(0,) if donate else (), out_shardings=out)
+
+
+def per_rank_step(
+    loss: StateLoss,
+    strategy: Strategy,
+    state: TrainState,
+    layout: BoundLayout,
+    accum_steps: int,
+) -> Callable:
+    """The step's per-rank half, a ``jax.shard_map``: ``(params, model_state, comm_state,
+    batch, step, rng) -> (grads, model_state, comm_state, metrics)``, the gradients
+    synchronised and laid out as ``strategy.grad_specs`` says, traced with the layout's names
+    in force."""
     axis, algorithm = strategy.axis_name, strategy.algorithm
     names = axis_names(axis)
     like = abstract(state.params)
-
-    split = BatchSplit(axis) if split is None else split
+    split = layout.split
 
     def per_rank(params, model_state, comm_state, batch, step, rng):
-        batch = split.part(batch)
-        rank = lax.axis_index(axis)
-        key = jax.random.fold_in(jax.random.fold_in(rng, step), rank)
-        grads, value, aux, model_state = local_grads(
-            loss,
-            params,
-            model_state,
-            batch,
-            key,
-            step,
-            axis,
-            accum_steps,
-            strategy,
-            like,
-            model_axes,
-        )
-        metrics = mean_metrics({"loss": value, **aux}, axis, algorithm)
-        model_state = sync_model_state(model_state, axis, algorithm)
-        grads, comm_state = strategy.reduce(grads, _own(comm_state), step, like)
+        with roles.bound(layout.binding):
+            batch = split.part(batch)
+            rank = lax.axis_index(axis)
+            key = jax.random.fold_in(jax.random.fold_in(rng, step), rank)
+            grads, value, aux, model_state = local_grads(
+                loss,
+                params,
+                model_state,
+                batch,
+                key,
+                step,
+                axis,
+                accum_steps,
+                strategy,
+                like,
+                layout.axes,
+            )
+            metrics = mean_metrics({"loss": value, **aux}, axis, algorithm)
+            model_state = sync_model_state(model_state, axis, algorithm)
+            grads, comm_state = strategy.reduce(grads, _own(comm_state), step, like)
         return grads, model_state, _stack(comm_state, names), metrics
 
     per_rank_spec = specs_like(state.comm_state, P(axis))
-    mapped = jax.shard_map(
+    return jax.shard_map(
         per_rank,
         mesh=strategy.mesh,
         in_specs=(
@@ -350,62 +319,45 @@ def build_step(
         ),
     )
 
-    def step(state: TrainState, batch: PyTree):
-        # Checked when traced (each new state signature): an integer param would otherwise
-        # fail inside jax.grad, unnamed.
-        float_params("Trainer.step", state.params, strategy.grad_route)
-        grads, model_state, comm_state, metrics = mapped(
-            state.params, state.model_state, state.comm_state, batch, state.step, state.rng
-        )
-        params, opt_state = strategy.update(grads, state.opt_state, state.params)
-        new = TrainState(
-            params, opt_state, model_state, state.step + 1, state.rng, state.extra, comm_state
-        )
-        if extra is not None:
-            new = new.replace(extra=extra.update(state.extra, new, metrics))
-        if skip_nonfinite:
-            ok = all_finite(grads, metrics["loss"])
-            keep = lambda a, b: jax.tree_util.tree_map(  # noqa: E731
-                lambda x, y: jnp.where(ok, x, y), a, b
-            )
-            new = new.replace(
-                params=keep(new.params, state.params),
-                opt_state=keep(new.opt_state, state.opt_state),
-                model_state=keep(new.model_state, state.model_state),
-                extra=keep(new.extra, state.extra),
-                comm_state=keep(new.comm_state, state.comm_state),
-            )
-            metrics = {**metrics, "skipped": 1.0 - ok.astype(jnp.float32)}
-        return new, metrics
 
-    out = (state_shardings(strategy, state), NamedSharding(strategy.mesh, P()))
-    return jax.jit(step, donate_argnums=(0,) if donate else (), out_shardings=out)
+def keep_if_finite(
+    old: TrainState, new: TrainState, grads: PyTree, metrics: dict[str, jax.Array]
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """``new``, or ``old`` (but its step count) where the loss or the synchronised gradients
+    hold an inf or NaN; the metrics with ``skipped`` (1.0 where kept old, else 0.0)."""
+    ok = all_finite(grads, metrics["loss"])
+    keep = lambda a, b: jax.tree_util.tree_map(  # noqa: E731
+        lambda x, y: jnp.where(ok, x, y), a, b
+    )
+    new = new.replace(
+        params=keep(new.params, old.params),
+        opt_state=keep(new.opt_state, old.opt_state),
+        model_state=keep(new.model_state, old.model_state),
+        extra=keep(new.extra, old.extra),
+        comm_state=keep(new.comm_state, old.comm_state),
+    )
+    return new, {**metrics, "skipped": 1.0 - ok.astype(jnp.float32)}
 
 
-def build_eval(
-    loss: StateLoss,
-    strategy: Strategy,
-    params: PyTree,
-    model_axes: tuple = (),
-    split: BatchSplit | None = None,
-):
+def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree, layout: BoundLayout):
     """The jitted evaluation ``(params, model_state, step, batch) -> metrics`` (global means)
     for params shaped and placed like ``params``.
 
     Every rank runs the loss with ``rng=None`` on its share of the batch (with the whole
-    params: gathered for FSDP); the metrics are averaged over ranks (each holds as many
-    examples, so that is the batch mean).
+    params: gathered for FSDP), the layout's names in force; the metrics are averaged over
+    ranks (each holds as many examples, so that is the batch mean).
     """
     axis = strategy.axis_name
     like = abstract(params)
-    split = BatchSplit(axis) if split is None else split
+    split = layout.split
 
     def per_rank(params, model_state, step, batch):
-        batch = split.part(batch)
-        of_held = strategy.loss_of_held(lambda p, ms, b: loss(p, ms, b, None, step), like)
-        value, (aux, _) = of_held(to_varying(params, axis_names(axis)), model_state, batch)
-        invariant_over(model_axes, value, aux)
-        return mean_metrics({"loss": value, **aux}, axis, strategy.algorithm)
+        with roles.bound(layout.binding):
+            batch = split.part(batch)
+            of_held = strategy.loss_of_held(lambda p, ms, b: loss(p, ms, b, None, step), like)
+            value, (aux, _) = of_held(to_varying(params, axis_names(axis)), model_state, batch)
+            invariant_over(layout.axes, value, aux)
+            return mean_metrics({"loss": value, **aux}, axis, strategy.algorithm)
 
     return jax.jit(
         jax.shard_map(

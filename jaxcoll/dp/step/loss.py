@@ -1,7 +1,7 @@
 """The Trainer's loss: what the user passes (a ``loss_fn`` or a :class:`~jaxcoll.dp.Model`)
 in the step's one form, ``loss(params, model_state, batch, rng, step) -> (loss, (metrics,
-model_state))``, its output checked, traced with the layout's roles bound; and the optimizer
-it steps."""
+model_state))``, its output checked; and the optimizer it steps. (The step builder traces it
+with the layout's names in force: :mod:`jaxcoll.dp.step.build`.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Any
 import jax
 import optax
 
-from ..._core import roles
 from ..adapters import Model, name_of
 from ..checks import accepts, loss_output, model_output
 
@@ -50,17 +49,6 @@ def check_optimizer(api: str, optimizer: Any) -> optax.GradientTransformation:
         f"optax.adam(1e-3)) or an optax.MultiSteps, got "
         f"{type(optimizer).__name__} instead{hint}."
     )
-
-
-def in_layout(loss: Callable, binding: roles.Binding) -> Callable:
-    """``loss`` traced with the layout's roles and logical axes bound: model code's
-    ``"tensor"``, ``"heads"``, ``"layers"`` resolve to its mesh axes (:mod:`.._core.roles`)."""
-
-    def bound_loss(*args: Any) -> Any:
-        with roles.bound(binding):
-            return loss(*args)
-
-    return bound_loss
 
 
 def _stateless(loss_fn: LossFn):

@@ -1,12 +1,13 @@
-"""The interface every gradient-sync strategy offers: a configuration value, bound once, then
-called by the step builder (optax-like).
+"""The interface every gradient-sync strategy offers: a configuration value, prepared once,
+then called by the step builder (optax-like).
 
 A strategy is a value the user writes: ``dp.Trainer(..., sync=dp.sync.FSDP())``. Its fields
 are its configuration, checked when it is constructed; it holds no state (state lives in
 pytrees: the optimizer state, the hook state), so one is safe to share and to rebuild.
-:meth:`Strategy.bind` returns a copy bound to the optimizer, the mesh and the data axis (the
-Trainer binds its ``sync`` once); the step builder (:mod:`jaxcoll.dp.step.build`) calls the bound
-copy. A strategy turns per-rank *local* gradients into one optimizer step, in two halves
+:meth:`Strategy.prepare` returns a copy prepared for the optimizer and the Trainer's bound
+layout (:class:`~jaxcoll.dp.BoundLayout`: its mesh, its data axes, its shard axis); the Trainer
+prepares its ``sync`` once, and the step builder (:mod:`jaxcoll.dp.step.build`) calls the
+prepared copy. A strategy turns per-rank *local* gradients into one optimizer step, in two halves
 around the step's ``jax.shard_map``, plus the placement both halves need:
 
 * :meth:`Strategy.init` builds the optimizer state, placed on the mesh (its placement is the
@@ -50,6 +51,7 @@ from ..._core.typing import AxisName, PyTree
 from ..._core.vma import axis_names
 from ...algorithms.registry import check_algorithm
 from ..hooks.base import AllReduceHook, CommHook, Compress, PhasedHook, check_hook, init_state
+from ..layout import BoundLayout
 from .buckets import plan_buckets
 from .precision import MixedPrecisionPolicy, check_policy
 
@@ -97,20 +99,20 @@ def mirror_specs(tree: PyTree, params: PyTree, param_specs: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(spec_of, tree)
 
 
-class Binding(NamedTuple):
-    """What :meth:`Strategy.bind` fixes: the optimizer, the mesh and its data axis; and,
-    once the params are known, their model specs (:meth:`Strategy.with_model_specs`)."""
+class Prepared(NamedTuple):
+    """What :meth:`Strategy.prepare` fixes: the optimizer and the bound layout (the mesh, its
+    data axes, its shard axis); and, once the params are known, their model specs
+    (:meth:`Strategy.with_model_specs`)."""
 
     optimizer: optax.GradientTransformation
-    mesh: Mesh
-    axis_name: AxisName
+    layout: BoundLayout
     model_specs: tuple[P, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class Strategy:
-    """Base of the gradient-sync strategies: the shared configuration, the binding and the
-    placement code.
+    """Base of the gradient-sync strategies: the shared configuration, the preparation and
+    the placement code.
 
     Attributes:
         bucket_mb: bucket size in MiB for the all-reduced gradients (DDP's
@@ -121,7 +123,7 @@ class Strategy:
         hook: the communication hook each bucket goes through (:mod:`jaxcoll.dp.hooks`,
             DDP's ``register_comm_hook``); None: DDP's default, the exact mean in the
             gradients' own dtype.
-        mp_policy: the mixed precision policy (:class:`~jaxcoll.dp.MixedPrecisionPolicy`,
+        mp_policy: the mixed precision policy (:class:`~jaxcoll.dp.sync.MixedPrecisionPolicy`,
             torch FSDP2's ``mp_policy``): the dtype the loss computes with (the params cast
             to it on their way to the loss; FSDP casts each slice before its all-gather)
             and the dtype the gradients are reduced in; the params and the optimizer state
@@ -139,7 +141,7 @@ class Strategy:
     algorithm: str = "auto"
     hook: CommHook | None = None
     mp_policy: MixedPrecisionPolicy | None = None
-    _binding: Binding | None = field(default=None, init=False, repr=False, compare=False)
+    _prepared: Prepared | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         api = self.api
@@ -163,52 +165,51 @@ class Strategy:
         """The strategy's name in messages: ``dp.sync.DDP``, ..."""
         return f"dp.sync.{type(self).__name__}"
 
-    # ------------------------------------------------------------------------------ binding
-    def bind(
-        self, optimizer: optax.GradientTransformation, mesh: Mesh, axis_name: AxisName
-    ) -> Strategy:
-        """A copy of this strategy bound to ``optimizer`` and the data axis ``axis_name`` of
-        ``mesh`` (checked by the caller): what the step builder calls. ``dp.Trainer`` binds
-        its ``sync`` once, when it is built."""
-        binding = Binding(optimizer, mesh, axis_name)
-        self.check_binding(binding)
-        bound = copy.copy(self)
-        object.__setattr__(bound, "_binding", binding)
-        return bound
+    # -------------------------------------------------------------------------- preparation
+    def prepare(self, optimizer: optax.GradientTransformation, layout: BoundLayout) -> Strategy:
+        """A copy of this strategy prepared for ``optimizer`` and the bound ``layout``
+        (:meth:`dp.Layout.bind <jaxcoll.dp.Layout.bind>`: the mesh, the data axes the
+        gradients are averaged over, the shard axis): what the step builder calls.
+        ``dp.Trainer`` prepares its ``sync`` once, when it is built."""
+        prepared = Prepared(optimizer, layout)
+        self.check_prepared(prepared)
+        out = copy.copy(self)
+        object.__setattr__(out, "_prepared", prepared)
+        return out
 
-    def check_binding(self, binding: Binding) -> None:
-        """Check the fields against what :meth:`bind` fixes (a field that names a mesh axis):
-        called by :meth:`bind` and by :meth:`replace` on a bound strategy. Nothing here."""
+    def check_prepared(self, prepared: Prepared) -> None:
+        """Check the fields against what :meth:`prepare` fixes (the layout's axes): called by
+        :meth:`prepare` and by :meth:`replace` on a prepared strategy. Nothing here."""
 
-    def _bound(self) -> Binding:
-        if self._binding is None:
+    def _ready(self) -> Prepared:
+        if self._prepared is None:
             raise RuntimeError(
-                f"{self.api}: this strategy is not bound to an optimizer and a "
-                f"mesh yet; pass it to dp.Trainer(..., sync=...), or call "
-                f".bind(optimizer, mesh, axis_name) for a bound copy."
+                f"{self.api}: this strategy is not prepared for an optimizer and a layout "
+                f"yet; pass it to dp.Trainer(..., sync=...), or call "
+                f".prepare(optimizer, dp.Layout(...).bind(mesh)) for a prepared copy."
             )
-        return self._binding
+        return self._prepared
 
     def with_model_specs(self, specs: tuple[P, ...] | None) -> Strategy:
-        """A copy bound as this one is, for params whose leaves carry the model specs
+        """A copy prepared as this one is, for params whose leaves carry the model specs
         ``specs`` (:mod:`jaxcoll.dp.specs`: their split over the tensor and pipeline axes,
         one ``PartitionSpec`` per leaf, in leaf order; None: every leaf whole). The strategy
         places each leaf over the data axes on top of its model spec."""
-        bound = copy.copy(self)
-        object.__setattr__(bound, "_binding", self._bound()._replace(model_specs=specs))
-        return bound
+        out = copy.copy(self)
+        object.__setattr__(out, "_prepared", self._ready()._replace(model_specs=specs))
+        return out
 
     def model_leaf_specs(self, tree: PyTree) -> list[P]:
         """The model spec of every leaf of ``tree`` (shaped like the params), in leaf order:
-        ``P()`` for each when the binding has none."""
+        ``P()`` for each when the preparation has none."""
         count = len(jax.tree_util.tree_leaves(tree))
-        specs = self._bound().model_specs
+        specs = self._ready().model_specs
         if specs is None:
             return [P()] * count
         if len(specs) != count:
             raise ValueError(
                 f"{self.api}: these params have {count} leaves, and the model specs the "
-                f"strategy was bound with have {len(specs)}; a Trainer trains one model "
+                f"strategy was prepared with have {len(specs)}; a Trainer trains one model "
                 f"(pass the params it was initialised with)."
             )
         return list(specs)
@@ -219,7 +220,7 @@ class Strategy:
         Such a leaf is neither split further over those axes nor averaged over them: its
         local gradient already sums every token of its group (the all-to-all's backward
         brought them), so :meth:`reduce_held` sums it over the other data axes alone."""
-        names = axis_names(self._bound().axis_name)
+        names = self._ready().layout.data_axes
         return [
             tuple(
                 a
@@ -268,22 +269,29 @@ class Strategy:
 
     @property
     def optimizer(self) -> optax.GradientTransformation:
-        """The ``optax.GradientTransformation`` the strategy steps (bound)."""
-        return self._bound().optimizer
+        """The ``optax.GradientTransformation`` the strategy steps (prepared)."""
+        return self._ready().optimizer
+
+    @property
+    def layout(self) -> BoundLayout:
+        """The Trainer's bound layout (prepared)."""
+        return self._ready().layout
 
     @property
     def mesh(self) -> Mesh:
-        """The device mesh (bound)."""
-        return self._bound().mesh
+        """The device mesh (prepared)."""
+        return self._ready().layout.mesh
 
     @property
     def axis_name(self) -> AxisName:
-        """The data axis (or tuple of axes) of :attr:`mesh` (bound)."""
-        return self._bound().axis_name
+        """The data axis (or tuple of axes) of :attr:`mesh` the gradients are averaged over
+        (prepared)."""
+        return self._ready().layout.axis_name
 
     @property
     def n(self) -> int:
-        """The number of ranks the batch is split over (bound)."""
+        """The number of ranks the gradients are averaged over (prepared): the devices of
+        every data axis."""
         return int(np.prod([self.mesh.shape[a] for a in axis_names(self.axis_name)]))
 
     @property
@@ -308,7 +316,7 @@ class Strategy:
         return isinstance(self.hook, PhasedHook)
 
     def phase(self, step: int) -> Strategy:
-        """The strategy that runs step ``step`` (known on the host), bound as this one is: a
+        """The strategy that runs step ``step`` (known on the host), prepared as this one is: a
         hashable value, one compiled program each. Itself when not :attr:`phased`."""
         hook = self.hook
         if not isinstance(hook, PhasedHook):  # not self.phased
@@ -316,11 +324,11 @@ class Strategy:
         return self.replace(hook=hook.phase(step))
 
     def replace(self, **changes: Any) -> Strategy:
-        """A copy with ``changes`` to its fields (checked again), bound as this one is."""
+        """A copy with ``changes`` to its fields (checked again), prepared as this one is."""
         new = dataclasses.replace(self, **changes)
-        if self._binding is not None:
-            new.check_binding(self._binding)
-        object.__setattr__(new, "_binding", self._binding)
+        if self._prepared is not None:
+            new.check_prepared(self._prepared)
+        object.__setattr__(new, "_prepared", self._prepared)
         return new
 
     def named(self, specs: PyTree) -> PyTree:

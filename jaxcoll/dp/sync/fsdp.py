@@ -27,19 +27,21 @@ from ..._core.checks import check_optional
 from ..._core.typing import AxisName, PyTree
 from ..._core.vma import as_invariant, axis_names, to_varying
 from ..._jax import jaxpr_parts
+from ..checks import removed_keywords
 from ..hooks.base import wire_dtype as hook_wire_dtype
 from ..specs import used_dims
 from .blocks import block_units
 from .layerwise import gather_per_layer
 from .packing import divides_after, gather_leaves, scatter_leaves, sum_leaves
 from .quantized import Blocks, Quantize
-from .zero1 import ZeRO1
+from .zero1 import SHARD_AXIS_GONE, ZeRO1
 
 #: The name the gathered params carry in the loss (``jax.ad_checkpoint.checkpoint_name``): the
 #: rematerialisation policy of :func:`not_gathered` never saves them for the backward.
 GATHERED = "jaxcoll_fsdp_params"
 
 
+@removed_keywords(shard_axis=SHARD_AXIS_GONE)
 @dataclass(frozen=True, kw_only=True)
 class FSDP(ZeRO1):
     """Gather the params for the loss, reduce-scatter the gradients, update 1/n everywhere.
@@ -73,6 +75,12 @@ class FSDP(ZeRO1):
 
     Leaves with no dimension divisible by n (a bias of 10 on 8 devices) stay replicated.
 
+    Hybrid sharding (HSDP, torch's ``HYBRID_SHARD``) where the Trainer's layout has a shard
+    axis beside other data axes (``dp.Layout(replicate=2, shard=4)``, FSDP's default there):
+    the params, gradients and optimizer state split over the shard axis and replicated over
+    the others; the gathers and reduce-scatters stay within the shard axis (one host's
+    devices, say) and only the gradient slices are all-reduced across the others.
+
     Args:
         bucket_mb: bucket size in MiB for the all-reduce of the leaves that stay replicated
             (as :class:`~jaxcoll.dp.sync.ZeRO1`'s); None: one collective per leaf.
@@ -82,11 +90,6 @@ class FSDP(ZeRO1):
         reshard_after_forward: gather the params again in the backward instead of keeping
             them whole from the forward (less memory, one more all-gather per leaf the
             backward needs); False: keep them (torch's ``reshard_after_forward=False``).
-        shard_axis: None (split over every data axis) or one of the Trainer's data axes:
-            hybrid sharding (HSDP, torch's ``HYBRID_SHARD``), the params, gradients and
-            optimizer state split over ``shard_axis`` and replicated over the other data
-            axes; the gathers and reduce-scatters stay within ``shard_axis`` (one host's
-            devices, say) and only the gradient slices are all-reduced across the others.
         prefetch: with ``reshard_after_forward``, the backward gathers the params of a
             block of an unrolled model (a segment of the loss) again while the next block's
             backward computes, one block ahead (torch FSDP's backward prefetch): the gather
@@ -94,7 +97,7 @@ class FSDP(ZeRO1):
             blocks' params are gathered at a time; False: each block's when its own
             cotangent has arrived (one block at a time, the gather exposed). A scan over
             stacked layers is XLA's to pipeline either way.
-        mp_policy: the mixed precision policy (:class:`~jaxcoll.dp.MixedPrecisionPolicy`):
+        mp_policy: the mixed precision policy (:class:`~jaxcoll.dp.sync.MixedPrecisionPolicy`):
             each slice is cast to its ``param_dtype`` before the all-gather.
         quantize: what travels in 8 bits (:class:`~jaxcoll.dp.Quantize`, DeepSpeed
             ZeRO++'s qwZ and qgZ): the params' all-gather (``params=jnp.float8_e4m3fn``,
@@ -107,9 +110,7 @@ class FSDP(ZeRO1):
         >>> trainer = dp.Trainer(loss_fn, optax.adamw(1e-3), sync=dp.sync.FSDP())
         >>> state = trainer.init(params, rng)   # state.params: 1/8 of each split leaf
         >>> hsdp = dp.Trainer(loss_fn, optax.adamw(1e-3),
-        ...                   mesh=jax.make_mesh((2, 4), ("replica", "shard")),
-        ...                   axis_name=("replica", "shard"),
-        ...                   sync=dp.sync.FSDP(shard_axis="shard"))   # 1/4 per device
+        ...                   layout=dp.Layout(replicate=2, shard=4))   # 1/4 per device
     """
 
     grad_route: ClassVar[str] = (

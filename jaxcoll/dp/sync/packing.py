@@ -51,7 +51,7 @@ def gather_leaves(
     Equivalent to (the per-leaf path, which ``bucket_bytes=None`` runs)::
 
         def gather_leaves(shards, dims, axis_name, *, algorithm, bucket_bytes):
-            return [all_gather(x, axis_name, axis=d, tiled=True, algorithm=algorithm)
+            return [all_gather(x, axis_name, dim=d, tiled=True, algorithm=algorithm)
                     for x, d in zip(shards, dims)]
 
     Lowering: per bucket of :func:`~jaxcoll.dp.plan_buckets` (planned on the whole leaves'
@@ -236,7 +236,7 @@ class _Plain:
 
     def gather(self, rows: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
         buf = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
-        buf = primitives.all_gather(buf, axis_name, axis=0, tiled=True, algorithm=self.algorithm)
+        buf = primitives.all_gather(buf, axis_name, dim=0, tiled=True, algorithm=self.algorithm)
         return _columns(buf, rows)
 
     def scatter(self, rows: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:

@@ -3,7 +3,7 @@ the gradients are reduced in (torch FSDP2's ``MixedPrecisionPolicy``).
 
 The train state keeps the params and the optimizer state in their own dtype (fp32 master
 weights); a policy only decides what crosses the devices and what the loss computes with. It
-is a field of every strategy: ``dp.sync.FSDP(mp_policy=dp.MixedPrecisionPolicy(
+is a field of every strategy: ``dp.sync.FSDP(mp_policy=dp.sync.MixedPrecisionPolicy(
 param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32))``.
 """
 
@@ -23,7 +23,7 @@ from ..._core.typing import PyTree
 
 def _floating(name: str, value: Any) -> Any:
     return check_dtype(
-        "dp.MixedPrecisionPolicy",
+        "dp.sync.MixedPrecisionPolicy",
         name,
         value,
         lambda dt: jnp.issubdtype(dt, jnp.floating),
@@ -61,7 +61,7 @@ class MixedPrecisionPolicy:
 
     Example::
 
-        >>> policy = dp.MixedPrecisionPolicy(param_dtype=jnp.bfloat16,
+        >>> policy = dp.sync.MixedPrecisionPolicy(param_dtype=jnp.bfloat16,
         ...                                  reduce_dtype=jnp.float32)
         >>> trainer = dp.Trainer(loss_fn, optax.adamw(1e-3),
         ...                      sync=dp.sync.FSDP(mp_policy=policy))
@@ -72,7 +72,7 @@ class MixedPrecisionPolicy:
     cast_batch: bool = True
 
     def __post_init__(self) -> None:
-        api = "dp.MixedPrecisionPolicy"
+        api = "dp.sync.MixedPrecisionPolicy"
         object.__setattr__(self, "param_dtype", _floating("param_dtype", self.param_dtype))
         object.__setattr__(self, "reduce_dtype", _floating("reduce_dtype", self.reduce_dtype))
         if not isinstance(self.cast_batch, bool):
@@ -117,7 +117,7 @@ class MixedPrecisionPolicy:
 def check_policy(api: str, policy: Any, hook: Any) -> None:
     """Raise if ``policy`` is not a :class:`MixedPrecisionPolicy` (or None), or comes with a
     communication hook (both say what the gradients travel in)."""
-    check_optional(api, "mp_policy", policy, MixedPrecisionPolicy, "a dp.MixedPrecisionPolicy")
+    check_optional(api, "mp_policy", policy, MixedPrecisionPolicy, "a dp.sync.MixedPrecisionPolicy")
     if policy is not None and hook is not None:
         raise ValueError(
             f"{api}: mp_policy={policy!r} and hook={hook!r} both say what the gradients "

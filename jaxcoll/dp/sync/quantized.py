@@ -125,7 +125,7 @@ class Blocks:
     def gather(self, rows: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
         bufs, parts = self._encode(rows)
         # 8 bits per element and a float32 scale per block: two all-gathers.
-        bufs = primitives.all_gather(bufs, axis_name, axis=0, tiled=True, algorithm="native")
+        bufs = primitives.all_gather(bufs, axis_name, dim=0, tiled=True, algorithm="native")
         return self._decode(bufs, parts, rows)
 
     def scatter(self, rows: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:

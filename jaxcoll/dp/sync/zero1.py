@@ -3,8 +3,9 @@ of the optimizer state, per leaf.
 
 The params keep their pytree structure: every leaf with a dimension divisible by n is split
 along it (the first such dimension, so each device's slice is contiguous), the others stay
-replicated; n is the number of data ranks, or the size of ``shard_axis`` (hybrid sharding:
-split over one data axis, replicated over the others). The optimizer runs in ``jax.jit``'s
+replicated; n is the number of data ranks, or the size of the layout's shard axis (hybrid
+sharding, ``dp.Layout(replicate=..., shard=...)``: split over the shard axis, replicated over
+the others). The optimizer runs in ``jax.jit``'s
 global view on those sharded leaves, so it sees the real tree (masks, ``multi_transform``
 labels) and every reduction over params (a global norm, lamb's trust ratio) is computed by
 XLA's SPMD partitioner over the whole params: the result of any optax transformation is the
@@ -23,12 +24,30 @@ from jax.typing import DTypeLike
 
 from ..._core.typing import AxisName, PyTree
 from ..._core.vma import axis_names
+from ..checks import removed_keywords
 from ..hooks.base import is_elementwise
 from ..hooks.base import wire_dtype as hook_wire_dtype
+from ..layout import BoundLayout
 from ..specs import merge, used_dims
-from .base import Binding, Strategy, leaf_shape
+from .base import Prepared, Strategy, leaf_shape
 from .buckets import mean_gradients
 from .packing import divides_after, gather_leaves, scatter_leaves, sum_leaves
+
+#: What ``shard_axis=`` became: the layout names the shard axis.
+SHARD_AXIS_GONE = (
+    "the layout names the shard axis: layout=dp.Layout(shard=...) splits the state over it "
+    "(dp.Layout(shard='data') on your mesh), and layout=dp.Layout(replicate=..., shard=...) "
+    "splits it over the shard axis and replicates it over the others (hybrid sharding)"
+)
+
+
+def _hybrid_axis(layout: BoundLayout) -> AxisName | None:
+    """HSDP's shard axis (or axes): the layout's, where there are other data axes (the slices
+    replicated over them); None: the state is split over every data axis."""
+    shard = layout.shard_axis
+    if shard is None or set(axis_names(shard)) == set(layout.data_axes):
+        return None
+    return shard
 
 
 def shard_dim(shape: tuple[int, ...], n: int, taken: frozenset[int] = frozenset()) -> int | None:
@@ -41,6 +60,7 @@ def shard_dim(shape: tuple[int, ...], n: int, taken: frozenset[int] = frozenset(
     return None
 
 
+@removed_keywords(shard_axis=SHARD_AXIS_GONE)
 @dataclass(frozen=True, kw_only=True)
 class ZeRO1(Strategy):
     """Reduce-scatter the gradients, update 1/n of the optimizer state, all-gather the params.
@@ -66,15 +86,16 @@ class ZeRO1(Strategy):
     3. the updated slices are all-gathered back to replicated params, the split leaves of a
        bucket in one all-gather (:func:`~jaxcoll.dp.sync.packing.gather_leaves`).
 
-    Hybrid sharding (torch FSDP's ``HYBRID_SHARD``, HSDP) with ``shard_axis``: on a mesh with
-    several data axes, e.g. ``axis_name=("replica", "shard")``, the params' slices and the
-    optimizer state are split over ``shard_axis`` alone (its size must divide the split
-    dimension) and replicated over the other data axes; the gradients are reduce-scattered
-    over ``shard_axis`` (the local gradient divided by the *total* number of data ranks),
-    then each slice is summed over the other data axes (one all-reduce per bucket), so every
-    slice is the global mean; the update is all-gathered over ``shard_axis`` alone. The
-    collectives over ``shard_axis`` stay within its group (one host's devices, say), and
-    only slices cross the replica axes.
+    Hybrid sharding (torch FSDP's ``HYBRID_SHARD``, HSDP) where the Trainer's layout has a
+    shard axis beside other data axes (``dp.Layout(replicate=2, shard=4)``): the params'
+    slices and the optimizer state are split over the shard axis alone (its size must divide
+    the split dimension) and replicated over the other data axes; the gradients are
+    reduce-scattered over the shard axis (the local gradient divided by the *total* number of
+    data ranks), then each slice is summed over the other data axes (one all-reduce per
+    bucket), so every slice is the global mean; the update is all-gathered over the shard
+    axis alone. The collectives over the shard axis stay within its group (one host's
+    devices, say), and only slices cross the replica axes. (Not with
+    ``algorithm="hierarchical"``.)
 
     Args:
         bucket_mb: bucket size in MiB (DDP's ``bucket_cap_mb``) for every collective of the
@@ -87,19 +108,14 @@ class ZeRO1(Strategy):
             reduce-scatters travel in its dtype too). A reduce-scatter gives each device a
             slice, which a hook that needs whole gradients (PowerSGD) cannot produce;
             torch's FSDP has the same limit.
-        shard_axis: None (split over every data axis) or the name of one of the Trainer's
-            data axes to split over, the others replicating (hybrid sharding, above;
-            not with ``algorithm="hierarchical"``); checked when the Trainer binds the
-            strategy.
 
     Example (8 devices)::
 
         >>> trainer = dp.Trainer(loss_fn, optax.adamw(1e-3), sync=dp.sync.ZeRO1())
         >>> state = trainer.init(params, rng)   # mu, nu: 1/8 of each split leaf per device
         >>> hybrid = dp.Trainer(loss_fn, optax.adamw(1e-3),
-        ...                     mesh=jax.make_mesh((2, 4), ("replica", "shard")),
-        ...                     axis_name=("replica", "shard"),
-        ...                     sync=dp.sync.ZeRO1(shard_axis="shard"))  # 1/4 per device
+        ...                     layout=dp.Layout(replicate=2, shard=4),
+        ...                     sync=dp.sync.ZeRO1())  # 1/4 per device
     """
 
     grad_route: ClassVar[str] = (
@@ -107,23 +123,8 @@ class ZeRO1(Strategy):
         "over the devices (ZeRO-1, sync=dp.sync.ZeRO1())"
     )
 
-    shard_axis: str | None = None
-
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.shard_axis is not None and not isinstance(self.shard_axis, str):
-            raise TypeError(
-                f"{self.api}: shard_axis must be the name of one data axis (a string) or "
-                f"None, got {self.shard_axis!r} of type {type(self.shard_axis).__name__} "
-                f"instead."
-            )
-        if self.shard_axis is not None and self.algorithm == "hierarchical":
-            raise ValueError(
-                f"{self.api}: algorithm='hierarchical' needs collectives over a tuple of axes, "
-                f"but shard_axis={self.shard_axis!r} runs them over one axis (and the others "
-                f"separately: hybrid sharding is two-level already). Pass algorithm='auto', "
-                f"'native', 'ring' or 'tree'."
-            )
         if not is_elementwise(self.hook):
             raise ValueError(
                 f"{self.api}: hook={self.hook!r} cannot be used with a sharded strategy: "
@@ -133,21 +134,24 @@ class ZeRO1(Strategy):
                 f"hook=dp.hooks.Compress(dtype) or None here."
             )
 
-    def check_binding(self, binding: Binding) -> None:
-        names = axis_names(binding.axis_name)
-        if self.shard_axis is not None and self.shard_axis not in names:
+    def check_prepared(self, prepared: Prepared) -> None:
+        hybrid = _hybrid_axis(prepared.layout)
+        if hybrid is not None and self.algorithm == "hierarchical":
             raise ValueError(
-                f"{self.api}: shard_axis={self.shard_axis!r} is not one of the Trainer's "
-                f"data axes {names}. Pass one of them (the params are split over it and "
-                f"replicated over the others), or shard_axis=None to split over all of them."
+                f"{self.api}: algorithm='hierarchical' needs collectives over a tuple of axes, "
+                f"but {prepared.layout.layout!r} splits the state over its shard axis "
+                f"{hybrid!r} alone (and the others separately: hybrid sharding is two-level "
+                f"already). Pass algorithm='auto', 'native', 'ring' or 'tree'."
             )
 
     # ----------------------------------------------------------------------------- sharding
     @property
     def shard_axis_name(self) -> AxisName:
-        """The mesh axis (or tuple of axes) the params are split over (bound): ``shard_axis``,
-        or every data axis (:attr:`axis_name`) when it is None."""
-        return self.axis_name if self.shard_axis is None else self.shard_axis
+        """The mesh axis (or tuple of axes) the params are split over (prepared): the
+        layout's shard axis where other data axes replicate the slices (HSDP), else every
+        data axis (:attr:`axis_name`)."""
+        hybrid = _hybrid_axis(self.layout)
+        return self.axis_name if hybrid is None else hybrid
 
     @property
     def n_shard(self) -> int:
@@ -157,11 +161,12 @@ class ZeRO1(Strategy):
 
     @property
     def replica_axes(self) -> tuple[str, ...]:
-        """The data axes the slices are replicated over (bound): every data axis but
-        ``shard_axis``; empty when ``shard_axis`` is None."""
-        if self.shard_axis is None:
+        """The data axes the slices are replicated over (prepared): every data axis but the
+        shard axis under hybrid sharding; empty otherwise."""
+        hybrid = _hybrid_axis(self.layout)
+        if hybrid is None:
             return ()
-        return tuple(a for a in axis_names(self.axis_name) if a != self.shard_axis)
+        return tuple(a for a in axis_names(self.axis_name) if a not in axis_names(hybrid))
 
     def shard_dims(self, params: PyTree) -> list[int | None]:
         """:func:`shard_dim` of every leaf of ``params`` over :attr:`n_shard` slices, in leaf
@@ -248,8 +253,8 @@ class ZeRO1(Strategy):
         self, slices: list[jax.Array], wire_dtype: DTypeLike | None
     ) -> list[jax.Array]:
         """Per rank (hybrid sharding): each slice summed over :attr:`replica_axes`, one
-        all-reduce per bucket, in ``wire_dtype`` when given; the slices unchanged when
-        ``shard_axis`` is None."""
+        all-reduce per bucket, in ``wire_dtype`` when given; the slices unchanged without
+        hybrid sharding."""
         replicas = self.replica_axes
         if not replicas:
             return list(slices)

@@ -19,8 +19,6 @@ jaxcoll.init()
 import ckpt_model as cm  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxcoll import dp  # noqa: E402
 
@@ -28,9 +26,9 @@ OUT, CKPT, SOLO = sys.argv[1], sys.argv[2], sys.argv[3]
 ME = jax.process_index()
 
 trainer = cm.trainer(dp.sync.FSDP())
-sharding = NamedSharding(trainer.mesh, P(trainer.axis_name))
+sharding = trainer.batch_sharding
 mine = [k for k, d in enumerate(trainer.mesh.devices.reshape(-1)) if d.process_index == ME]
-per_device = cm.BATCH // trainer.n
+per_device = cm.BATCH // trainer.layout.n
 local = np.concatenate([np.arange(k * per_device, (k + 1) * per_device) for k in mine])
 
 

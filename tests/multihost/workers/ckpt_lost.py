@@ -34,8 +34,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from ckpt_lost_model import BATCH, EVERY, INIT, KILL_AT, STEPS, global_batch, loss_fn  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 from orbax.checkpoint._src.checkpointers import async_checkpointer  # noqa: E402
 
 from jaxcoll import dp  # noqa: E402
@@ -85,9 +83,9 @@ class WaitAtKill(dp.Checkpointer):
 
 if __name__ == "__main__":
     trainer = dp.Trainer(loss_fn, optax.adam(0.05))
-    sharding = NamedSharding(trainer.mesh, P(trainer.axis_name))
+    sharding = trainer.batch_sharding
     mine = [k for k, d in enumerate(trainer.mesh.devices.reshape(-1)) if d.process_index == ME]
-    per_device = BATCH // trainer.n
+    per_device = BATCH // trainer.layout.n
     rows = np.concatenate([np.arange(k * per_device, (k + 1) * per_device) for k in mine])
 
     class Batches:

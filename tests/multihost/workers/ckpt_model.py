@@ -28,10 +28,8 @@ def mse(out, batch):
     return jnp.mean((out - batch["y"]) ** 2), {}
 
 
-def trainer(sync, mesh=None, axis_name="data"):
-    return dp.Trainer(
-        dp.Linen(Net(), mse), optax.adam(0.05), sync=sync, mesh=mesh, axis_name=axis_name
-    )
+def trainer(sync, mesh=None):
+    return dp.Trainer(dp.Linen(Net(), mse), optax.adam(0.05), sync=sync, mesh=mesh)
 
 
 def global_batch(s):

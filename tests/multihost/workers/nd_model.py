@@ -3,7 +3,7 @@
 Written once, naming no mesh axis (roles and logical axes, which the Trainer's layout maps to
 its mesh axes): an input projection, a stack of residual Megatron MLP blocks (the hidden units
 split over the tensor axis, one all-reduce per block; the stacked layers split over the
-pipeline axis and run by ``parallel.pipeline_apply``) and an output projection. Run over a
+pipeline axis and run by ``parallel.pipeline_loss``) and an output projection. Run over a
 layout's axes it sees this device's slices; on one device (the axes unbound) it is the dense
 model. Twin copies: Adam and plain SGD (which catches a gradient off by a factor).
 """
@@ -70,25 +70,6 @@ def stage(blocks, h):
     return jax.lax.scan(block, h, blocks)[0]  # this stage's layers (all of them, dense)
 
 
-def forward(p, x):
-    h = jnp.tanh(x @ p["inp"])
-    h = parallel.pipeline_apply(
-        stage, p["blocks"], h, stage_axis="pipeline", num_microbatches=MICRO
-    )
-    return h @ p["out"]
-
-
-def copy_loss(p, batch):
-    logits = forward(p, batch["x"])
-    logp = jax.nn.log_softmax(logits)
-    return -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], axis=-1))
-
-
-def loss_fn(params, batch, rng):
-    losses = {k: copy_loss(params[k], batch) for k in TWIN}
-    return losses["adam"] + losses["sgd"], {f"loss_{k}": v for k, v in losses.items()}
-
-
 def head_loss(head, h, y):
     """The output projection and the loss of one micro-batch (the pipeline's last stage)."""
     logp = jax.nn.log_softmax(h @ head["out"])
@@ -126,6 +107,11 @@ def scheduled_loss(schedule=None):
         return losses["adam"] + losses["sgd"], {f"loss_{k}": v for k, v in losses.items()}
 
     return loss
+
+
+#: The loss every layout trains: the blocks by GPipe over MICRO micro-batches (whatever the
+#: layout's schedule), dense where the layout has no pipeline axis.
+loss_fn = scheduled_loss(parallel.GPipe(MICRO))
 
 
 def optimizer():

@@ -83,6 +83,6 @@ class Recording(dp.Trainer):
         return super().step(state, batch)
 
 
-def trainer(mesh=None, sync=None, axis_name="data") -> Recording:
+def trainer(mesh=None, sync=None) -> Recording:
     kwargs = {} if sync is None else {"sync": sync}
-    return Recording(loss_fn, optax.adam(0.05), mesh=mesh, axis_name=axis_name, **kwargs)
+    return Recording(loss_fn, optax.adam(0.05), mesh=mesh, **kwargs)

@@ -3,7 +3,8 @@
 Usage: ``train.py OUT CKPT_DIR KILL_AT [SIGNAL [STRATEGY]]`` under ``jaxcoll-run``
 (STRATEGY ``fsdp``: ``Trainer(sync=dp.sync.FSDP())``, the params split over both processes;
 ``hsdp``: hybrid sharding on a ("replica", "shard") mesh whose rows are the processes:
-``dp.sync.FSDP(shard_axis="shard")`` splits the params over each process's devices and
+``layout=dp.Layout(replicate="replica", shard="shard")`` (FSDP over ``shard``, HSDP) splits
+the params over each process's devices and
 replicates them across the processes, as HSDP across nodes).
 Trains a small MLP for STEPS steps with ``fit(checkpoint=dp.Checkpointer(CKPT_DIR,
 every=EVERY))`` and
@@ -32,8 +33,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxcoll import dp  # noqa: E402
 
@@ -68,17 +67,16 @@ if STRATEGY == "hsdp":
         loss_fn,
         optax.adam(0.05),
         mesh=jax.make_mesh((jax.process_count(), jax.local_device_count()), ("replica", "shard")),
-        axis_name=("replica", "shard"),
-        sync=dp.sync.FSDP(shard_axis="shard"),
+        layout=dp.Layout(replicate="replica", shard="shard"),  # HSDP: FSDP over "shard"
     )
     assert {d.process_index for d in trainer.mesh.devices[ME]} == {ME}
 else:
     sync = dp.sync.FSDP() if STRATEGY == "fsdp" else dp.sync.DDP()
     trainer = dp.Trainer(loss_fn, optax.adam(0.05), sync=sync)
-sharding = NamedSharding(trainer.mesh, P(trainer.axis_name))
+sharding = trainer.batch_sharding
 # The rows of a global batch that this process's devices hold (devices are in global order).
 mine = [k for k, d in enumerate(trainer.mesh.devices.reshape(-1)) if d.process_index == ME]
-per_device = BATCH // trainer.n
+per_device = BATCH // trainer.layout.n
 local_rows = np.concatenate([np.arange(k * per_device, (k + 1) * per_device) for k in mine])
 
 
@@ -124,7 +122,7 @@ else:
 os.makedirs(OUT, exist_ok=True)
 np.savez(os.path.join(OUT, f"p{ME}.npz"), step=np.asarray(jax.device_get(state.step)), **params)
 print(
-    f"process {ME}: finished at step {int(jax.device_get(state.step))} on {trainer.n} "
+    f"process {ME}: finished at step {int(jax.device_get(state.step))} on {trainer.layout.n} "
     f"devices, {len(history)} steps in this run",
     flush=True,
 )

@@ -1,4 +1,5 @@
-"""Expert parallelism: route tokens to the experts' ranks and back (MoE dispatch / combine).
+"""The tokens' exchange of expert parallelism: to the experts' ranks and back (MoE dispatch
+and combine).
 
 The form MoE layers use: each rank's tokens are sorted by destination, a ragged all_to_all
 (:func:`jaxcoll.primitives.ragged_all_to_all`, torch's ``all_to_all_single`` with split
@@ -13,9 +14,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .. import primitives
-from .._core.typing import AxisName, PyTree
-from ..primitives._ragged import ragged_exchange, ragged_return
+from ... import primitives
+from ..._core.typing import AxisName, PyTree
+from ...primitives._ragged import ragged_exchange, ragged_return
 
 
 class Routing(NamedTuple):
