@@ -34,7 +34,7 @@ def check_chunks(api: str, params: PyTree, v: int) -> None:
                 f"{api}: params{jax.tree_util.keystr(path)} has shape {shape}, but "
                 f"Interleaved(virtual={v}) needs a leading axis of {v} "
                 f"on every leaf: this stage's chunks, chunk c being model chunk c*S + s. "
-                f"Stack them, e.g. params of shape (S, {v}, ...) with in_specs=P(stage_axis)."
+                f"Stack them, e.g. params of shape (S, {v}, ...) with in_specs=P(axis_name)."
             )
 
 
