@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,19 +67,44 @@ LOGICAL_AXES: Mapping[str, Role | None] = {
 #: parallel: both meet here, on the ground floor).
 SCHEDULES: dict[str, type] = {}
 
+#: The context role's attention methods by name (``"ring"``: ``Ring``), filled by
+#: :mod:`jaxcoll.parallel.context`; :class:`jaxcoll.dp.Layout` checks its ``attention`` with it.
+CONTEXT_METHODS: dict[str, type] = {}
+
 
 @dataclass(frozen=True)
 class Binding:
-    """Names resolved to mesh axes (``None``: the name has no axis here, run dense) and the
-    pipeline schedule, as a layout binds them over one mesh."""
+    """Names resolved to mesh axes (``None``: the name has no axis here, run dense), the
+    pipeline schedule and the context role's attention method, as a layout binds them over
+    one mesh."""
 
     axes: Mapping[str, str | None] = field(default_factory=dict)
     schedule: Any = None
+    context_method: Any = None
+
+
+#: Context managers ``cm(binding)`` a Trainer enters while it traces its step under a
+#: binding: a floor above fills it (:mod:`jaxcoll.parallel.context` routes
+#: ``jax.nn.dot_product_attention`` through the context role's attention).
+ON_TRACE: list[Callable[[Binding], contextlib.AbstractContextManager]] = []
+
+
+class ManualRole(Exception):
+    """Raised by :func:`axis`, while :func:`probing` a role, when model code asks for that
+    role's axis: the model runs the role's collectives itself."""
+
+    def __init__(self, role: Role) -> None:
+        super().__init__(f"model code asked for the {role} axis")
+        self.role = role
 
 
 _ACTIVE: contextvars.ContextVar[Binding | None] = contextvars.ContextVar(
     "jaxcoll_layout_binding", default=None
 )
+# The roles model code asked for while a step was traced (a set, or None: not recording).
+_USED: contextvars.ContextVar[set | None] = contextvars.ContextVar("jaxcoll_used", default=None)
+# The role whose first request raises ManualRole (a probe), or None.
+_PROBE: contextvars.ContextVar[Role | None] = contextvars.ContextVar("jaxcoll_probe", default=None)
 
 
 def active() -> Binding | None:
@@ -94,7 +119,57 @@ def axis(name: Hashable | None) -> Any:
     binding = _ACTIVE.get()
     if binding is None or not isinstance(name, str) or name not in binding.axes:
         return name.value if isinstance(name, Role) else name
+    _note(name, binding.axes[name])
     return binding.axes[name]
+
+
+def _note(name: str, mesh_axis: str | None) -> None:
+    """Record that model code asked for the role ``name`` (or a logical axis of it) stands for,
+    and raise :class:`ManualRole` where that role is probed."""
+    role = _role_of(name)
+    if role is None or mesh_axis is None:
+        return
+    if _PROBE.get() == role:
+        raise ManualRole(role)
+    used = _USED.get()
+    if used is not None:
+        used.add(role)
+
+
+def _role_of(name: str) -> Role | None:
+    try:
+        return Role(name)
+    except ValueError:
+        return LOGICAL_AXES.get(name)
+
+
+def context_method() -> Any:
+    """The context role's attention method of the binding in force (``parallel.Ring()`` or
+    ``parallel.Ulysses()``), or None."""
+    binding = _ACTIVE.get()
+    return None if binding is None else binding.context_method
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[set]:
+    """Record, for the block, the roles model code asks :func:`axis` for (the set yielded):
+    a Trainer refuses a layout role its model never used."""
+    used: set = set()
+    token = _USED.set(used)
+    try:
+        yield used
+    finally:
+        _USED.reset(token)
+
+
+@contextlib.contextmanager
+def probing(role: Role) -> Iterator[None]:
+    """For the block, the first request for ``role``'s axis raises :class:`ManualRole`."""
+    token = _PROBE.set(role)
+    try:
+        yield
+    finally:
+        _PROBE.reset(token)
 
 
 def schedule() -> Any:

@@ -12,6 +12,7 @@ from . import sync as sync
 from .adapters import Linen as Linen
 from .adapters import Model as Model
 from .adapters import Nnx as Nnx
+from .adapters import building as building
 from .batchnorm import SyncBatchNorm as SyncBatchNorm
 from .callbacks import Action as Action
 from .callbacks import Callback as Callback
@@ -56,6 +57,7 @@ __all__ = [
     "Linen",
     "Model",
     "Nnx",
+    "building",
     "PlotWriter",
     "Profile",
     "Progress",

@@ -2,16 +2,50 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from .._core.typing import PyTree
 from .checks import accepts, loss_output
 
 if TYPE_CHECKING:
     from flax import linen, nnx
+
+
+def annotated(model: Any, params: PyTree) -> PyTree | None:
+    """The model specs a model's own annotations give ``params`` (an :class:`Nnx` model's
+    variable metadata: :meth:`Nnx.specs`), where they describe a tree shaped like ``params``;
+    else None."""
+    specs = model.specs() if isinstance(model, Nnx) else None
+    if specs is None:
+        return None
+    is_p = lambda x: isinstance(x, P)  # noqa: E731
+    same = jax.tree_util.tree_structure(specs, is_leaf=is_p) == jax.tree_util.tree_structure(params)
+    has_names = any(s != P() for s in jax.tree_util.tree_leaves(specs, is_leaf=is_p))
+    return specs if same and has_names else None
+
+
+@contextlib.contextmanager
+def building() -> Iterator[None]:
+    """Build a flax model whose variables carry sharding metadata without a mesh: inside the
+    block, nnx variables are created whole on the default device, their metadata
+    (``nnx.with_partitioning(init, ("embed", "heads"))``) kept; the Trainer reads it and places
+    each param by the layout (flax otherwise places every annotated variable when it is
+    created, and without a mesh refuses: "An auto mesh context or metadata is required")::
+
+        with dp.building():
+            model = Llama(config, rngs=nnx.Rngs(0))
+        trainer = dp.Trainer(dp.Nnx(model, loss), optax.adamw(3e-4), layout=layout)
+    """
+    from flax import nnx
+
+    with nnx.use_eager_sharding(False):
+        yield
+
 
 # loss(outputs, batch) -> (per-example mean loss, dict of per-example-mean scalar metrics);
 # it may also take the keyword arguments ``params`` and ``step`` (see Linen).
@@ -273,6 +307,20 @@ class Nnx(_OutputLoss):
             outputs = self.call(model, batch, train=train, rngs=rngs)
         new_stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)) if train else model_state
         return outputs, new_stats
+
+    def specs(self) -> PyTree:
+        """Each param's sharding metadata as a ``PartitionSpec`` of its names (logical axes,
+        roles or mesh axes: ``nnx.with_partitioning(init, ("embed", "heads"))``,
+        ``nnx.Param(v, out_sharding=...)``), shaped like :meth:`init`'s params; a param
+        without metadata whole. The Trainer reads them as the model specs."""
+        from flax import nnx
+
+        def spec(v: Any) -> Any:
+            names = v.get_metadata().get("out_sharding")
+            return v.replace(P(*names) if names else P())
+
+        is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+        return nnx.to_pure_dict(jax.tree_util.tree_map(spec, self._params, is_leaf=is_var))
 
     def to_module(self, params: PyTree, model_state: PyTree) -> nnx.Module:
         """A new nnx module with ``params`` and the BatchNorm statistics ``model_state``

@@ -82,17 +82,87 @@ def unbox(
     return meta.unbox(params), meta.get_partition_spec(params), notes
 
 
-def _resolve(spec: P, table: Any, mesh: Mesh) -> P:
+def _resolve(spec: P, table: Any, mesh: Mesh, unknown: Any = None) -> P:
     """``spec`` with each role or logical axis (``"tensor"``, ``"heads"``, ``"layers"``) made
     the layout's mesh axis for it, or whole where the layout gives it none; a mesh axis's own
-    name stays."""
+    name stays. A name that is neither calls ``unknown(name)`` (which raises)."""
 
     def one(name: Any) -> tuple:
-        if name in mesh.axis_names or name not in table:
+        if name in mesh.axis_names:
+            return (name,)
+        if name not in table:
+            if unknown is not None:
+                unknown(name)
             return (name,)
         return () if table[name] is None else (table[name],)
 
     return _spec([tuple(a for n in e for a in one(n)) for e in _entries(spec)])
+
+
+def _unknown_name(api: str, layout: BoundLayout) -> Any:
+    """The error for a name in a model spec that is no mesh axis, role or logical axis."""
+
+    def raise_(name: Any) -> None:
+        raise ValueError(
+            f"{api}: a param's sharding names {name!r}, which is no axis of the mesh "
+            f"{tuple(layout.mesh.axis_names)}, no role and no logical axis the layout knows "
+            f"({sorted(k for k in layout.binding.axes if k != 'batch')}). Map it in the "
+            f"layout: dp.Layout(..., rules={{{name!r}: 'tensor'}}) for a tensor-parallel "
+            f"split (or 'pipeline', 'expert'), or rules={{{name!r}: None}} to keep that "
+            f"dimension whole (a data axis's name: the strategy splits the data axes)."
+        )
+
+    return raise_
+
+
+def is_rules(specs: Any) -> bool:
+    """``specs`` is a sequence of ``(regex, PartitionSpec)`` partition rules."""
+    return (
+        isinstance(specs, (list, tuple))
+        and len(specs) > 0
+        and all(
+            isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str) and is_spec(r[1])
+            for r in specs
+        )
+    )
+
+
+def path_name(path: tuple) -> str:
+    """A param's path as partition rules match it: its keys joined by ``/``
+    (``"layers/0/attention/q/kernel"``)."""
+    parts = []
+    for k in path:
+        key = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+        parts.append(str(key))
+    return "/".join(parts)
+
+
+def from_rules(api: str, rules: Any, params: PyTree) -> PyTree:
+    """Each param's spec by partition rules (EasyLM's and t5x's ``match_partition_rules``):
+    the spec of the first rule whose regex ``re.search``-matches the param's path
+    (:func:`path_name`); a scalar is whole. A param no rule matches raises, naming its path."""
+    import re
+
+    compiled = []
+    for pattern, spec in rules:
+        try:
+            compiled.append((re.compile(pattern), spec))
+        except re.error as e:
+            raise ValueError(f"{api}: the partition rule {pattern!r} is no regex: {e}.") from e
+
+    def one(path: tuple, leaf: Any) -> P:
+        name = path_name(path)
+        if not getattr(leaf, "shape", ()):
+            return P()
+        for regex, spec in compiled:
+            if regex.search(name):
+                return P() if spec is None else spec
+        raise ValueError(
+            f"{api}: no partition rule matches the param {name!r} (shape "
+            f"{tuple(leaf.shape)}); add a rule for it, or a last catch-all (r'.*', P())."
+        )
+
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def _not_a_spec(api: str, path: str, value: Any) -> None:
@@ -146,7 +216,9 @@ def model_specs(
             )
         source = "has the spec"
     table = layout.binding.axes
-    given = [_resolve(spec, table, mesh) for spec in given]
+    unknown = _unknown_name(api, layout)
+    raw = given
+    given = [_resolve(spec, table, mesh, unknown) for spec in given]
     out = []
     for i, (leaf, spec) in enumerate(zip(leaves, given, strict=True)):
         used = [a for e in _entries(spec) for a in e]
@@ -180,10 +252,19 @@ def model_specs(
                         f"{api}: {said} (params{path}, of shape {tuple(leaf.shape)}, is split "
                         f"over it along dimension {d}.)"
                     )
+                names = [n for n in (_entries(raw[i]) + [()] * d)[d] if n in table]
+                keep = (
+                    f" or keep that dimension whole: dp.Layout(..., rules={{{names[0]!r}: "
+                    f"None}}) (a model written for GSPMD then computes it whole on every "
+                    f"device of {e[0]!r}: Megatron's and MaxText's answer to fewer kv heads "
+                    f"than tensor ranks)"
+                    if names
+                    else ""
+                )
                 raise ValueError(
                     f"{api}: params{path} (shape {tuple(leaf.shape)}) is split over {e} "
                     f"along dimension {d}, of size {leaf.shape[d]}, which {k} devices do not "
-                    f"divide. Pick sizes the model axes divide."
+                    f"divide. Pick sizes the model axes divide{keep}."
                 )
         out.append(kept)
     return out

@@ -21,16 +21,17 @@ from jax.sharding import PartitionSpec as P
 from .._core.checks import check_static_int
 from .._core.typing import PyTree
 from .._watch import process, watchdog
-from .adapters import Model
+from .adapters import Model, annotated
 from .checks import LossOutputError, check_state, float_params, removed_keywords, unbound_axis
 from .data.batches import Batches, leading_size, placed_as
 from .extra import Extra
 from .host import to_host
 from .layout import BoundLayout, Layout
 from .loop import fit as loop
-from .specs import check_placed_specs, model_specs, restrict, unbox
+from .specs import check_placed_specs, from_rules, is_rules, model_specs, restrict, unbox
 from .state import TrainState
 from .step.build import build_eval, build_step
+from .step.honoured import tensor_split
 from .step.loss import LossFn, check_optimizer, step_loss
 from .step.placement import first_state
 from .sync import Strategy
@@ -177,6 +178,12 @@ class Trainer:
             raise ValueError(f"{api}: accum_steps={accum_steps} must be at least 1.")
         self.accum_steps = accum_steps
         self.extra = extra
+        for name, flag in (("skip_nonfinite", skip_nonfinite), ("donate", donate)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(
+                    f"{api}: {name} must be True or False, got {flag!r} of type "
+                    f"{type(flag).__name__} instead (a string such as 'no' is truthy)."
+                )
         self.skip_nonfinite = bool(skip_nonfinite)
         self.donate = bool(donate)
         self._specs: _Specs | None = None  # known at init (or from a state's placement)
@@ -243,11 +250,19 @@ class Trainer:
                 :class:`~jaxcoll.dp.Model` adapter, what its ``init`` returned.
             per_rank: see ``params``.
             specs: each param's model spec, a ``PartitionSpec`` over the layout's axes (a
-                tree shaped like ``params``). Default: from flax's ``nn.Partitioned`` boxes
-                (``nn.with_partitioning``, as :mod:`jaxcoll.nn`'s layers declare their
-                params; the params are unboxed), else from each leaf's ``NamedSharding``,
-                else whole. Names that are no axis of the mesh are dropped (the model runs
-                dense over them); a split over a mesh axis without a role raises.
+                tree shaped like ``params``), or partition rules: a list of ``(regex,
+                PartitionSpec)`` pairs, the first whose regex matches a param's path
+                (``"layers/0/attn/q/kernel"``) giving its spec (EasyLM's and t5x's
+                ``match_partition_rules``). Default: from flax's boxes
+                (``nn.with_partitioning``, ``nn.with_logical_partitioning``, as
+                :mod:`jaxcoll.nn`'s layers declare their params; the params are unboxed),
+                else from a :class:`~jaxcoll.dp.Nnx` model's variable metadata
+                (``nnx.with_partitioning``, ``out_sharding=``), else from each leaf's
+                ``NamedSharding``, else whole. A spec may name mesh axes, roles and logical
+                axes (``"heads"``, ``"mlp"``; the layout's ``rules`` map more, e.g. a
+                model's own mesh names: ``rules={"mp": "tensor", "fsdp": None}``); a name
+                that is none of them raises, naming the rule to add. A role the layout
+                does not give runs dense; a split over a mesh axis without a role raises.
 
         Returns:
             A :class:`TrainState` at step 0, placed on the mesh; ``state.extra`` is
@@ -262,6 +277,10 @@ class Trainer:
         """
         params, boxed, notes = unbox(params)
         float_params("Trainer.init", params, self.sync.grad_route)
+        if is_rules(specs):
+            specs = from_rules("Trainer.init", specs, params)
+        if specs is None and boxed is None:
+            specs = annotated(self.model, params)
         given, notes = (boxed, notes) if specs is None else (specs, None)
         self._set_model_specs(
             model_specs("Trainer.init", params, given, self.layout, notes), params
@@ -281,6 +300,7 @@ class Trainer:
         for them (new programs when they change; None when every leaf is whole over the
         model axes), and where this Trainer's state holds each leaf of ``params``."""
         model = tuple(found)
+        tensor_split("Trainer.init", self.layout, found)
         if self._specs is None or model != self._specs.model:
             whole = all(s == P() for s in model)
             self.sync = self.sync.with_model_specs(None if whole else model)

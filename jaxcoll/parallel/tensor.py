@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from .. import primitives
 from .._core.roles import Role
 from .._core.typing import AxisName, PyTree
+from .._core.vma import axis_names, varying_axes
 from .axes import bound_axis
 
 _MLP_KEYS = ("w1", "b1", "w2", "b2")
@@ -81,6 +82,8 @@ def row_parallel(
     """
     axis = bound_axis(axis_name, "parallel.row_parallel")
     y = h @ w if jnp.ndim(w) == 2 else jnp.tensordot(h, w, axes=jnp.ndim(w) - 1)
+    if axis is not None:
+        _check_split(y, axis)
     if axis is not None and scatter:  # the scattered dim to the front, and back
         dim = dim % jnp.ndim(y)
         y = jnp.swapaxes(y, 0, dim)
@@ -88,6 +91,26 @@ def row_parallel(
     elif axis is not None:
         y = primitives.all_reduce(y, axis)
     return y if b is None else y + b  # (no axis bound: the dense map, no collective)
+
+
+def _check_split(y: jax.Array, axis: AxisName) -> None:
+    """Raise if the partial products ``y`` are the same on every device of ``axis``: ``h``
+    and ``w`` are whole there, not this device's slices, and the sum would count them once
+    per device (a loss off by the axis size, silently)."""
+    found = varying_axes(y)
+    if found is None:  # types not tracked (check_vma off): nothing to read
+        return
+    missing = [a for a in axis_names(axis) if a not in found]
+    if missing:
+        raise ValueError(
+            f"parallel.row_parallel: its inputs h and w are the same on every device of "
+            f"{missing[0]!r} (the kernel is whole there, not this device's slice), so summing "
+            f"the products over {missing[0]!r} would count them once per device. Split the "
+            f"kernels over the tensor axis: give them model specs (logical names in the "
+            f"model's sharding metadata, partition rules or specs= to Trainer.init; "
+            f"jaxcoll.nn's layers declare theirs), or call a plain matmul where nothing is "
+            f"split."
+        )
 
 
 def sequence_gather(x: jax.Array, axis_name: AxisName = Role.TENSOR, *, dim: int = 0) -> jax.Array:

@@ -193,7 +193,11 @@ def test_specs_from_flax_boxes_equal_explicit_specs():
 
 def test_a_loss_that_varies_over_the_tensor_axis_is_refused():
     def partial_loss(params, batch, rng):
-        # Row-parallel without its all-reduce: each tensor rank holds a partial sum.
+        # A model running its tensor parallel by hand (it asks for the axis), its row-parallel
+        # product without the all-reduce: each tensor rank holds a partial sum. (A model that
+        # never asks leaves the axis to XLA, which inserts the reduction: tests/dp/
+        # test_honoured.py.)
+        assert parallel.is_bound("tensor")
         h = batch["x"] @ params["w1"]
         return jnp.mean((h @ params["w2"]) ** 2), {}
 

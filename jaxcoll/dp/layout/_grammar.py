@@ -62,6 +62,8 @@ def short_name(layout: Any) -> tuple[str, str]:
         return "", "names mesh axes (or none) where a short name gives degrees"
     if layout.rules:
         return "", f"has rules={dict(layout.rules)!r}, which a short name does not say"
+    if layout.attention is not None and type(layout.attention).__name__ != "Ring":
+        return "", f"has attention={layout.attention!r}, which a short name does not say"
     schedule = "" if layout.schedule is None else _schedule_name(layout.schedule)
     if schedule is None:
         return "", f"has the schedule {layout.schedule!r}, which has no short name"

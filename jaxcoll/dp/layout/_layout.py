@@ -164,6 +164,11 @@ class Layout:
             tokens to the others' (an all-to-all over that axis). So its degree is the
             shards' (``Layout(replicate=2, shard=4, expert=4)``), and with names it is the
             shards' axis (``Layout(shard="data", expert="data")``).
+        attention: the context role's attention: ``parallel.Ring()`` (the default) or
+            ``parallel.Ulysses()``. Model code computing attention with
+            ``jax.nn.dot_product_attention`` or :func:`~jaxcoll.parallel.context_attention`
+            gets it; a model that computes attention any other way under a context role is
+            refused when the step is traced (it would attend within each device's part).
 
     Example (8 devices, FSDP over 4 x tensor parallel over 2)::
 
@@ -181,6 +186,7 @@ class Layout:
     rules: Any = None
     context: int | str | None = None
     expert: int | str | None = None
+    attention: Any = None
 
     def __post_init__(self) -> None:
         values = {r: getattr(self, r) for r in ROLES}
@@ -204,6 +210,7 @@ class Layout:
             )
         self._check_expert()
         self._check_schedule()
+        self._check_attention()
         rules = dict(self.rules or {})
         allowed = (*roles.MODEL_ROLES, Role.EXPERT)
         for key, role in rules.items():
@@ -226,6 +233,20 @@ class Layout:
             raise ValueError(
                 f"dp.Layout: schedule={self.schedule!r} schedules a pipeline, and "
                 f"{self._shown()} has none; give it pipeline= (the stages' degree or axis)."
+            )
+
+    def _check_attention(self) -> None:
+        methods = tuple(roles.CONTEXT_METHODS.values())
+        if self.attention is not None and methods and not isinstance(self.attention, methods):
+            raise TypeError(
+                f"dp.Layout: attention must be parallel.Ring() or parallel.Ulysses(), got "
+                f"{self.attention!r}."
+            )
+        if self.attention is not None and self.context is None:
+            raise ValueError(
+                f"dp.Layout: attention={self.attention!r} is the context role's attention, "
+                f"and {self._shown()} has no context role; give it context= (a degree or "
+                f"an axis)."
             )
 
     def _check_expert(self) -> None:
@@ -262,6 +283,7 @@ class Layout:
     def __repr__(self) -> str:
         extra = [f"schedule={self.schedule!r}"] * (self.schedule is not None)
         extra += [f"rules={dict(self.rules)!r}"] * bool(self.rules)
+        extra += [f"attention={self.attention!r}"] * (self.attention is not None)
         shown = self._shown()
         return shown[:-1] + ", " * (shown != "Layout()" and bool(extra)) + ", ".join(extra) + ")"
 
@@ -437,4 +459,4 @@ class Layout:
         for logical, role in table.items():
             axes[logical] = None if role is None else by_role[role]
         axes["batch"] = self.data_axes or None  # the axes the tokens are split over
-        return roles.Binding(axes, self.schedule)
+        return roles.Binding(axes, self.schedule, self.attention)

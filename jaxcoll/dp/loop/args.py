@@ -19,9 +19,16 @@ def total_steps(data: Any, steps: int | None, epochs: int | None) -> int:
         raise ValueError(
             "Trainer.fit: pass exactly one of steps= (the total step count to reach) or epochs=."
         )
+    name, value = ("steps", steps) if steps is not None else ("epochs", epochs)
+    value = check_static_int("Trainer.fit", name, value)
+    if value < 0:
+        raise ValueError(
+            f"Trainer.fit: {name}={value} is negative; {name} counts from the start of "
+            f"training (steps= is the total step count to reach, not the steps still to take)."
+        )
     if steps is not None:
-        return check_static_int("Trainer.fit", "steps", steps)
-    epochs = check_static_int("Trainer.fit", "epochs", epochs)
+        return value
+    epochs = value
     try:
         return epochs * len(data)
     except TypeError:
@@ -29,6 +36,16 @@ def total_steps(data: Any, steps: int | None, epochs: int | None) -> int:
             "Trainer.fit: epochs= needs data with a length (e.g. dp.Batches); "
             "pass steps= for an iterator."
         ) from None
+
+
+def check_flag(api: str, argname: str, value: Any) -> bool:
+    """``value`` must be a bool (a string such as ``"yes"`` or ``"no"`` is not read)."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{api}: {argname} must be True or False, got {value!r} of type "
+            f"{type(value).__name__} instead."
+        )
+    return value
 
 
 def check_data(api: str, argname: str, data: Any) -> None:

@@ -20,7 +20,7 @@ from ..checkpoint.checkpointer import Checkpointer
 from ..checks import check_state
 from ..data.batches import Batches
 from ..state import TrainState
-from .args import check_checkpoint, check_data, total_steps
+from .args import check_checkpoint, check_data, check_flag, total_steps
 from .components import Progress, Steps
 from .evaluate import evaluate as evaluate  # Trainer.evaluate's
 from .runner import Runner
@@ -105,6 +105,7 @@ def fit(
     check_state(api, state)
     check_data(api, "data", data)
     total = total_steps(data, steps, epochs)
+    prefetch = check_flag(api, "prefetch", prefetch)
     cbs = as_callbacks(api, callbacks)
     check_checkpoint(api, checkpoint, cbs)
     cbs += _progress(api, progress, cbs)  # last: the bar moves once the callbacks are done

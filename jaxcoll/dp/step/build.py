@@ -19,7 +19,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ... import primitives
-from ..._core import roles
 from ..._core.typing import AxisName, PyTree
 from ..._core.vma import axis_names, to_varying, varying_axes
 from ..checks import LossOutputError, float_params
@@ -27,6 +26,7 @@ from ..extra import Extra
 from ..layout import BoundLayout
 from ..state import TrainState
 from ..sync.base import Strategy, specs_like
+from .honoured import check_honoured, manual_axes, only, tracing
 
 # loss(params, model_state, batch, rng, step) -> (loss, (aux, new_model_state)), its output
 # already checked (the Trainer wraps the user's loss_fn or dp.Model into this form).
@@ -45,6 +45,7 @@ def local_grads(
     strategy: Strategy | None = None,
     like: PyTree = None,
     model_axes: tuple = (),
+    honoured: Callable[[], None] | None = None,
 ):
     """This rank's mean gradient over ``accum_steps`` micro-batches of its share of the batch.
 
@@ -59,7 +60,7 @@ def local_grads(
         of_params = lambda p, ms, b, r: loss(p, ms, b, r, step)  # noqa: E731
     else:
         of_params = strategy.loss_of_held(lambda p, ms, b, r: loss(p, ms, b, r, step), like)
-    grad_fn = jax.value_and_grad(_checked(of_params, model_axes), has_aux=True)
+    grad_fn = jax.value_and_grad(_checked(of_params, model_axes, honoured), has_aux=True)
     k = accum_steps
     if k == 1:
         (value, (aux, model_state)), grads = grad_fn(params, model_state, batch, key)
@@ -93,14 +94,19 @@ def local_grads(
     return scale(g_sum), loss_sum / k, scale(aux_sum), model_state
 
 
-def _checked(fn: Callable[..., tuple], model_axes: tuple) -> Callable[..., tuple]:
-    """``fn`` (a per-rank loss with its aux) with :func:`invariant_over` checked on its
-    output; ``fn`` itself without model axes."""
-    if not model_axes:
+def _checked(
+    fn: Callable[..., tuple], model_axes: tuple, honoured: Callable[[], None] | None = None
+) -> Callable[..., tuple]:
+    """``fn`` (a per-rank loss with its aux) with ``honoured()`` (the layout's roles used:
+    :func:`~jaxcoll.dp.step.honoured.check_honoured`) and :func:`invariant_over` checked on
+    its output; ``fn`` itself without either."""
+    if not model_axes and honoured is None:
         return fn
 
     def checked(*args):
         out = fn(*args)
+        if honoured is not None:
+            honoured()
         invariant_over(model_axes, out[0], out[1][0])
         return out
 
@@ -237,15 +243,19 @@ def build_step(
     it is the data position) and reports ``skipped=1.0`` (:func:`keep_if_finite`). The
     state's buffers are donated when ``donate``.
     """
-    mapped = per_rank_step(loss, strategy, state, layout, accum_steps)
+    modes: dict = {}  # the shard_map's manual axes, decided when the step is first traced
 
     def step(state: TrainState, batch: PyTree):
         # Checked when traced (each new state signature): an integer param would otherwise
         # fail inside jax.grad, unnamed.
         float_params("Trainer.step", state.params, strategy.grad_route)
-        grads, model_state, comm_state, metrics = mapped(
-            state.params, state.model_state, state.comm_state, batch, state.step, state.rng
-        )
+        args = (state.params, state.model_state, state.comm_state, batch, state.step, state.rng)
+        if "manual" not in modes:
+            modes["manual"] = manual_axes(
+                layout, lambda m: per_rank_step(loss, strategy, state, layout, accum_steps, m), args
+            )
+        mapped = per_rank_step(loss, strategy, state, layout, accum_steps, modes["manual"])
+        grads, model_state, comm_state, metrics = mapped(*args)
         params, opt_state = strategy.update(grads, state.opt_state, state.params)
         new = TrainState(
             params, opt_state, model_state, state.step + 1, state.rng, state.extra, comm_state
@@ -266,18 +276,21 @@ def per_rank_step(
     state: TrainState,
     layout: BoundLayout,
     accum_steps: int,
+    manual: frozenset | None = None,
 ) -> Callable:
     """The step's per-rank half, a ``jax.shard_map``: ``(params, model_state, comm_state,
     batch, step, rng) -> (grads, model_state, comm_state, metrics)``, the gradients
     synchronised and laid out as ``strategy.grad_specs`` says, traced with the layout's names
-    in force."""
+    in force. ``manual``: the mesh axes it is manual over (default: all; without the tensor
+    axis where XLA partitions the model over it: :func:`manual_axes`)."""
+    manual = frozenset(strategy.mesh.axis_names) if manual is None else manual
     axis, algorithm = strategy.axis_name, strategy.algorithm
     names = axis_names(axis)
     like = abstract(state.params)
     split = layout.split
 
     def per_rank(params, model_state, comm_state, batch, step, rng):
-        with roles.bound(layout.binding):
+        with tracing(layout) as used:
             batch = split.part(batch)
             rank = lax.axis_index(axis)
             key = jax.random.fold_in(jax.random.fold_in(rng, step), rank)
@@ -292,7 +305,8 @@ def per_rank_step(
                 accum_steps,
                 strategy,
                 like,
-                layout.axes,
+                tuple(a for a in layout.axes if a in manual),
+                lambda: check_honoured("Trainer.step", layout, used, manual),
             )
             metrics = mean_metrics({"loss": value, **aux}, axis, algorithm)
             model_state = sync_model_state(model_state, axis, algorithm)
@@ -304,7 +318,7 @@ def per_rank_step(
         per_rank,
         mesh=strategy.mesh,
         in_specs=(
-            strategy.state_param_specs(state.params),
+            only(strategy.state_param_specs(state.params), manual),
             P(),
             per_rank_spec,
             split.spec,
@@ -312,11 +326,12 @@ def per_rank_step(
             P(),
         ),
         out_specs=(
-            strategy.grad_specs(state.params),
+            only(strategy.grad_specs(state.params), manual),
             specs_like(state.model_state, P()),
             per_rank_spec,
             P(),
         ),
+        axis_names=set(manual),
     )
 
 
@@ -351,19 +366,30 @@ def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree, layout: Boun
     like = abstract(params)
     split = layout.split
 
-    def per_rank(params, model_state, step, batch):
-        with roles.bound(layout.binding):
-            batch = split.part(batch)
-            of_held = strategy.loss_of_held(lambda p, ms, b: loss(p, ms, b, None, step), like)
-            value, (aux, _) = of_held(to_varying(params, axis_names(axis)), model_state, batch)
-            invariant_over(layout.axes, value, aux)
-            return mean_metrics({"loss": value, **aux}, axis, strategy.algorithm)
+    def mapped(manual: frozenset) -> Callable:
+        def per_rank(params, model_state, step, batch):
+            with tracing(layout) as used:
+                batch = split.part(batch)
+                of_held = strategy.loss_of_held(lambda p, ms, b: loss(p, ms, b, None, step), like)
+                value, (aux, _) = of_held(to_varying(params, axis_names(axis)), model_state, batch)
+                check_honoured("Trainer.evaluate", layout, used, manual)
+                invariant_over(tuple(a for a in layout.axes if a in manual), value, aux)
+                return mean_metrics({"loss": value, **aux}, axis, strategy.algorithm)
 
-    return jax.jit(
-        jax.shard_map(
+        return jax.shard_map(
             per_rank,
             mesh=strategy.mesh,
-            in_specs=(strategy.state_param_specs(params), P(), P(), split.spec),
+            in_specs=(only(strategy.state_param_specs(params), manual), P(), P(), split.spec),
             out_specs=P(),
+            axis_names=set(manual),
         )
-    )
+
+    modes: dict = {}
+
+    def evaluate(params, model_state, step, batch):
+        args = (params, model_state, step, batch)
+        if "manual" not in modes:
+            modes["manual"] = manual_axes(layout, mapped, args)
+        return mapped(modes["manual"])(*args)
+
+    return jax.jit(evaluate)
