@@ -1,0 +1,1 @@
+"""Test models written the way JAX users write them, and their one-device references."""
