@@ -13,6 +13,7 @@ from . import algorithms as algorithms
 from . import distributed as dist
 from . import distributed as distributed
 from . import groups as groups
+from . import parallel as parallel  # fills the roles' tables (schedules, attention routing)
 from . import primitives as primitives
 from ._core.ops import ReduceOp as ReduceOp
 from ._core.typing import AxisName as AxisName
@@ -44,6 +45,7 @@ __all__ = [
     "groups",
     "handle_preemption",
     "init",
+    "parallel",
     "preemption_point",
     "preemption_requested",
     "primitives",

@@ -215,7 +215,7 @@ def test_a_loss_that_varies_over_the_tensor_axis_is_refused():
 
 def test_a_state_placed_against_the_init_specs_is_refused_not_remade():
     trainer = _trainer("fsdp4xtp2")
-    state = trainer.init(params0(), jax.random.key(1))  # no specs: the model runs whole
+    state = trainer.init(params0(), jax.random.key(1), specs=SPECS)  # "inp" whole
     mesh = trainer.mesh
     w = state.params["adam"]["inp"]
     split = jax.device_put(w, NamedSharding(mesh, P(None, "tensor")))
