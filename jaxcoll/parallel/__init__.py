@@ -22,12 +22,16 @@ them (the pipeline takes ``data_axis_name=`` and averages gradients over it exac
 * :mod:`.context`: :func:`context_attention` by :class:`Ring` or :class:`Ulysses`, the
   load-balanced sequence order (:func:`context_order`, :func:`to_context_order`,
   :func:`from_context_order`, :func:`context_positions`) and :func:`ring_blocks`;
+  :func:`dot_product_attention` (``jax.nn.dot_product_attention`` through the context role)
+  and :func:`routed` (puts it in ``jax.nn``'s place while a layout's step is traced);
 * :mod:`.moe`: mixtures of experts: :func:`moe_mlp` (the entry: a mixture of experts over
   an expert axis), :func:`dispatch` and :func:`combine` (the tokens' exchange),
   :class:`Load` and :func:`moe_metrics` (the load and the load-balancing loss);
 * :mod:`.axes`: :func:`is_bound`, the switch of model code that runs split or dense.
 """
 
+from ._context_route import dot_product_attention as dot_product_attention
+from ._context_route import routed as routed
 from .axes import is_bound as is_bound
 from .context import Ring as Ring
 from .context import Ulysses as Ulysses
@@ -74,6 +78,7 @@ __all__ = [
     "context_positions",
     "from_context_order",
     "dispatch",
+    "dot_product_attention",
     "gelu",
     "is_bound",
     "mlp",
@@ -83,6 +88,7 @@ __all__ = [
     "pipeline_loss",
     "pipeline_value_and_grad",
     "ring_blocks",
+    "routed",
     "row_parallel",
     "sequence_gather",
     "to_context_order",

@@ -19,6 +19,7 @@ from jax import lax
 
 from .._core.typing import PyTree
 from .._jax import Literal, jaxpr_parts, scan_counts, varying_of
+from ._lowering import call_stage
 
 _SCAN = "scan"
 
@@ -250,10 +251,13 @@ class _ScanCut:
 
 
 class _Split:
-    """A stage's backward cut into B and W: ``run_b(params, h, ct) -> (d_h, saved)`` recomputes
-    the forward and computes the input's gradient, ``run_w(saved) -> d_params`` the params'.
+    """A stage's backward cut into B and W: ``run_b(params, h, ct, side) -> (d_h, saved)``
+    recomputes the forward and computes the input's gradient, ``run_w(saved) -> d_params`` the
+    params'.
 
-    The vjp ``(params, h, ct) -> (d_params, d_h)`` is traced once as a jaxpr. B runs every
+    The vjp ``(params, h, side, ct) -> (d_params, d_h)`` is traced once as a jaxpr (``side``:
+    the micro-batch's side inputs, or None; never differentiated: what W reads of them, B
+    saves for it, as any value of the forward). B runs every
     equation the input's gradient needs; W every other equation the params' gradient needs,
     reading what B computed of it from ``saved``. A ``scan`` B needs part of (the layers'
     backward) is cut: B's scan carries the cotangent down the layers and exports each
@@ -262,11 +266,14 @@ class _Split:
     computed by the same equation as in the vjp, so the gradients are the vjp's.
     """
 
-    def __init__(self, stage_fn: Any, own: PyTree, h: jax.Array) -> None:
-        def vjp(params: PyTree, x: jax.Array, ct: jax.Array) -> tuple:
-            return jax.vjp(stage_fn, params, x)[1](ct)
+    def __init__(self, stage_fn: Any, own: PyTree, h: jax.Array, side: PyTree = None) -> None:
+        def vjp(params: PyTree, x: jax.Array, side: PyTree, ct: jax.Array) -> tuple:
+            def forward(params: PyTree, x: jax.Array) -> jax.Array:
+                return call_stage(stage_fn, params, x, side)
 
-        closed = jax.make_jaxpr(vjp)(own, h, h)
+            return jax.vjp(forward, params, x)[1](ct)
+
+        closed = jax.make_jaxpr(vjp)(own, h, side, h)
         self.treedef = jax.tree_util.tree_structure(own)
         jaxpr = self.jaxpr = closed.jaxpr
         self.consts = closed.consts
@@ -323,12 +330,19 @@ class _Split:
         return out
 
     def run_b(
-        self, own: PyTree, h: jax.Array, ct: jax.Array, into: tuple[list, jax.Array]
+        self,
+        own: PyTree,
+        h: jax.Array,
+        ct: jax.Array,
+        into: tuple[list, jax.Array],
+        side: PyTree = None,
     ) -> tuple[jax.Array, list]:
         """``(d_h, buffers)``: the input's gradient, and ``into = (buffers, w)`` (one per
-        :meth:`saved_types`, micro-batch first) with what W needs written at ``w``, in place."""
+        :meth:`saved_types`, micro-batch first) with what W needs written at ``w``, in place;
+        ``side``: the micro-batch's side inputs (typed as those the split was made with)."""
         env = dict(zip(self.jaxpr.constvars, self.consts))
-        env.update(zip(self.jaxpr.invars, [*jax.tree_util.tree_leaves(own), h, ct]))
+        leaves = jax.tree_util.tree_leaves
+        env.update(zip(self.jaxpr.invars, [*leaves(own), h, *leaves(side), ct], strict=True))
         buffers, w = into
         sink = (dict(zip(self.saved, buffers)), w)
         for eqn, b in zip(self.jaxpr.eqns, self.b_part, strict=True):

@@ -13,6 +13,7 @@ moves every cotangent to the previous stage (both around the ring).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,17 +26,92 @@ from .._core.vma import cast_varying
 from ._lowering import Staged, axes_of
 
 
-def check_chunks(api: str, params: PyTree, v: int) -> None:
-    """Interleaved params: every leaf stacks this stage's v chunks on a leading axis."""
+def _reshape_hint(v: int, name: str) -> str:
+    """How layers stacked ``(L, ...)`` become ``(v, L // v, ...)``: the line to write."""
+    return (
+        f"Layers stacked (L, ...) in the model's order need the reshape to (v, L // v, ...) "
+        f"once, before they are placed, and their spec moved to the second dim: write "
+        f"`blocks = jax.tree.map(lambda t: t.reshape(({v}, t.shape[0] // {v}) + t.shape[1:]), "
+        f"blocks)` and give them P(None, {name!r}, ...) (nn.Partitioned names (None, "
+        f"{name!r}, ...)) instead of P({name!r}, ...): stage s then holds chunks s, s + S, ..."
+    )
+
+
+def _expected(shape: tuple, v: int, n: int | None) -> str:
+    """The shape a leaf of ``shape`` would have stacked ``(v, n, ...)``, as text."""
+    if n is None and shape and shape[0] % v == 0:
+        n = shape[0] // v
+    rest = ", ".join(str(d) for d in ((n,) + tuple(shape[1:]))) if n is not None else "n, ..."
+    return f"({v}, {rest})"
+
+
+def check_chunks(api: str, params: PyTree, v: int, *, stages: int | None = None) -> None:
+    """Interleaved params: every leaf stacks this stage's v chunks on a leading axis, else a
+    ValueError naming the reshape (``stages``: the stage axis's size, for the message)."""
+    where = "" if stages is None else f" here (this stage's part, of {stages} stages)"
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        shape = jnp.shape(leaf)
+        shape = tuple(jnp.shape(leaf))
         if not shape or shape[0] != v:
-            raise ValueError(
-                f"{api}: params{jax.tree_util.keystr(path)} has shape {shape}, but "
-                f"Interleaved(virtual={v}) needs a leading axis of {v} "
-                f"on every leaf: this stage's chunks, chunk c being model chunk c*S + s. "
-                f"Stack them, e.g. params of shape (S, {v}, ...) with in_specs=P(axis_name)."
+            guess = (
+                f" (e.g. {_expected(shape, v, None)} if its {shape[0]} leading entries are layers)"
+                if shape and shape[0] % v == 0
+                else ""
             )
+            raise ValueError(
+                f"{api}: params{jax.tree_util.keystr(path)} has shape {shape}{where}, but "
+                f"Interleaved(virtual={v}) needs a leading axis of {v} on every leaf, this "
+                f"stage's {v} chunks (chunk c being model chunk c*S + s): expected ({v}, ...)"
+                f"{guess}. " + _reshape_hint(v, "layers")
+            )
+
+
+def _leaves(params: PyTree) -> list:
+    return jax.tree_util.tree_flatten_with_path(params)[0]
+
+
+def _refusal(api: str, params: PyTree, v: int, stages: int | None, why: str) -> ValueError:
+    """The error for interleaved params that are not ``(v, n, ...)``: what was given, what
+    was expected and the reshape to write (``why``: what went wrong, a clause)."""
+    flat = [(jax.tree_util.keystr(p), tuple(jnp.shape(x))) for p, x in _leaves(params)]
+    where = "" if stages is None else f" here (this stage's part, of {stages} stages)"
+    shown = ", ".join(f"params{k}: {shape}" for k, shape in flat)
+    key, shape = flat[0]
+    return ValueError(
+        f"{api}: Interleaved(virtual={v}) reads every leaf of stage_params as this stage's "
+        f"{v} chunks stacked ({v}, n, ...), n layers a chunk, one n for every leaf; got "
+        f"{shown}{where}, and {why}. If these are layers, expected e.g. params{key} of shape "
+        f"{_expected(shape, v, None)}. " + _reshape_hint(v, "layers")
+    )
+
+
+def check_layers(api: str, params: PyTree, v: int, stages: int | None) -> None:
+    """Interleaved params of :func:`~jaxcoll.parallel.pipeline_loss`: every leaf ``(v, n,
+    ...)``, this stage's v chunks of n layers each, n the same for every leaf (dense mode reads
+    the two leading axes back as the model's layers in order). Else a ValueError naming the
+    reshape: layers passed ``(L, ...)`` would otherwise fail deep in ``lax.scan`` ("scan got
+    values with different leading axis sizes") or run in another order. ``stages``: the stage
+    axis's size (None: dense mode)."""
+    check_chunks(api, params, v, stages=stages)
+    seconds = {jnp.shape(x)[1] if jnp.ndim(x) > 1 else None for _, x in _leaves(params)}
+    if len(seconds) > 1 or None in seconds:
+        why = "their second dims are no such n (layers stacked (L, ...) without the reshape?)"
+        raise _refusal(api, params, v, stages, why)
+
+
+def check_runs(
+    api: str, run: Callable[[], Any], params: PyTree, v: int, stages: int | None
+) -> None:
+    """``run()``, a probe of ``stage_fn`` on one chunk of interleaved ``params`` (dense mode:
+    on the layers read back in order); where it raises (a stage that cannot take the chunk,
+    or changes the activation's shape), a ValueError naming the reshape, the stage's own
+    error chained: layers stacked ``(L, ...)`` with L / S = v pass :func:`check_layers` when
+    their leaves' second dims agree, then fail inside ``stage_fn``."""
+    try:
+        run()
+    except (TypeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        why = f"stage_fn fails on one chunk ({type(e).__name__}: {first})"
+        raise _refusal(api, params, v, stages, why) from e
 
 
 def item(n: Any, num_stages: int, v: int, *, backward: bool) -> tuple[Any, Any]:
@@ -119,7 +195,7 @@ def _forward_branches(
     def run_forward(with_head: bool):
         def branch():
             inp = jnp.where((s == 0) & (fc == 0), xs[fi], act_in)
-            out = stage_fn(_chunk(own, fc), inp)
+            out = p.stage(_chunk(own, fc), inp, fi)
             if not with_head:
                 return _typed((out, inp, zero, loss0, head0), like)
             y = jax.tree_util.tree_map(lambda t: t[fi], ys)
@@ -184,7 +260,7 @@ def interleaved(p: Staged, v: int, act: tuple) -> tuple[jax.Array, PyTree, PyTre
         def run_backward():
             # The model's last chunk starts from the loss's cotangent of this round's forward.
             ct = jnp.where((s == last) & (bc == v - 1), d_out, ct_in)
-            _, vjp = jax.vjp(stage_fn, _chunk(own, bc), kept)
+            _, vjp = jax.vjp(p.at(bi), _chunk(own, bc), kept)
             d_params, d_input = vjp(ct)
             return _typed((d_input, d_params), (zero, chunk_zeros))
 

@@ -26,7 +26,7 @@ def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     m = xs.shape[0]
-    saved, outs = _forward(api, stage_fn, own, xs, stage_axis)
+    saved, outs = _forward(api, stage_fn, own, xs, stage_axis, sides=p.sides)
 
     # The head runs on the last stage alone (a cond: the others skip its FLOPs).
     grad = jax.value_and_grad(loss_fn, argnums=(0, 1))
@@ -55,7 +55,7 @@ def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
         active = (u >= 0) & (u < m)
         k = jnp.clip(m - 1 - u, 0, m - 1)
         ct = jnp.where(s == n_stages - 1, grads_out[k], received)
-        _, vjp = jax.vjp(stage_fn, own, saved[k])
+        _, vjp = jax.vjp(p.at(k), own, saved[k])
         d_params, d_input = vjp(ct)
         acc = jax.tree_util.tree_map(
             lambda a, d: a + jnp.where(active, d, jnp.zeros_like(d)), acc, d_params
@@ -120,7 +120,7 @@ def _forward_branch(
 
     def run_forward():
         inp = jnp.where(s == 0, xs[fi], received)
-        out = stage_fn(own, inp)
+        out = p.stage(own, inp, fi)
         saved_new = saved.at[fi % keep].set(inp)
 
         def head_part():
@@ -152,9 +152,9 @@ def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Ar
     s = primitives.rank(stage_axis)
     last = n_stages - 1
     m = xs.shape[0]
-    _check_stage(api, stage_fn, own, xs)
+    _check_stage(api, stage_fn, own, xs, p.sides)
     keep = min(n_stages, m)
-    template = _slot_template(p, _carried(stage_fn, own, xs, s), keep)
+    template = _slot_template(p, _carried(stage_fn, own, xs, s, p.sides), keep)
     zero, saved0, _, zeros, loss0, head0, d_xs0 = template
     even, odd = _slot_pairs(n_stages)
 
@@ -177,7 +177,7 @@ def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Ar
 
         def run_backward():
             ct = jnp.where(at_last, own_ct, received)
-            _, vjp = jax.vjp(stage_fn, own, saved[bj % keep])
+            _, vjp = jax.vjp(p.at(bj), own, saved[bj % keep])
             d_params, d_input = vjp(ct)
             acc_new = jax.tree_util.tree_map(jnp.add, acc, d_params)
             d_xs_new = d_xs.at[bj].set(jnp.where(s == 0, d_input, d_xs[bj]))

@@ -13,6 +13,7 @@ from jax import lax
 from .. import primitives
 from .._core.typing import PyTree
 from .._core.vma import cast_varying, varying_axes
+from ._lowering import call_stage, side_at
 from .schedules import Schedule
 
 
@@ -52,9 +53,31 @@ def _check_targets(api: str, examples: int, y: PyTree) -> None:
             )
 
 
-def _check_stage(api: str, stage_fn: Callable, params: PyTree, xs: jax.Array) -> None:
+def _check_side(api: str, examples: int, side: PyTree) -> None:
+    """Every leaf of ``side`` has one row per example of ``x``: each stage is handed
+    micro-batch i of ``side`` with micro-batch i of ``x``."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(side)[0]:
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] != examples:
+            got = f"{shape[0]} examples" if shape else "no leading axis (a scalar)"
+            raise ValueError(
+                f"{api}: side{jax.tree_util.keystr(path)} has {got} but x has {examples}; "
+                f"every stage is handed micro-batch i of side with micro-batch i of x, so "
+                f"side needs one row per example of x. Pass this replica's rows (a leading "
+                f"axis of {examples}: positions, segment ids, masks per token); a value the "
+                f"same for every example belongs in stage_fn itself."
+            )
+
+
+def _check_stage(
+    api: str, stage_fn: Callable, params: PyTree, xs: jax.Array, sides: PyTree = None
+) -> None:
     # Typed as the schedule calls it: varying over every axis the params or inputs vary over.
-    probe = jax.eval_shape(stage_fn, params, cast_varying(xs[0], _names(params, xs)))
+    def probe_fn(params: PyTree, h: jax.Array, side: PyTree) -> jax.Array:
+        return call_stage(stage_fn, params, h, side)
+
+    h0 = cast_varying(xs[0], _names(params, xs))
+    probe = jax.eval_shape(probe_fn, params, h0, side_at(sides, 0))
     if (probe.shape, probe.dtype) != (xs.shape[1:], xs.dtype):
         raise ValueError(
             f"{api}: stage_fn maps a micro-batch of shape {xs.shape[1:]} "
@@ -64,14 +87,21 @@ def _check_stage(api: str, stage_fn: Callable, params: PyTree, xs: jax.Array) ->
         )
 
 
-def _carried(stage_fn: Callable, params: PyTree, xs: jax.Array, s: jax.Array) -> tuple:
+def _carried(
+    stage_fn: Callable, params: PyTree, xs: jax.Array, s: jax.Array, sides: PyTree = None
+) -> tuple:
     """The axes the forward's activations vary over: the inputs' and the stage's, and those
     ``stage_fn``'s output varies over given such an input (a fixed point). A stage whose
     output is the same across a tensor axis (a Megatron block ends with its all-reduce)
     keeps it invariant there, so the model's output is too."""
     names = set(_names(xs, s))
+
+    def probe_fn(params: PyTree, h: jax.Array, side: PyTree) -> jax.Array:
+        return call_stage(stage_fn, params, h, side)
+
     while True:
-        probe = jax.eval_shape(stage_fn, params, cast_varying(xs[0], tuple(sorted(names, key=str))))
+        h0 = cast_varying(xs[0], tuple(sorted(names, key=str)))
+        probe = jax.eval_shape(probe_fn, params, h0, side_at(sides, 0))
         grown = names | set(varying_axes(probe) or ())
         if grown == names:
             return tuple(sorted(names, key=str))
@@ -79,15 +109,22 @@ def _carried(stage_fn: Callable, params: PyTree, xs: jax.Array, s: jax.Array) ->
 
 
 def _forward(
-    api: str, stage_fn: Callable, params: PyTree, xs: jax.Array, stage_axis: Hashable
+    api: str,
+    stage_fn: Callable,
+    params: PyTree,
+    xs: jax.Array,
+    stage_axis: Hashable,
+    *,
+    sides: PyTree = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The forward schedule: at step t stage s runs micro-batch t - s. Returns each stage's
-    saved inputs ``(M, mb, ...)`` and, on the last stage, the outputs."""
+    """The forward schedule: at step t stage s runs micro-batch t - s (with its side inputs,
+    where ``sides`` is not None). Returns each stage's saved inputs ``(M, mb, ...)`` and, on
+    the last stage, the outputs."""
     n_stages = primitives.world_size(stage_axis)
     m = xs.shape[0]
     s = primitives.rank(stage_axis)
-    _check_stage(api, stage_fn, params, xs)
-    names = _carried(stage_fn, params, xs, s)
+    _check_stage(api, stage_fn, params, xs, sides)
+    names = _carried(stage_fn, params, xs, s, sides)
     zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
     buffers = cast_varying(jnp.zeros(xs.shape, xs.dtype), names)
     forward = [(i, i + 1) for i in range(n_stages - 1)]
@@ -98,7 +135,7 @@ def _forward(
         active = (mb >= 0) & (mb < m)
         k = jnp.clip(mb, 0, m - 1)
         inp = jnp.where(s == 0, xs[jnp.clip(t, 0, m - 1)], received)
-        out = stage_fn(params, inp)
+        out = call_stage(stage_fn, params, inp, side_at(sides, k))
         saved = saved.at[k].set(jnp.where(active, inp, saved[k]))
         outs = outs.at[k].set(jnp.where(active & (s == n_stages - 1), out, outs[k]))
         # -> the activation crosses to the next stage (send/recv: one ppermute)

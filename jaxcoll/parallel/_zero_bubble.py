@@ -35,7 +35,7 @@ from .. import primitives
 from .._core.typing import PyTree
 from .._core.vma import cast_varying
 from ._backward_split import _Split
-from ._lowering import Staged, axes_of
+from ._lowering import Staged, axes_of, side_at
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 _KINDS = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT}
@@ -164,7 +164,7 @@ def _forward_ops(p: Staged, f_like: tuple, k: jax.Array) -> tuple:
     forward, and the last stage's forward with the head. Each maps ``(inp, acc_head, loss)``
     to ``(out, d_out, acc_head, loss)``, typed as ``f_like``; each passes through what it does
     not change."""
-    stage_fn, loss_fn, own, xs, ys, _, head = p.parts()
+    _, loss_fn, own, xs, ys, _, head = p.parts()
     m = xs.shape[0]
     zero = f_like[0]
 
@@ -172,11 +172,11 @@ def _forward_ops(p: Staged, f_like: tuple, k: jax.Array) -> tuple:
         return _typed((zero, zero, acc_head, loss), f_like)
 
     def forward(inp: jax.Array, acc_head: PyTree, loss: jax.Array) -> tuple:
-        return _typed((stage_fn(own, inp), zero, acc_head, loss), f_like)
+        return _typed((p.stage(own, inp, k), zero, acc_head, loss), f_like)
 
     def forward_head(inp: jax.Array, acc_head: PyTree, loss: jax.Array) -> tuple:
         """The last stage's forward: the head, its loss and B's cotangent too."""
-        out = stage_fn(own, inp)
+        out = p.stage(own, inp, k)
         y = jax.tree_util.tree_map(lambda v: v[k], ys)
         value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
         acc_head = jax.tree_util.tree_map(lambda a, d: a + d / m, acc_head, d_head)
@@ -185,16 +185,17 @@ def _forward_ops(p: Staged, f_like: tuple, k: jax.Array) -> tuple:
     return no_forward, forward, forward_head
 
 
-def _split_ops(split: _Split, own: PyTree, carry0: tuple, w: jax.Array) -> tuple:
+def _split_ops(split: _Split, own: PyTree, carry0: tuple, w: jax.Array, side: PyTree) -> tuple:
     """B's and W's conds' branches ``((B, none), (W, none))``, each over only what it changes
     (passed through, not copied, in the slots it does not run); ``w``: the micro-batch's entry
-    of W's buffers. ``carry0``: the slots' first carry (the types)."""
+    of W's buffers; ``side``: its side inputs (None: none). ``carry0``: the slots' first carry
+    (the types)."""
     _, _, saved0, zeros, _, _, _, zero = carry0
 
     def backward(inp: jax.Array, ct: jax.Array, saved: list) -> tuple:
         """B: the input's gradient, which the stage below waits for; what W will need
         written into W's buffers at ``w``."""
-        return _typed(split.run_b(own, inp, ct, into=(saved, w)), (zero, saved0))
+        return _typed(split.run_b(own, inp, ct, into=(saved, w), side=side), (zero, saved0))
 
     def no_backward(inp: jax.Array, ct: jax.Array, saved: list) -> tuple:
         return _typed((zero, saved), (zero, saved0))
@@ -221,6 +222,12 @@ def zero_bubble(
     stage's) and the inputs' (stage 0's)."""
     stage_fn, _, own, xs, _, stage_axis, _ = p.parts()
     s = primitives.rank(stage_axis)
+    # The side inputs typed as a slot reads them (varying over the stage axis: a slot's
+    # micro-batch is the stage's own), so B replays the split's jaxpr on the types it was
+    # traced with.
+    sides = jax.tree_util.tree_map(
+        lambda v: cast_varying(v, tuple(sorted({*axes_of(v), stage_axis}, key=str))), p.sides
+    )
     last = primitives.world_size(stage_axis) - 1
     m = xs.shape[0]
     kind_np, mb_np = tables(rows)
@@ -230,7 +237,7 @@ def zero_bubble(
         jnp.asarray(plan[k]) for k in ("send", "hold", "recv", "recv_mb", "pattern")
     )
     zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
-    split = _Split(stage_fn, own, zero)
+    split = _Split(stage_fn, own, zero, side_at(sides, 0))
     wkeep = kept_for_w(rows)
     carry0 = _first_carry(p, split, zero, act, keep, wkeep)
     f_like = (zero, zero, carry0[4], carry0[5])  # (out, d_out, head's gradient, loss)
@@ -253,7 +260,9 @@ def zero_bubble(
         out, d_out, acc_head, loss = lax.switch(
             which, _forward_ops(p, f_like, k), inp, acc_head, loss
         )
-        (backward, no_backward), (weight, no_weight) = _split_ops(split, own, carry0, w)
+        (backward, no_backward), (weight, no_weight) = _split_ops(
+            split, own, carry0, w, side_at(sides, k)
+        )
         d_input, saved = lax.cond(kind == BACKWARD, backward, no_backward, inp, cts[i], saved)
         acc = lax.cond(kind == WEIGHT, weight, no_weight, acc, saved)
         d_xs = d_xs.at[k].set(jnp.where((s == 0) & (kind == BACKWARD), d_input, d_xs[k]))

@@ -30,7 +30,7 @@ from .._core.vma import cast_varying
 from . import _interleaved, _zero_bubble
 from ._lockstep import _gpipe, _one_f_one_b
 from ._lowering import Staged
-from ._stages import _carried, _check_stage, _check_targets, _microbatches
+from ._stages import _carried, _check_side, _check_stage, _check_targets, _microbatches
 from .schedules import SCHEDULES, GPipe, Interleaved, Schedule, ZeroBubble
 
 _VALUES = (
@@ -104,6 +104,15 @@ def split_batch(api: str, x: jax.Array, y: PyTree, schedule: Schedule) -> tuple[
     return xs, jax.tree_util.tree_map(lambda t: _microbatches(api, t, schedule), y)
 
 
+def split_side(api: str, x: jax.Array, side: PyTree, schedule: Schedule) -> PyTree:
+    """Every leaf of the side inputs ``side`` cut into ``schedule``'s micro-batches as ``x``
+    is, checked to hold one row per example of ``x``; None (no side inputs) stays None."""
+    if side is None:
+        return None
+    _check_side(api, x.shape[0], side)
+    return jax.tree_util.tree_map(lambda t: _microbatches(api, jnp.asarray(t), schedule), side)
+
+
 def _headless(loss_fn: Callable) -> Callable:
     """``(out, y) -> loss`` as the schedules call a loss: ``(head, out, y) -> loss``."""
     return lambda head, out, y: loss_fn(out, y)
@@ -119,28 +128,32 @@ def lower(
     ys: PyTree,
     stage_axis: Hashable,
     head: PyTree = (),
+    *,
+    sides: PyTree = None,
 ) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
     """Run ``schedule`` (its checks against the stages made): ``loss_fn`` is
     ``(head, out, y) -> mean loss``; ``own``: this stage's params (leading axis v for
-    :class:`Interleaved`). Returns the last stage's mean loss, this stage's gradient, the
-    head's and the inputs'."""
-    p = Staged(stage_fn, loss_fn, own, xs, ys, stage_axis, head)
+    :class:`Interleaved`); ``sides``: the side inputs cut into micro-batches, or None.
+    Returns the last stage's mean loss, this stage's gradient, the head's and the inputs'."""
+    p = Staged(stage_fn, loss_fn, own, xs, ys, stage_axis, head, sides)
     s = primitives.rank(stage_axis)
     if isinstance(schedule, Interleaved):
         first = jax.tree_util.tree_map(lambda q: q[0], own)
-        _check_stage(api, stage_fn, first, xs)
-        act = _carried(stage_fn, first, xs, s)
+        n_stages = primitives.world_size(stage_axis)
+        check = lambda: _check_stage(api, stage_fn, first, xs, sides)  # noqa: E731
+        _interleaved.check_runs(api, check, own, schedule.virtual, n_stages)
+        act = _carried(stage_fn, first, xs, s, sides)
         return _interleaved.interleaved(p, schedule.virtual, act)
     if isinstance(schedule, ZeroBubble):
-        _check_stage(api, stage_fn, own, xs)
+        _check_stage(api, stage_fn, own, xs, sides)
         n_stages = primitives.world_size(stage_axis)
         rows, keep = schedule.table(n_stages), schedule.kept_inputs(n_stages)
-        return _zero_bubble.zero_bubble(p, rows, keep, _carried(stage_fn, own, xs, s))
+        return _zero_bubble.zero_bubble(p, rows, keep, _carried(stage_fn, own, xs, s, sides))
     return (_gpipe if isinstance(schedule, GPipe) else _one_f_one_b)(api, p)
 
 
 def pipeline_value_and_grad(
-    stage_fn: Callable[[PyTree, jax.Array], jax.Array],
+    stage_fn: Callable[..., jax.Array],
     loss_fn: Callable[[jax.Array, PyTree], jax.Array],
     params: PyTree,
     x: jax.Array,
@@ -149,6 +162,7 @@ def pipeline_value_and_grad(
     axis_name: Hashable = Role.PIPELINE,
     schedule: Schedule | None = None,
     data_axis_name: Hashable | None = None,
+    side: PyTree = None,
 ) -> tuple[jax.Array, PyTree]:
     """The loss of a staged model and this stage's gradient, by a GPipe, 1F1B, interleaved
     1F1B or ZB-H1 schedule (a :mod:`~jaxcoll.parallel.schedules` value:
@@ -237,10 +251,18 @@ def pipeline_value_and_grad(
     (exactly once: params are made varying over the axes first, so ``jax.vjp`` adds no hidden
     reduction; see the gradient trap in docs/dp.md).
 
+    **Side inputs.** ``side`` (a pytree of per-example arrays: positions, segment ids,
+    attention masks) is cut into the same micro-batches as ``x``, and every stage calls
+    ``stage_fn(stage_params, h, side_microbatch)`` with the micro-batch it runs (every stage
+    holds the replica's whole batch, so nothing crosses between stages for it). Side inputs
+    are not differentiated: integer ones work, and a float one gets no gradient (it is
+    treated as a constant, like ``jax.lax.stop_gradient`` of it).
+
     Args:
-        stage_fn: ``(stage_params, h) -> h`` (one chunk's params with :class:`Interleaved`);
-            every stage keeps the activation's shape and dtype (one program runs every stage: pad
-            to one width if stages differ).
+        stage_fn: ``(stage_params, h) -> h``, or ``(stage_params, h, side) -> h`` when
+            ``side`` is given (one chunk's params with :class:`Interleaved`); every stage keeps
+            the activation's shape and dtype (one program runs every stage: pad to one width
+            if stages differ).
         loss_fn: ``(h_last, y_microbatch) -> scalar``, the MEAN loss over the micro-batch.
         params: this stage's parameters (a pytree); with :class:`Interleaved`, this stage's v
             chunks stacked on a leading axis of v (also for v = 1).
@@ -257,6 +279,9 @@ def pipeline_value_and_grad(
             ``Interleaved`` with v > 1); the same loss and gradients whichever it is.
             Default: the schedule of the layout in force (``dp.Layout(schedule=...)``).
         data_axis_name: the mesh axis of data-parallel replicas, or None.
+        side: this replica's side inputs (a pytree, every leaf one row per example of ``x``),
+            handed to every stage micro-batch by micro-batch; None (the default): none, and
+            ``stage_fn`` takes two arguments.
 
     Returns:
         ``(loss, grads)``: the global mean loss (the same on every device) and this stage's
@@ -265,7 +290,7 @@ def pipeline_value_and_grad(
     Raises:
         ValueError: M not dividing B or (interleaved, v > 1) not a multiple of S, params
             without the leading axis of v, a stage that changes the activation's shape, a
-            stage axis not bound here.
+            stage axis not bound here, a leaf of ``side`` without one row per example.
         TypeError: ``schedule`` not a schedule value (a schedule's name, ``"1f1b"``: the
             message names the value to pass, ``parallel.OneFOneB(M)``), or none given.
 
@@ -274,6 +299,7 @@ def pipeline_value_and_grad(
     api = "pipeline_value_and_grad"
     sched = resolve_schedule(api, schedule, dense=False)
     xs, ys = split_batch(api, x, y, sched)
+    sides = split_side(api, x, side, sched)
     stage_axis = resolve_axis(axis_name)
     if stage_axis is None or not bound(api, stage_axis, "axis_name"):
         shown = _plain(axis_name) if stage_axis is None else stage_axis
@@ -291,9 +317,9 @@ def pipeline_value_and_grad(
     own = jax.tree_util.tree_map(lambda p: cast_varying(p, axes), params)
     if isinstance(sched, Interleaved):
         sched.check(api, n_stages)
-        _interleaved.check_chunks(api, params, sched.virtual)
+        _interleaved.check_chunks(api, params, sched.virtual, stages=n_stages)
     last_loss, grads, _, _ = lower(
-        api, sched, stage_fn, _headless(loss_fn), own, xs, ys, stage_axis
+        api, sched, stage_fn, _headless(loss_fn), own, xs, ys, stage_axis, sides=sides
     )
 
     loss = primitives.all_reduce(jnp.where(s == n_stages - 1, last_loss, 0.0), stage_axis)

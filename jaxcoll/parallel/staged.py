@@ -26,14 +26,14 @@ from .._core.roles import Role
 from .._core.typing import PyTree
 from .._core.vma import cast_varying
 from . import _interleaved
-from ._lowering import axes_of
+from ._lowering import axes_of, call_stage
 from ._stages import _forward, _microbatches, _names
-from .pipeline import lower, resolve_axis, resolve_schedule, split_batch
+from .pipeline import lower, resolve_axis, resolve_schedule, split_batch, split_side
 from .schedules import Interleaved, Schedule
 
 
 def pipeline_loss(
-    stage_fn: Callable[[PyTree, jax.Array], jax.Array],
+    stage_fn: Callable[..., jax.Array],
     head_fn: Callable[[PyTree, jax.Array, PyTree], jax.Array],
     stage_params: PyTree,
     head_params: PyTree,
@@ -42,6 +42,7 @@ def pipeline_loss(
     *,
     axis_name: Hashable | None = Role.PIPELINE,
     schedule: Schedule | None = None,
+    side: PyTree = None,
 ) -> jax.Array:
     """The mean loss of a staged model over this replica's batch, differentiable (``jax.grad``)
     with respect to ``stage_params``, ``head_params`` and ``x`` through ``schedule``'s own
@@ -53,19 +54,31 @@ def pipeline_loss(
 
         def loss(all_stage_params, head_params, x, y):
             for s in range(S):
-                x = stage_fn(all_stage_params[s], x)
+                x = stage_fn(all_stage_params[s], x)    # (..., x, side_mb) with side=
             return mean over micro-batches of head_fn(head_params, x_mb, y_mb)
 
     with, for ``Interleaved(M, virtual=v)``, this stage's v chunks stacked on a leading axis
     of ``stage_params`` (chunk c is model chunk ``c*S + s``). Layers stacked ``(L, ...)`` in
     the model's order and reshaped to ``(v, L // v, ...)`` with the spec
     ``P(None, axis_name, ...)`` are placed so (stage s gets the s-th slice of each of the v
-    parts), and in dense mode the two leading axes are read back in order. The value is the
+    parts), and in dense mode the two leading axes are read back in order. Layers passed
+    ``(L, ...)`` without that reshape are refused at trace time (every leaf must be
+    ``(v, n, ...)`` with one n, and ``stage_fn`` must take one chunk): the message names the
+    reshape, ``jax.tree.map(lambda t: t.reshape((v, t.shape[0] // v) + t.shape[1:]),
+    blocks)`` with ``P(None, "layers", ...)``. The value is the
     same on every stage; the gradient of ``stage_params`` is this stage's, that of
     ``head_params`` the last stage's and that of ``x`` stage 0's, each reaching the others
     through the reductions ``jax.grad`` makes for values shared over the stage axis (an
     embedding before the pipeline, a head tied to it). Nothing is reduced over other axes
     here: a data axis is the caller's (the Trainer's) to average over, as for any loss.
+
+    **Side inputs.** ``side`` (a pytree of per-example arrays: positions, segment ids,
+    attention masks of packed or padded sequences) is cut into the same micro-batches as
+    ``x``, and every stage calls ``stage_fn(stage_params, h, side_microbatch)`` with the
+    micro-batch it runs; each stage reads its own copy (the replica's whole batch is on every
+    stage), so nothing crosses between stages for it. Side inputs are not differentiated:
+    integer ones work, and a float one gets no gradient (it is a constant to the loss, as if
+    wrapped in ``jax.lax.stop_gradient``, in dense mode too).
 
     **Dense mode.** Where the stage axis is not bound (no enclosing ``jax.shard_map`` names it,
     or the Trainer's layout has no pipeline axis: a single-device run of the same model code),
@@ -82,7 +95,8 @@ def pipeline_loss(
     by :func:`~jaxcoll.parallel.pipeline_value_and_grad`.
 
     Args:
-        stage_fn: ``(stage_params, h) -> h``, keeping the activation's shape and dtype.
+        stage_fn: ``(stage_params, h) -> h``, or ``(stage_params, h, side) -> h`` when
+            ``side`` is given, keeping the activation's shape and dtype.
         head_fn: ``(head_params, h_last, y_microbatch) -> scalar``, the MEAN loss over the
             micro-batch (the output head and the loss: run on the last stage only).
         stage_params: this stage's params (leading axis v with :class:`Interleaved`).
@@ -95,61 +109,80 @@ def pipeline_loss(
         schedule: :class:`GPipe`, :class:`OneFOneB`, :class:`Interleaved` or
             :class:`ZeroBubble` with its M micro-batches (M divides B); default: the
             Trainer's layout's ``schedule`` (dense mode without one: the batch whole).
+        side: this replica's per-example side inputs (a pytree, every leaf one row per
+            example of ``x``), handed to every stage micro-batch by micro-batch; None (the
+            default): none, and ``stage_fn`` takes two arguments.
 
     Raises:
         TypeError: ``schedule`` not a schedule value (a schedule's name, ``"1f1b"``: the
             message names the value to pass, ``parallel.OneFOneB(M)``), or none given or in
             the layout where the stage axis is bound.
         ValueError: M not dividing B, (interleaved, v > 1) M not a multiple of S, params
-            without the leading axis of v, a stage that changes the activation's shape.
+            not stacked ``(v, n, ...)`` with :class:`Interleaved` (the message names the
+            reshape), a stage that changes the activation's shape, a leaf of ``side``
+            without one row per example.
     """
     api = "pipeline_loss"
     stage_axis = resolve_axis(axis_name)
     dense = stage_axis is None or not bound(api, stage_axis, "axis_name")
     schedule = resolve_schedule(api, schedule, dense)
     xs, ys = split_batch(api, x, y, schedule)
-    if dense:
-        return _dense(api, schedule, stage_fn, head_fn, stage_params, head_params, x, ys)
+    sides = split_side(api, x, side, schedule)
     if isinstance(schedule, Interleaved):
-        schedule.check(api, primitives.world_size(stage_axis))
-        _interleaved.check_chunks(api, stage_params, schedule.virtual)
-    pipe = _Pipe(api, schedule, stage_fn, head_fn, stage_axis)
-    return _scheduled(pipe, stage_params, head_params, xs, ys)
-
-
-def _dense(
-    api: str,
-    schedule: Schedule,
-    stage_fn: Callable,
-    head_fn: Callable,
-    stage_params: PyTree,
-    head_params: PyTree,
-    x: jax.Array,
-    ys: PyTree,
-) -> jax.Array:
-    """Every stage (``stage_params``: all of them), then the head on each micro-batch."""
-    if isinstance(schedule, Interleaved):  # (v, n, ...): the model's layers in order
-        _interleaved.check_chunks(api, stage_params, schedule.virtual)
-        stage_params = jax.tree_util.tree_map(
-            lambda p: p.reshape((-1,) + p.shape[2:]), stage_params
-        )
-    outs = _microbatches(api, stage_fn(stage_params, x), schedule)
-    return jnp.mean(jax.vmap(head_fn, in_axes=(None, 0, 0))(head_params, outs, ys))
+        stages = None if dense else primitives.world_size(stage_axis)
+        if stages is not None:
+            schedule.check(api, stages)
+        _interleaved.check_layers(api, stage_params, schedule.virtual, stages)
+    pipe = _Pipe(api, schedule, stage_fn, head_fn, None if dense else stage_axis)
+    if dense:
+        return _dense(pipe, stage_params, head_params, x, ys, _constant(side))
+    return _scheduled(pipe, stage_params, head_params, xs, ys, sides)
 
 
 @dataclass(frozen=True)
 class _Pipe:
-    """What a pipelined loss runs: its schedule, stage and head over a bound stage axis."""
+    """What a pipelined loss runs: its schedule, stage and head over a bound stage axis
+    (None: dense mode)."""
 
     api: str
     schedule: Schedule
     stage_fn: Callable
     head_fn: Callable
-    stage_axis: Hashable
+    stage_axis: Hashable | None
+
+
+def _constant(side: PyTree) -> PyTree:
+    """The side inputs as constants to the loss: float leaves behind ``stop_gradient`` (dense
+    mode gives them no gradient either), the others as they are."""
+    return jax.tree_util.tree_map(
+        lambda v: lax.stop_gradient(v) if jnp.issubdtype(jnp.result_type(v), jnp.inexact) else v,
+        side,
+    )
+
+
+def _dense(
+    pipe: _Pipe, stage_params: PyTree, head_params: PyTree, x: jax.Array, ys: PyTree, side: PyTree
+) -> jax.Array:
+    """Every stage (``stage_params``: all of them) on the whole batch, with its whole side
+    inputs, then the head on each micro-batch."""
+    if isinstance(pipe.schedule, Interleaved):  # (v, n, ...): the model's layers in order
+        chunks = stage_params
+        stage_params = jax.tree_util.tree_map(lambda p: p.reshape((-1,) + p.shape[2:]), chunks)
+
+        def probe() -> None:
+            run = lambda p, h, sd: call_stage(pipe.stage_fn, p, h, sd)  # noqa: E731
+            out = jax.eval_shape(run, stage_params, x, side)
+            if (out.shape, out.dtype) != (x.shape, x.dtype):
+                raise ValueError(f"it maps {x.shape} {x.dtype} to {out.shape} {out.dtype}")
+
+        _interleaved.check_runs(pipe.api, probe, chunks, pipe.schedule.virtual, None)
+    h = call_stage(pipe.stage_fn, stage_params, x, side)
+    outs = _microbatches(pipe.api, h, pipe.schedule)
+    return jnp.mean(jax.vmap(pipe.head_fn, in_axes=(None, 0, 0))(head_params, outs, ys))
 
 
 def _with_grads(
-    pipe: _Pipe, stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree
+    pipe: _Pipe, stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree, sides: PyTree
 ) -> tuple:
     """The schedule's forwards and backwards: the loss (the same on every stage) and the
     gradients of the stage's params, the head's and the inputs (the custom_vjp's residuals)."""
@@ -159,10 +192,21 @@ def _with_grads(
     # are then this device's own contributions, and the reductions in the backward the
     # only ones. (Not over the params' other axes: a Megatron block whose output is the
     # same across its tensor axis keeps it so.)
-    batch_axes = tuple(sorted(set(_names(xs, ys)) | {stage_axis}, key=str))
+    batch_axes = tuple(sorted(set(_names(xs, ys, sides)) | {stage_axis}, key=str))
     own = jax.tree_util.tree_map(lambda p: cast_varying(p, batch_axes), stage_params)
     head = jax.tree_util.tree_map(lambda p: cast_varying(p, batch_axes), head_params)
-    out = lower(pipe.api, pipe.schedule, pipe.stage_fn, pipe.head_fn, own, xs, ys, stage_axis, head)
+    out = lower(
+        pipe.api,
+        pipe.schedule,
+        pipe.stage_fn,
+        pipe.head_fn,
+        own,
+        xs,
+        ys,
+        stage_axis,
+        head,
+        sides=sides,
+    )
     last_loss, grads, d_head, d_xs = out
     last = primitives.world_size(stage_axis) - 1
     loss = primitives.all_reduce(jnp.where(s == last, last_loss, 0.0), stage_axis)
@@ -170,7 +214,7 @@ def _with_grads(
 
 
 def _forwards_only(
-    pipe: _Pipe, stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree
+    pipe: _Pipe, stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree, sides: PyTree
 ) -> Any:
     """Not differentiated (an evaluation): the forwards alone, as GPipe's forward
     schedule, once per chunk (the last stage's outputs feed stage 0's next chunk)."""
@@ -182,7 +226,7 @@ def _forwards_only(
         params = stage_params
         if isinstance(schedule, Interleaved):
             params = jax.tree_util.tree_map(lambda p, c=c: p[c], stage_params)
-        _, outs = _forward(pipe.api, pipe.stage_fn, params, h, stage_axis)
+        _, outs = _forward(pipe.api, pipe.stage_fn, params, h, stage_axis, sides=sides)
         if c < schedule.virtual - 1:
             h = primitives.broadcast(outs, stage_axis, last)
     typed = (*_names(head_params, outs, ys), stage_axis)
@@ -196,7 +240,7 @@ def _forwards_only(
 
 
 def _scheduled(
-    pipe: _Pipe, stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree
+    pipe: _Pipe, stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree, sides: PyTree
 ) -> jax.Array:
     """The schedule behind a ``jax.custom_vjp``: the forwards alone where not
     differentiated; differentiated, every forward and backward, the gradients kept as
@@ -205,15 +249,23 @@ def _scheduled(
     # Everything traced reaches the custom_vjp as an argument (a closed-over tracer would
     # leak out of an enclosing scan, e.g. the Trainer's gradient accumulation).
     @jax.custom_vjp
-    def staged(stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree) -> jax.Array:
-        return _forwards_only(pipe, stage_params, head_params, xs, ys)
+    def staged(
+        stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree, sides: PyTree
+    ) -> jax.Array:
+        return _forwards_only(pipe, stage_params, head_params, xs, ys, sides)
 
-    def forward(stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree) -> tuple:
-        return _with_grads(pipe, stage_params, head_params, xs, ys)
+    def forward(
+        stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree, sides: PyTree
+    ) -> tuple:
+        return _with_grads(pipe, stage_params, head_params, xs, ys, sides)
 
     # The axes each primal varies over (static): the cotangents are typed as their primals.
     axes = jax.tree_util.tree_map(axes_of, (stage_params, head_params, xs))
-    targets = jax.tree_util.tree_map(lambda t: _Target(t.shape, t.dtype, axes_of(t)), ys)
+    # Targets and side inputs are not differentiated: their cotangents are zeros.
+    targets, side_types = (
+        jax.tree_util.tree_map(lambda t: _Target(t.shape, t.dtype, axes_of(t)), tree)
+        for tree in (ys, sides)
+    )
 
     def backward(grads: tuple, ct: jax.Array) -> tuple:
         # Scaled by the loss's cotangent, then summed over the axes a gradient varies over and
@@ -221,11 +273,13 @@ def _scheduled(
         # axis for the head's params (the last stage's) and the input (stage 0's), a data
         # axis for params the caller did not make varying there.
         d = jax.tree_util.tree_map(lambda g, a: _typed_as((g * ct).astype(g.dtype), a), grads, axes)
-        no_y = jax.tree_util.tree_map(lambda t: t.zero(), targets)
-        return (*d, no_y)
+        no_y, no_side = (
+            jax.tree_util.tree_map(lambda t: t.zero(), tree) for tree in (targets, side_types)
+        )
+        return (*d, no_y, no_side)
 
     staged.defvjp(forward, backward)
-    return staged(stage_params, head_params, xs, ys)
+    return staged(stage_params, head_params, xs, ys, sides)
 
 
 class _Target:

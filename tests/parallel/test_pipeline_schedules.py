@@ -584,9 +584,10 @@ def test_interleaving_needs_the_chunks_on_a_leading_axis():
     one_chunk = {"w": jax.ShapeDtypeStruct((S, W, W), jnp.float32)}  # leading axis W, not V
     with pytest.raises(
         ValueError,
-        match=r"pipeline_value_and_grad: params\['w'\] has shape \(8, 8\), but "
-        r"Interleaved\(virtual=2\) needs a leading axis of 2 on every "
-        r"leaf: this stage's chunks, chunk c being model chunk c\*S \+ s\.",
+        match=r"pipeline_value_and_grad: params\['w'\] has shape \(8, 8\) here \(this "
+        r"stage's part, of 4 stages\), but Interleaved\(virtual=2\) needs a leading axis of 2 "
+        r"on every leaf, this stage's 2 chunks \(chunk c being model chunk c\*S \+ s\): "
+        r"expected \(2, \.\.\.\) .*t\.reshape\(\(2, t\.shape\[0\] // 2\)",
     ):
         _trace_interleaved(one_chunk, schedule=parallel.Interleaved(4, virtual=V))
 

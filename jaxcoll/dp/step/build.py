@@ -45,7 +45,7 @@ def local_grads(
     strategy: Strategy | None = None,
     like: PyTree = None,
     model_axes: tuple = (),
-    honoured: Callable[[], None] | None = None,
+    honoured: Callable[[Callable[[], object]], None] | None = None,
 ):
     """This rank's mean gradient over ``accum_steps`` micro-batches of its share of the batch.
 
@@ -95,7 +95,9 @@ def local_grads(
 
 
 def _checked(
-    fn: Callable[..., tuple], model_axes: tuple, honoured: Callable[[], None] | None = None
+    fn: Callable[..., tuple],
+    model_axes: tuple,
+    honoured: Callable[[Callable[[], object]], None] | None = None,
 ) -> Callable[..., tuple]:
     """``fn`` (a per-rank loss with its aux) with ``honoured()`` (the layout's roles used:
     :func:`~jaxcoll.dp.step.honoured.check_honoured`) and :func:`invariant_over` checked on
@@ -106,7 +108,7 @@ def _checked(
     def checked(*args):
         out = fn(*args)
         if honoured is not None:
-            honoured()
+            honoured(lambda: jax.make_jaxpr(fn)(*args))
         invariant_over(model_axes, out[0], out[1][0])
         return out
 
@@ -306,7 +308,7 @@ def per_rank_step(
                 strategy,
                 like,
                 tuple(a for a in layout.axes if a in manual),
-                lambda: check_honoured("Trainer.step", layout, used, manual),
+                lambda traced: check_honoured("Trainer.step", layout, used, manual, traced),
             )
             metrics = mean_metrics({"loss": value, **aux}, axis, algorithm)
             model_state = sync_model_state(model_state, axis, algorithm)
@@ -371,8 +373,15 @@ def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree, layout: Boun
             with tracing(layout) as used:
                 batch = split.part(batch)
                 of_held = strategy.loss_of_held(lambda p, ms, b: loss(p, ms, b, None, step), like)
-                value, (aux, _) = of_held(to_varying(params, axis_names(axis)), model_state, batch)
-                check_honoured("Trainer.evaluate", layout, used, manual)
+                held = to_varying(params, axis_names(axis))
+                value, (aux, _) = of_held(held, model_state, batch)
+                check_honoured(
+                    "Trainer.evaluate",
+                    layout,
+                    used,
+                    manual,
+                    lambda: jax.make_jaxpr(of_held)(held, model_state, batch),
+                )
                 invariant_over(tuple(a for a in layout.axes if a in manual), value, aux)
                 return mean_metrics({"loss": value, **aux}, axis, strategy.algorithm)
 

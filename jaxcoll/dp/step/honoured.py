@@ -37,16 +37,16 @@ from ..layout import BoundLayout, is_spec
 from ..specs import restrict
 
 _TRACES = itertools.count()
-_CONTEXT: list = []  # jax's cache-keyed context for a trace under a binding (made on first use)
+# jax's cache-keyed context for a trace under a binding. Made once, at import: a context made
+# later would change every jit's cache key and recompile the first step.
+_CONTEXT = jax.make_user_context(None)
 
 
 def _fresh_trace() -> Any:
     """A context in which jax's tracing caches miss: the functions the model calls (a jitted
     block, a scan body) are traced again under this binding, so what they ask for is
     recorded (and a trace made under another layout's names is never reused)."""
-    if not _CONTEXT:
-        _CONTEXT.append(jax.make_user_context(None))
-    return _CONTEXT[0](("jaxcoll-trace", next(_TRACES)))
+    return _CONTEXT(("jaxcoll-trace", next(_TRACES)))
 
 
 @contextlib.contextmanager
@@ -126,9 +126,60 @@ _ASKS = {
 }
 
 
-def check_honoured(api: str, layout: BoundLayout, used: set, manual: frozenset) -> None:
+# The primitives that move data between devices (not pvary/pcast, which only retype a value).
+_MOVING = frozenset(
+    {
+        "psum", "psum_invariant", "pmax", "pmin", "ppermute", "all_gather",
+        "all_gather_invariant", "all_to_all", "ragged_all_to_all", "reduce_scatter",
+        "psum_scatter", "pbroadcast",
+    }
+)  # fmt: skip
+# The collectives that honour a role the model ran by hand (its own lax or primitives calls):
+# any over the context or pipeline axis; an exchange over the expert axis (whose devices the
+# data shards' gathers use too).
+_HONOURS = {
+    Role.CONTEXT: _MOVING,
+    Role.PIPELINE: _MOVING,
+    Role.EXPERT: frozenset({"all_to_all", "ragged_all_to_all"}),
+}
+
+
+def _jaxprs(value: Any) -> Iterator[Any]:
+    """The jaxprs inside an equation's parameter (a jaxpr, a closed one, a tuple of them)."""
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _jaxprs(v)
+
+
+def collectives(jaxpr: Any) -> set[tuple[str, str]]:
+    """``(primitive, mesh axis)`` of every collective in ``jaxpr`` and the jaxprs inside it."""
+    found: set[tuple[str, str]] = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _MOVING:
+            axes = eqn.params.get("axis_name", eqn.params.get("axes", ()))
+            for a in axes if isinstance(axes, (tuple, list)) else (axes,):
+                found.add((eqn.primitive.name, a))
+        for v in eqn.params.values():
+            for sub in _jaxprs(v):
+                found |= collectives(sub)
+    return found
+
+
+def check_honoured(
+    api: str,
+    layout: BoundLayout,
+    used: set,
+    manual: frozenset,
+    traced: Callable[[], Any] | None = None,
+) -> None:
     """Raise (as the op that traced the loss) if the layout gives the context, pipeline or
-    expert role an axis the traced model never asked for (``used``). (The tensor role is
+    expert role an axis the traced model never asked for (``used``) and ``traced()`` (the
+    loss's jaxpr, traced only then) runs no collective of that role over it (a model running
+    the role by hand with lax or jaxcoll's primitives keeps it). (The tensor role is
     kept by the model's own collectives or by XLA's: :func:`manual_axes`; a model that splits
     no param over it is refused at init: :func:`tensor_split`.)"""
     of = {
@@ -136,12 +187,17 @@ def check_honoured(api: str, layout: BoundLayout, used: set, manual: frozenset) 
         Role.PIPELINE: layout.layout.pipeline_axis,
         Role.EXPERT: layout.expert_axis,
     }
+    found: set | None = None
     for role, axis in of.items():
         if axis is None or role in used:
             continue
         n = layout.mesh.shape[axis] if isinstance(axis, str) else "several"
         if n == 1:
             continue
+        if traced is not None:  # a model running the role by hand: its own collectives
+            found = collectives(traced().jaxpr) if found is None else found
+            if any(p in _HONOURS[role] and a == axis for p, a in found):
+                continue
         what, fix = _ASKS[role]
         raise LossOutputError(
             ValueError,
