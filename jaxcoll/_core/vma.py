@@ -32,6 +32,8 @@ from .._jax import (
 
 def varying_axes(x: Any) -> frozenset | None:
     """The mesh axes ``x`` varies over (shard_map's check_vma type), or None if untyped."""
+    if isinstance(x, jax.ShapeDtypeStruct):  # jax.eval_shape's result: its type as given
+        return getattr(getattr(x, "manual_axis_type", None), "varying", None)
     return varying_of(jax.typeof(x))
 
 

@@ -5,15 +5,20 @@ them a few lines. Plain SGD: a gradient off by any factor shows in the params.""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxcoll import dp, parallel
+from jaxcoll import nn as jnn
 
 from . import llama_linen, llama_nnx
 from . import reference as ref
@@ -55,6 +60,77 @@ def linen_trainer(layout: dp.Layout) -> tuple[dp.Trainer, dp.TrainState]:
     return trainer, trainer.init(params, jax.random.key(1), specs=llama_linen.PARTITION_RULES)
 
 
+# A pipeline runs the model's blocks as stages: the glue names the embedding, the blocks and
+# the head (the model file is unchanged).
+def nnx_pipeline_trainer(layout: dp.Layout):
+    with dp.building():
+        model = llama_nnx.Llama(NNX_CONFIG, rngs=nnx.Rngs(0))
+    stack = jnn.stack_blocks(model.layers)  # the blocks' params stacked on "layers"
+    rest = stack.rest(model)  # the embedding and the final norm
+
+    def head(rest_params, h, batch):
+        m = rest.module(rest_params)
+        return ref.loss(m.embed.attend(m.final_norm(h)).astype(jnp.float32), batch)
+
+    def loss_fn(params, batch, rng):
+        h = rest.module(params["rest"]).embed(batch["tokens"])
+        side = {"positions": batch["positions"]}  # per-token inputs, split with the batch
+        blocks, other = params["blocks"], params["rest"]
+        return parallel.pipeline_loss(stack.stage_fn, head, blocks, other, h, batch, side=side), {}
+
+    trainer = dp.Trainer(loss_fn, optax.sgd(ref.LR), layout=layout)
+    params = {"blocks": stack.params, "rest": rest.params}
+    specs = {"blocks": stack.specs, "rest": rest.specs}
+    state = trainer.init(params, jax.random.key(1), specs=specs)
+
+    def trained(params):  # back into the model, its params as one device has them
+        stack.update(params["blocks"])
+        rest.update(params["rest"])
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    return trainer, state, trained
+
+
+def linen_pipeline_trainer(layout: dp.Layout):
+    cfg, n = LINEN_CONFIG, LINEN_CONFIG.n_layers
+    block = llama_linen.Block(cfg)
+
+    def stage_fn(blocks, h, side):  # this stage's blocks, in order
+        step = lambda h, p: (block.apply({"params": p}, h, side["positions"]), None)  # noqa: E731
+        return jax.lax.scan(step, h, blocks)[0]
+
+    def head(rest, h, batch):
+        h = nn.RMSNorm(epsilon=cfg.norm_eps).apply({"params": rest["final_norm"]}, h)
+        embed = nn.Embed(cfg.vocab_size, cfg.d_model)
+        return ref.loss(embed.apply({"params": rest["embed"]}, h, method="attend"), batch)
+
+    def loss_fn(params, batch, rng):
+        embed = nn.Embed(cfg.vocab_size, cfg.d_model)
+        h = embed.apply({"params": params["rest"]["embed"]}, batch["tokens"])
+        side = {"positions": batch["positions"]}
+        blocks, other = params["blocks"], params["rest"]
+        return parallel.pipeline_loss(stage_fn, head, blocks, other, h, batch, side=side), {}
+
+    whole = llama_linen.init(jax.random.key(0), cfg)
+    layers = [whole[f"layers_{i}"] for i in range(n)]
+    params = {
+        "blocks": jax.tree.map(lambda *x: jnp.stack(x), *layers),
+        "rest": {k: v for k, v in whole.items() if not k.startswith("layers_")},
+    }
+    rules = [(f"blocks/.*{r}", P("layers", *s)) for r, s in llama_linen.PARTITION_RULES]
+    trainer = dp.Trainer(loss_fn, optax.sgd(ref.LR), layout=layout)
+    state = trainer.init(params, jax.random.key(1), specs=[*rules, *llama_linen.PARTITION_RULES])
+
+    def trained(params):
+        out = dict(params["rest"])
+        out.update(
+            {f"layers_{i}": jax.tree.map(lambda t, i=i: t[i], params["blocks"]) for i in range(n)}
+        )
+        return out
+
+    return trainer, state, trained
+
+
 # ------------------------------------------------------------------------ the references
 @functools.cache
 def nnx_reference():
@@ -70,8 +146,6 @@ def linen_reference():
 
 
 def with_rules(layout: dp.Layout, rules: dict) -> dp.Layout:
-    import dataclasses
-
     return dataclasses.replace(layout, rules={**dict(layout.rules), **rules})
 
 
@@ -84,6 +158,10 @@ LAYOUTS = {
     "dp2xtp4-kv-whole": dp.Layout(replicate=2, tensor=4, rules={"kv_heads": None}),
     "fsdp2xcp4-ring": dp.Layout.parse("fsdp2xcp4"),
     "fsdp2xcp4-ulysses": dp.Layout(shard=2, context=4, attention=parallel.Ulysses()),
+}
+PIPELINED = {
+    "fsdp2xtp2xpp2:1f1b": dp.Layout.parse("fsdp2xtp2xpp2:1f1b4"),
+    "fsdp2xtp2xpp2:zb": dp.Layout.parse("fsdp2xtp2xpp2:zb4"),
 }
 
 
@@ -121,6 +199,24 @@ def test_linen_llama_with_partition_rules_equals_one_device(name):
     losses, params = run(trainer, state)
     np.testing.assert_allclose(losses, want_losses, rtol=TOL, atol=TOL)
     close(params, want)
+
+
+@pytest.mark.parametrize("name", list(PIPELINED))
+def test_nnx_llama_pipelined_equals_one_device(name):
+    want_losses, want = nnx_reference()
+    trainer, state, trained = nnx_pipeline_trainer(PIPELINED[name])
+    losses, params = run(trainer, state)
+    np.testing.assert_allclose(losses, want_losses, rtol=TOL, atol=TOL)
+    close(trained(params), want)
+
+
+@pytest.mark.parametrize("name", list(PIPELINED))
+def test_linen_llama_pipelined_equals_one_device(name):
+    want_losses, want = linen_reference()
+    trainer, state, trained = linen_pipeline_trainer(with_rules(PIPELINED[name], LINEN_RULES))
+    losses, params = run(trainer, state)
+    np.testing.assert_allclose(losses, want_losses, rtol=TOL, atol=TOL)
+    close(trained(params), want)
 
 
 def test_under_tensor_2_each_device_holds_half_of_every_kernel_the_metadata_splits():
