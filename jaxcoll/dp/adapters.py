@@ -24,7 +24,8 @@ def annotated(model: Any, params: PyTree) -> PyTree | None:
     if specs is None:
         return None
     is_p = lambda x: isinstance(x, P)  # noqa: E731
-    same = jax.tree_util.tree_structure(specs, is_leaf=is_p) == jax.tree_util.tree_structure(params)
+    mine: Any = jax.tree_util.tree_structure(specs, is_leaf=is_p)
+    same = mine == jax.tree_util.tree_structure(params)
     has_names = any(s != P() for s in jax.tree_util.tree_leaves(specs, is_leaf=is_p))
     return specs if same and has_names else None
 
