@@ -12,15 +12,29 @@ Needs flax, which comes with the ``dp`` extra (``pip install "jaxcoll[dp]"``); i
 * :mod:`.mlp`: :class:`ParallelMLP`; :mod:`.moe`: :class:`MoE` (experts over the expert
   axis: the layer of :func:`jaxcoll.parallel.moe_mlp`, its load read by
   :func:`jaxcoll.parallel.moe_metrics`); :mod:`.attention`: :class:`ParallelSelfAttention`;
-  :mod:`._params`: what they share (their params, declared whole and boxed with their split).
+  :mod:`._params`: what they share (their params, declared whole and boxed with their split);
+* :mod:`._nnx`: the layers in flax nnx models (``nnx.bridge.ToNNX``, their splits kept as
+  the variables' ``out_sharding`` metadata, which ``dp.Nnx`` reads), and
+  :func:`pop_moe_metrics`, an nnx model's MoE loads and auxiliary loss;
+* :mod:`.stages`: :func:`stack_blocks`, an nnx model's list of blocks as pipeline stages
+  (:class:`BlockStack`, :class:`ModelRest`): stacked params with their ``"layers"`` specs, a
+  ``stage_fn`` for :func:`jaxcoll.parallel.pipeline_loss`, and the way back into the model.
 """
 
+from ._nnx import pop_moe_metrics as pop_moe_metrics
 from .attention import ParallelSelfAttention as ParallelSelfAttention
 from .mlp import ParallelMLP as ParallelMLP
 from .moe import MoE as MoE
+from .stages import BlockStack as BlockStack
+from .stages import ModelRest as ModelRest
+from .stages import stack_blocks as stack_blocks
 
 __all__ = [
+    "BlockStack",
+    "ModelRest",
     "MoE",
     "ParallelMLP",
     "ParallelSelfAttention",
+    "pop_moe_metrics",
+    "stack_blocks",
 ]

@@ -62,13 +62,19 @@ _FIX = {  # what to do when the layer's argument does not divide by n
     "{value}.",
     "num_heads": "Each rank owns whole heads: pick a number of heads divisible by {n}, or split "
     "over an axis whose size divides {value}.",
+    "num_kv_heads": "Each rank owns whole key/value heads: pick num_kv_heads divisible by {n}; "
+    "or, where {n} is a multiple of num_kv_heads, initialise the layer where its tensor "
+    "degree is known, under jax.set_mesh(mesh) (or, not placing the params, under "
+    "jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(({n},), ({axis!r},)))) with "
+    "this axis: it then declares K and V whole (each rank using the key/value head its query "
+    "heads share).",
     "num_experts": "Each rank owns whole experts: pick a number of experts divisible by {n}, or "
     "an expert degree that divides {value}.",
 }
 
 
 def _indivisible(where: str, argname: str, value: int, n: int, axis: str | None) -> str:
-    fix = _FIX[argname].format(n=n, value=value)
+    fix = _FIX[argname].format(n=n, value=value, axis=axis)
     return (
         f"{where}: {argname}={value} is not divisible by the {n} ranks of mesh axis {axis!r}, "
         f"over which it is split. {fix}"

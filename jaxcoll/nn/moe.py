@@ -47,6 +47,9 @@ class MoE(linen.Module):
     kept ones over the whole batch, and the load-balancing loss) in the ``"intermediates"``
     collection; :func:`jaxcoll.parallel.moe_metrics` reads them: apply the model with
     ``mutable=["intermediates"]`` and add ``aux_weight * metrics["moe_aux"]`` to the loss.
+    In an nnx model (the layer bridged, ``nnx.bridge.ToNNX(MoE(...), rngs=rngs).lazy_init(x)``)
+    call it as ``moe(x, mutable=["intermediates"])``: the load is then an ``nnx.Intermediate``
+    of the model, which :func:`jaxcoll.nn.pop_moe_metrics` turns into the same metrics.
 
     The load and the auxiliary loss are those of the batch the step computes: with a
     Trainer's ``accum_steps``, of each micro-batch, and since each device splits its own

@@ -26,7 +26,7 @@ from ..extra import Extra
 from ..layout import BoundLayout
 from ..state import TrainState
 from ..sync.base import Strategy, specs_like
-from .honoured import check_honoured, manual_axes, only, tracing
+from .honoured import check_honoured, manual_axes, only, tensor_pinned, tracing
 
 # loss(params, model_state, batch, rng, step) -> (loss, (aux, new_model_state)), its output
 # already checked (the Trainer wraps the user's loss_fn or dp.Model into this form).
@@ -290,6 +290,7 @@ def per_rank_step(
     names = axis_names(axis)
     like = abstract(state.params)
     split = layout.split
+    loss = tensor_pinned(loss, strategy, like, layout, manual)
 
     def per_rank(params, model_state, comm_state, batch, step, rng):
         with tracing(layout) as used:
@@ -369,10 +370,12 @@ def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree, layout: Boun
     split = layout.split
 
     def mapped(manual: frozenset) -> Callable:
+        pinned = tensor_pinned(loss, strategy, like, layout, manual)
+
         def per_rank(params, model_state, step, batch):
             with tracing(layout) as used:
                 batch = split.part(batch)
-                of_held = strategy.loss_of_held(lambda p, ms, b: loss(p, ms, b, None, step), like)
+                of_held = strategy.loss_of_held(lambda p, ms, b: pinned(p, ms, b, None, step), like)
                 held = to_varying(params, axis_names(axis))
                 value, (aux, _) = of_held(held, model_state, batch)
                 check_honoured(

@@ -224,3 +224,30 @@ def tensor_split(api: str, layout: BoundLayout, model: list[P]) -> None:
         f"(init(specs=[(r'.*mlp/up/kernel', P(None, 'tensor')), ...])) or specs=; or leave "
         f"tensor out of the layout."
     )
+
+
+def tensor_pinned(
+    loss: Callable, strategy: Any, like: PyTree, layout: BoundLayout, manual: frozenset
+) -> Callable:
+    """``loss`` with each (whole, gathered) param pinned to its tensor split where XLA
+    partitions the tensor axis: without the pin XLA may gather a split kernel whole on every
+    device of the axis and repeat the layer's work there (each device holding its slice but
+    computing the whole layer); with it, each device computes with its slice, as Megatron's
+    layers do, and XLA reduces the partial products. ``loss`` itself where the model runs the
+    axis by hand (or there is none)."""
+    tensor = layout.layout.tensor_axis
+    if tensor is None or tensor in manual:
+        return loss
+    specs = [restrict(s, (tensor,)) for s in strategy.model_leaf_specs(like)]
+    if all(s == P() for s in specs):
+        return loss
+
+    def pinned(params: PyTree, *rest: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        leaves = [
+            x if s == P() else jax.lax.with_sharding_constraint(x, s)
+            for x, s in zip(leaves, specs, strict=True)
+        ]
+        return loss(jax.tree_util.tree_unflatten(treedef, leaves), *rest)
+
+    return pinned
