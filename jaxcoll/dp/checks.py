@@ -236,6 +236,17 @@ def float_params(api: str, params: PyTree, grad_route: str) -> None:
             )
 
 
+def check_flag(api: str, argname: str, value: Any) -> bool:
+    """``value`` as a bool; raise TypeError unless it is one (a string such as ``"no"`` is
+    truthy, so it is not read)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"{api}: {argname} must be True or False, got {value!r} of type "
+            f"{type(value).__name__} instead (a string such as 'no' is truthy)."
+        )
+    return bool(value)
+
+
 def check_state(api: str, state: Any) -> None:
     """``state`` must be a live :class:`~jaxcoll.dp.TrainState` (see :func:`check_live`)."""
     if not isinstance(state, TrainState):

@@ -22,7 +22,14 @@ from .._core.checks import check_static_int
 from .._core.typing import PyTree
 from .._watch import process, watchdog
 from .adapters import Model, annotated
-from .checks import LossOutputError, check_state, float_params, removed_keywords, unbound_axis
+from .checks import (
+    LossOutputError,
+    check_flag,
+    check_state,
+    float_params,
+    removed_keywords,
+    unbound_axis,
+)
 from .data.batches import Batches, leading_size, placed_as
 from .extra import Extra
 from .host import to_host
@@ -178,14 +185,8 @@ class Trainer:
             raise ValueError(f"{api}: accum_steps={accum_steps} must be at least 1.")
         self.accum_steps = accum_steps
         self.extra = extra
-        for name, flag in (("skip_nonfinite", skip_nonfinite), ("donate", donate)):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise TypeError(
-                    f"{api}: {name} must be True or False, got {flag!r} of type "
-                    f"{type(flag).__name__} instead (a string such as 'no' is truthy)."
-                )
-        self.skip_nonfinite = bool(skip_nonfinite)
-        self.donate = bool(donate)
+        self.skip_nonfinite = check_flag(api, "skip_nonfinite", skip_nonfinite)
+        self.donate = check_flag(api, "donate", donate)
         self._specs: _Specs | None = None  # known at init (or from a state's placement)
         self._placed: Any = None  # the params the last step returned (their specs checked)
         self._returned: Any = lambda: None  # the state the last step returned (weakly)

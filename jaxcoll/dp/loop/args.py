@@ -38,16 +38,6 @@ def total_steps(data: Any, steps: int | None, epochs: int | None) -> int:
         ) from None
 
 
-def check_flag(api: str, argname: str, value: Any) -> bool:
-    """``value`` must be a bool (a string such as ``"yes"`` or ``"no"`` is not read)."""
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"{api}: {argname} must be True or False, got {value!r} of type "
-            f"{type(value).__name__} instead."
-        )
-    return value
-
-
 def check_data(api: str, argname: str, data: Any) -> None:
     """``data`` must be batches, not one batch: a dict would iterate over its keys."""
     if isinstance(data, Mapping):

@@ -17,10 +17,10 @@ from typing import Any
 from ..._core.typing import PyTree
 from ..callbacks.base import Callback, CallbackLike, as_callbacks
 from ..checkpoint.checkpointer import Checkpointer
-from ..checks import check_state
+from ..checks import check_flag, check_state
 from ..data.batches import Batches
 from ..state import TrainState
-from .args import check_checkpoint, check_data, check_flag, total_steps
+from .args import check_checkpoint, check_data, total_steps
 from .components import Progress, Steps
 from .evaluate import evaluate as evaluate  # Trainer.evaluate's
 from .runner import Runner
