@@ -37,36 +37,45 @@ def _microbatches(api: str, x: jax.Array, schedule: Schedule) -> jax.Array:
     return x.reshape((m, x.shape[0] // m) + x.shape[1:])
 
 
-def _check_targets(api: str, examples: int, y: PyTree) -> None:
-    """Every leaf of ``y`` has one row per example of ``x``: micro-batch i of ``x`` is scored
-    against rows of ``y`` cut the same way, so other counts would pair the wrong rows."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(y)[0]:
+def _rows_checked(api: str, name: str, examples: int, tree: PyTree, why: str) -> None:
+    """Raise unless every leaf of ``tree`` (the argument ``name``) has one row per example of
+    ``x``; ``why`` ends the message (what the rows are paired with, and the fix)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         shape = jnp.shape(leaf)
         if not shape or shape[0] != examples:
             got = f"{shape[0]} examples" if shape else "no leading axis (a scalar)"
             raise ValueError(
-                f"{api}: y{jax.tree_util.keystr(path)} has {got} but x has "
-                f"{examples}; the last stage scores micro-batch i of x against "
-                f"the same rows of y, so y needs one target per example of x. "
-                f"Pass the targets of exactly this replica's rows of x (a leading "
-                f"axis of {examples})."
+                f"{api}: {name}{jax.tree_util.keystr(path)} has {got} but x has {examples}; {why}"
             )
+
+
+def _check_targets(api: str, examples: int, y: PyTree) -> None:
+    """Every leaf of ``y`` has one row per example of ``x``: micro-batch i of ``x`` is scored
+    against rows of ``y`` cut the same way, so other counts would pair the wrong rows."""
+    _rows_checked(
+        api,
+        "y",
+        examples,
+        y,
+        f"the last stage scores micro-batch i of x against the same rows of y, so y needs "
+        f"one target per example of x. Pass the targets of exactly this replica's rows of x "
+        f"(a leading axis of {examples}).",
+    )
 
 
 def _check_side(api: str, examples: int, side: PyTree) -> None:
     """Every leaf of ``side`` has one row per example of ``x``: each stage is handed
     micro-batch i of ``side`` with micro-batch i of ``x``."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(side)[0]:
-        shape = jnp.shape(leaf)
-        if not shape or shape[0] != examples:
-            got = f"{shape[0]} examples" if shape else "no leading axis (a scalar)"
-            raise ValueError(
-                f"{api}: side{jax.tree_util.keystr(path)} has {got} but x has {examples}; "
-                f"every stage is handed micro-batch i of side with micro-batch i of x, so "
-                f"side needs one row per example of x. Pass this replica's rows (a leading "
-                f"axis of {examples}: positions, segment ids, masks per token); a value the "
-                f"same for every example belongs in stage_fn itself."
-            )
+    _rows_checked(
+        api,
+        "side",
+        examples,
+        side,
+        f"every stage is handed micro-batch i of side with micro-batch i of x, so side needs "
+        f"one row per example of x. Pass this replica's rows (a leading axis of {examples}: "
+        f"positions, segment ids, masks per token); a value the same for every example "
+        f"belongs in stage_fn itself.",
+    )
 
 
 def _check_stage(
