@@ -309,7 +309,7 @@ def per_rank_step(
                 strategy,
                 like,
                 tuple(a for a in layout.axes if a in manual),
-                lambda traced: check_honoured("Trainer.step", layout, used, manual, traced),
+                lambda traced: check_honoured("Trainer.step", layout, used, traced),
             )
             metrics = mean_metrics({"loss": value, **aux}, axis, algorithm)
             model_state = sync_model_state(model_state, axis, algorithm)
@@ -382,7 +382,6 @@ def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree, layout: Boun
                     "Trainer.evaluate",
                     layout,
                     used,
-                    manual,
                     lambda: jax.make_jaxpr(of_held)(held, model_state, batch),
                 )
                 invariant_over(tuple(a for a in layout.axes if a in manual), value, aux)

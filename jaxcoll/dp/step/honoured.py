@@ -173,7 +173,6 @@ def check_honoured(
     api: str,
     layout: BoundLayout,
     used: set,
-    manual: frozenset,
     traced: Callable[[], Any] | None = None,
 ) -> None:
     """Raise (as the op that traced the loss) if the layout gives the context, pipeline or
