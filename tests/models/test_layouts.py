@@ -192,7 +192,12 @@ def test_nnx_llama_with_logical_metadata_equals_one_device(name):
     close(params, want)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# The rules name the tensor and context splits; the data-only layouts read no model spec,
+# and the nnx model covers them.
+RULED = ["fsdp4xtp2", "dp2xtp4-kv-whole", "fsdp2xcp4-ring"]
+
+
+@pytest.mark.parametrize("name", RULED)
 def test_linen_llama_with_partition_rules_equals_one_device(name):
     want_losses, want = linen_reference()
     trainer, state = linen_trainer(with_rules(LAYOUTS[name], LINEN_RULES))
@@ -201,7 +206,7 @@ def test_linen_llama_with_partition_rules_equals_one_device(name):
     close(params, want)
 
 
-@pytest.mark.parametrize("name", list(PIPELINED))
+@pytest.mark.parametrize("name", ["fsdp2xtp2xpp2:1f1b"])
 def test_nnx_llama_pipelined_equals_one_device(name):
     want_losses, want = nnx_reference()
     trainer, state, trained = nnx_pipeline_trainer(PIPELINED[name])
@@ -210,7 +215,7 @@ def test_nnx_llama_pipelined_equals_one_device(name):
     close(trained(params), want)
 
 
-@pytest.mark.parametrize("name", list(PIPELINED))
+@pytest.mark.parametrize("name", ["fsdp2xtp2xpp2:zb"])
 def test_linen_llama_pipelined_equals_one_device(name):
     want_losses, want = linen_reference()
     trainer, state, trained = linen_pipeline_trainer(with_rules(PIPELINED[name], LINEN_RULES))
