@@ -82,14 +82,13 @@ def test_a_context_layout_trains_the_single_device_params(name, single):
 
 @pytest.fixture
 def experts():
-    # Without accumulation: the load-balancing loss is a product of the micro-batch's
-    # means, and which sequences share a micro-batch depends on the layout (each device
-    # splits its own rows), so with accum_steps > 1 layouts differ by that grouping.
-    gpt.EXPERTS, gpt.ACCUM = 8, 1
+    # With the example's accumulation (2): the load-balancing loss is a product of each
+    # micro-batch's means, and micro-batch j is the same global rows on every layout.
+    gpt.EXPERTS = 8
     try:
         yield
     finally:
-        gpt.EXPERTS, gpt.ACCUM = 0, 2
+        gpt.EXPERTS = 0
 
 
 def test_an_moe_gpt_trains_the_single_device_params_with_its_experts_split(experts):

@@ -111,15 +111,20 @@ class Trainer:
             (``FullyShardedDataParallel``). Default: the layout's (FSDP over its ``shard``
             role, HSDP with ``replicate`` beside it; DDP without one). The Trainer prepares it
             for ``optimizer`` and its bound layout (``trainer.sync`` is the prepared copy).
-        accum_steps: split each rank's share of the batch into this many micro-batches whose
-            gradients are averaged locally and synchronised once (DDP's ``no_sync``), with
-            ``accum_steps`` times smaller activations. Without batch-dependent layers this is
-            the same update as the whole batch at once. With BatchNorm it is not: each
-            micro-batch is normalised with its own statistics (over ``batch / accum_steps``
-            examples, across devices with SyncBatchNorm; over ``batch / (n * accum_steps)``
-            per device with a plain BatchNorm), and the running statistics are updated
-            ``accum_steps`` times per step, micro-batch after micro-batch: what torch gives
-            for k forward/backward passes under ``no_sync``.
+        accum_steps: split the global batch into this many micro-batches, micro-batch ``j``
+            its rows ``j, j + accum_steps, j + 2 * accum_steps, ...`` (each device takes its
+            own rows among them; nothing moves), whose gradients are averaged locally and
+            synchronised once (DDP's ``no_sync``), with ``accum_steps`` times smaller
+            activations. The micro-batches are the same rows on every layout and process
+            count, so whatever is computed over a whole micro-batch (SyncBatchNorm's
+            statistics, an MoE load-balancing loss) equals one device's. Without
+            batch-dependent layers this is the same update as the whole batch at once. With
+            BatchNorm it is not: each micro-batch is normalised with its own statistics (over
+            ``batch / accum_steps`` examples, across devices with SyncBatchNorm; over
+            ``batch / (n * accum_steps)`` per device with a plain BatchNorm), and the running
+            statistics are updated ``accum_steps`` times per step, micro-batch after
+            micro-batch (torch's passes under ``no_sync`` chunk each rank's own rows instead,
+            so there the grouping changes with the world size).
         extra: state carried and updated once per step besides the optimizer's
             (:class:`~jaxcoll.dp.Extra`), in ``state.extra``; e.g. ``dp.ema(0.999)``, an
             exponential moving average of the params.

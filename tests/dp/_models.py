@@ -102,8 +102,9 @@ def oracle(
     """K steps of plain single-device optax on the whole global batches.
 
     With ``accum > 1`` each step averages the gradients of ``accum`` global micro-batches
-    (micro-batch i = chunk i of every rank's share), threading BatchNorm state through them in
-    order: what the Trainer's local accumulation with SyncBatchNorm computes. ``grad_scale``
+    (micro-batch i = global rows i, i + accum, ...: the same on every layout), threading
+    BatchNorm state through them in order: what the Trainer's accumulation with SyncBatchNorm
+    computes. ``grad_scale``
     injects a bug (n: the summed-instead-of-averaged gradient) for the negative control.
     """
     opt_state = optimizer.init(params)
@@ -112,8 +113,7 @@ def oracle(
     def step(params, model_state, opt_state, batch):
         def micro(i):
             def take(a):
-                per = a.reshape((n, accum, -1) + a.shape[1:])  # rank, micro, example
-                return per[:, i].reshape((-1,) + a.shape[1:])
+                return a[i::accum]  # global micro-batch i: rows i, i + accum, ...
 
             return jax.tree_util.tree_map(take, batch)
 

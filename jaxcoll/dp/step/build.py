@@ -47,7 +47,8 @@ def local_grads(
     model_axes: tuple = (),
     honoured: Callable[[Callable[[], object]], None] | None = None,
 ):
-    """This rank's mean gradient over ``accum_steps`` micro-batches of its share of the batch.
+    """This rank's mean gradient over ``accum_steps`` micro-batches of its share of the batch
+    (its rows of the global micro-batches: :func:`micro_batches`).
 
     ``params`` are as the train state holds them; ``strategy.loss_of_held`` gives the loss
     the whole params (the same, or gathered for FSDP). Returns ``(grads, loss, aux,
@@ -65,7 +66,7 @@ def local_grads(
     if k == 1:
         (value, (aux, model_state)), grads = grad_fn(params, model_state, batch, key)
         return grads, value, aux, model_state
-    micro = jax.tree_util.tree_map(lambda a: a.reshape((k, a.shape[0] // k) + a.shape[1:]), batch)
+    micro = jax.tree_util.tree_map(lambda a: micro_batches(a, k), batch)
     model_state = to_varying(model_state, names)  # one carry type through the scan
 
     def one(carry, xs):
@@ -92,6 +93,21 @@ def local_grads(
     (g_sum, loss_sum, aux_sum, model_state), _ = lax.scan(one, init, (micro, jnp.arange(k)))
     scale = lambda t: jax.tree_util.tree_map(lambda a: a / k, t)  # noqa: E731
     return scale(g_sum), loss_sum / k, scale(aux_sum), model_state
+
+
+def micro_batches(rows: jax.Array, k: int) -> jax.Array:
+    """This rank's ``rows`` as ``k`` micro-batches, stacked: micro-batch ``j`` is its rows
+    ``j, j + k, j + 2k, ...``.
+
+    Each rank holds a contiguous block of the global batch whose start is a multiple of its
+    size ``m`` (and ``m`` a multiple of ``k``), so its row ``i`` is global row
+    ``start + i`` and ``i = j (mod k)`` exactly when the global row is. Micro-batch ``j`` is
+    therefore the same global rows ``j::k`` on every layout (one device, any mesh, any number
+    of processes, a host or an already placed batch), each rank holding its share of them, in
+    global order: what a micro-batch's statistics (SyncBatchNorm's, a mixture of experts'
+    load-balancing loss) are taken over does not depend on the layout, with no data moved.
+    """
+    return jnp.swapaxes(rows.reshape((rows.shape[0] // k, k) + rows.shape[1:]), 0, 1)
 
 
 def _checked(
