@@ -32,7 +32,6 @@ from typing import Any
 import jax
 
 from ._jax import backends_are_initialized, distributed_state
-from ._xla_flags import with_xla_cpu_flags
 
 __all__ = ["initialize"]
 
@@ -309,9 +308,8 @@ def initialize(
         or _loopback_bind(spec.coordinator_address)
     )
 
-    if not backends_are_initialized():
-        # XLA:CPU's rendezvous timeouts out of the way (read when JAX starts its devices).
-        os.environ["XLA_FLAGS"] = with_xla_cpu_flags(os.environ.get("XLA_FLAGS", ""))
+    # No XLA_FLAGS here: they would reach every program of the process, jaxcoll's or not
+    # (jaxcoll's programs carry their own compile options; see jaxcoll._xla_flags).
 
     cluster = None
     if spec.num_processes is None and spec.coordinator_address is None:

@@ -1,5 +1,6 @@
-"""XLA:CPU's rendezvous timeouts: set by jaxcoll-run, jaxcoll.init and the test setup, and
-accepted by the installed XLA (an unknown name in ``XLA_FLAGS`` aborts the process)."""
+"""XLA:CPU's rendezvous timeouts: set by jaxcoll-run and the test setup (never by
+jaxcoll.init), and accepted by the installed XLA (an unknown name in ``XLA_FLAGS`` aborts the
+process); jaxcoll's compile options accepted by the installed XLA."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 import jaxcoll
 from jaxcoll import run
-from jaxcoll._xla_flags import XLA_CPU_TIMEOUT_S, with_xla_cpu_flags
+from jaxcoll._xla_flags import XLA_CPU_TIMEOUT_S, compiler_options, with_xla_cpu_flags
 
 NAMES = (
     "--xla_cpu_collective_call_warn_stuck_timeout_seconds",
@@ -32,6 +33,10 @@ def test_the_flags_and_how_they_merge():
     assert all(f.endswith(f"={XLA_CPU_TIMEOUT_S}") for f in timeouts)
     # one order of the collectives on every device (the scheduler that reorders them is off)
     assert "--xla_cpu_enable_concurrency_optimized_scheduler=false" in flags
+    # ... unless the processes' programs take it from their compile options
+    scoped = jaxcoll.xla_cpu_flags(devices=8, scheduler=False)
+    assert scoped == [f for f in flags if "scheduler" not in f] and len(scoped) == len(flags) - 1
+    assert "scheduler" not in with_xla_cpu_flags("", scheduler=False)
     # the user's own setting of a timeout wins; the device count is replaced when given
     merged = _values(
         with_xla_cpu_flags(
@@ -50,6 +55,10 @@ def test_the_flags_and_how_they_merge():
     assert set(jaxcoll.xla_gpu_flags()) <= set(with_xla_cpu_flags("").split())
     with pytest.raises(ValueError, match="devices=0 must be a positive int"):
         jaxcoll.xla_cpu_flags(devices=0)
+    # jaxcoll's programs: the memory-optimized scheduler, for one executable at a time
+    assert compiler_options() == {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+    compiler_options()["xla_cpu_scheduler_type"] = "x"  # a copy: the next call is unchanged
+    assert compiler_options()["xla_cpu_scheduler_type"].endswith("MEMORY_OPTIMIZED")
 
 
 def test_the_test_setup_and_the_launcher_set_them():
@@ -61,12 +70,18 @@ def test_the_test_setup_and_the_launcher_set_them():
     assert set(NAMES) <= set(values)
 
 
-def test_init_sets_them_and_xla_accepts_them():
-    # A fresh process: jaxcoll.init() (one process, nothing to join) adds the flags before
-    # JAX starts; XLA then parses them (an unknown flag name would abort the process).
+def test_init_sets_none_and_xla_accepts_them():
+    # A fresh process: jaxcoll.init() (one process, nothing to join) leaves XLA_FLAGS as the
+    # process set it (the launcher's flags here), XLA parses them (an unknown flag name would
+    # abort the process) and compiles a program with jaxcoll's compile options (an unknown
+    # option name is an error).
+    flags = with_xla_cpu_flags("")
     code = (
-        "import os, jaxcoll, jax; jaxcoll.init(); print(os.environ['XLA_FLAGS']); "
-        "print(len(jax.devices()))"
+        "import os, jaxcoll, jax, jax.numpy as jnp; jaxcoll.init(); "
+        "print(os.environ['XLA_FLAGS']); print(len(jax.devices())); "
+        "from jaxcoll._xla_flags import compiler_options; "
+        "f = jax.jit(lambda x: x * 2, compiler_options=compiler_options()); "
+        "print(float(f(jnp.float32(3))))"
     )
     env = {
         k: v
@@ -74,9 +89,24 @@ def test_init_sets_them_and_xla_accepts_them():
         if not k.startswith(("JAXCOLL_", "JAX_", "MASTER_", "SLURM_", "XLA_FLAGS"))
     }
     env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = flags
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    flags, devices = proc.stdout.strip().splitlines()
-    assert set(NAMES) <= set(_values(flags)) and devices == "1"
+    printed, devices, value = proc.stdout.strip().splitlines()
+    assert printed == flags and devices == "1" and value == "6.0"
+    del env["XLA_FLAGS"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code.replace("print(os.environ['XLA_FLAGS'])", "print(os.environ.get('XLA_FLAGS'))"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[0] == "None"  # nothing added

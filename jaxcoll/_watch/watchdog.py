@@ -14,6 +14,17 @@ for ever.
 Two timeouts: a program (name, options, input shapes) that has not completed yet in this
 process gets ``first_timeout`` (its peers may still be compiling it, or restoring a
 checkpoint); once one call of it has completed, its later calls get ``timeout``.
+
+A failure on one device does not wait for either. When one device's part of a program fails
+at run time (a host callback that raises, say, on a pipeline's last stage), that device's
+share of the outputs is ready at once, carrying the error, while the other devices wait for
+it in their next collective, for ever, or until XLA:CPU's rendezvous timeout aborts the
+process (60 s by default, with no Python error). Once the oldest entry has been pending for
+:data:`FAILED_CHECK_S`, the thread looks at its output's shards on this process's devices:
+when one holds an error, it prints one line naming the program, the device, its position in
+the mesh (the pipeline stage) and the error, and ends the process (exit code 1), about a
+second after the failure: whenever calls are watched at all (a timeout is set, as by default,
+or the process is in a multi-process job), however long the timeouts.
 """
 
 from __future__ import annotations
@@ -32,6 +43,10 @@ from . import process, recorder
 
 POLL_S = 0.25
 LEFT_GRACE_S = 1.5  # how long an entry may stay pending once a process it needs has exited
+FAILED_CHECK_S = 0.5
+"""How long the oldest entry stays pending before the thread looks for a device whose share of
+it failed (and then at every poll, each device's share read once it is ready): a program that
+completes sooner is never looked at."""
 
 _pending: collections.deque = collections.deque()
 _thread: threading.Thread | None = None
@@ -210,6 +225,7 @@ def _run() -> None:
     since = 0.0
     left_seen_at: float | None = None
     next_probe = 0.0
+    checked: set[int] = set()
     while not _stopping.wait(POLL_S):
         if not process.settings.on:
             continue
@@ -217,6 +233,7 @@ def _run() -> None:
             item = _pending[0]
             if item is not head:  # a new oldest entry: its wait starts now (or at dispatch)
                 head, left_seen_at = item, None
+                checked = set()  # its shards found healthy so far (see failed_device)
                 since = max(item[0].issued, time.monotonic() - POLL_S)
                 # Its timeout: the short one once a call of the same program (name, options,
                 # input shapes) has completed here. Calls complete in order, so every call
@@ -231,11 +248,17 @@ def _run() -> None:
                 item[0].done = time.monotonic()
             _completed.add(item[2])
             head = None
-        if head is None or not process.settings.watching:
+        if head is None:
             continue
-        t = head[0].limit
         now = time.monotonic()
         waited = now - since
+        if waited >= FAILED_CHECK_S:
+            failed = failed_device(head[1], checked)
+            if failed is not None:
+                _fire_failed(head[0], head[1], waited, *failed)
+        if not process.settings.watching:
+            continue
+        t = head[0].limit
         if waited >= min(1.0, t or 1.0) and now >= next_probe and process.client() is not None:
             next_probe = now + 1.0
             if left_seen_at is None and set(process.exited()) & set(head[0].group):
@@ -281,5 +304,83 @@ def _fire(call: recorder.Call, waited: float, t: float | None) -> None:
         f"jaxcoll: process {me} of {n} {verb} waiting for {desc}{where} (call "
         f"#{call.group_seq}{site}): {'; '.join(others) or 'it never finished'}; exiting "
         f"with code 1.",
+        1,
+    )
+
+
+def failed_device(leaf: Any, checked: set[int]) -> tuple[Any, str] | None:
+    """``(device, error)`` of a shard of ``leaf`` on this process's devices that is ready with
+    an error while the others are not; None if there is none (yet).
+
+    ``checked`` holds the ids of the devices whose shards were found ready without an error
+    (each is read once). A shard that is ready and healthy returns at once; one that failed
+    raises its error at once, so this never waits.
+    """
+    if leaf is None or leaf is DISPATCHING:
+        return None
+    try:
+        if leaf.is_deleted():
+            return None
+        shards = leaf.addressable_shards
+    except Exception:  # noqa: BLE001 - gone or not an array: nothing to look at
+        return None
+    if len(shards) < 2:
+        return None  # one device: its error reaches whoever waits for it
+    for shard in shards:
+        device = shard.device
+        if device.id in checked:
+            continue
+        try:
+            if not shard.data.is_ready():
+                continue
+            shard.data.block_until_ready()
+        except Exception as e:  # noqa: BLE001 - the device's error, whatever its type
+            return device, _error_line(e)
+        checked.add(device.id)
+    return None
+
+
+def _error_line(e: BaseException) -> str:
+    """The line of a device's error that names its cause: the last ``Name: text`` line of a
+    callback's traceback, or the error's first line."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    causes = [line for line in lines if ": " in line and line.split(": ", 1)[0].isidentifier()]
+    first = lines[0] if lines else type(e).__name__
+    cause = causes[-1] if causes else first
+    return cause[:500] if cause == first else f"{cause[:400]} ({first[:100]})"
+
+
+def _position(leaf: Any, device: Any) -> str:
+    """``device``'s position in the mesh of ``leaf``'s sharding (``stage=1, data=0``), or ""."""
+    mesh: Any = getattr(getattr(leaf, "sharding", None), "mesh", None)
+    devices = getattr(mesh, "devices", None)
+    if mesh is None or devices is None:
+        return ""
+    for index, d in enumerate(devices.flat):
+        if d == device:
+            coords = _coords(index, devices.shape)
+            return ", ".join(f"{n}={c}" for n, c in zip(mesh.axis_names, coords, strict=True))
+    return ""
+
+
+def _coords(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The coordinates of flat ``index`` in an array of ``shape`` (row-major)."""
+    coords = []
+    for size in reversed(shape):
+        index, c = divmod(index, size)
+        coords.append(c)
+    return tuple(reversed(coords))
+
+
+def _fire_failed(call: recorder.Call, leaf: Any, waited: float, device: Any, error: str) -> None:
+    me, n = process.me()
+    desc = f"{call.what}({recorder.describe(call.sig)})"
+    where = _position(leaf, device)
+    site = f" at {os.path.basename(call.file)}:{call.line}" if call.file != "?" else ""
+    process.die(
+        f"jaxcoll: process {me} of {n}: {desc} (call #{call.group_seq}{site}) failed on "
+        f"device {device.id}{f' (mesh position {where})' if where else ''}: {error}; the "
+        f"other devices wait for it in a collective; exiting with code 1 after "
+        f"{waited:.1f}s.",
         1,
     )

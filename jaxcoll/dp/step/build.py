@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from ... import primitives
 from ..._core.typing import AxisName, PyTree
 from ..._core.vma import axis_names, to_varying, varying_axes
+from ..._xla_flags import compiler_options
 from ..checks import LossOutputError, float_params
 from ..extra import Extra
 from ..layout import BoundLayout
@@ -285,7 +286,12 @@ def build_step(
         return new, metrics
 
     out = (state_shardings(strategy, state), NamedSharding(strategy.mesh, P()))
-    return jax.jit(step, donate_argnums=(0,) if donate else (), out_shardings=out)
+    return jax.jit(
+        step,
+        donate_argnums=(0,) if donate else (),
+        out_shardings=out,
+        compiler_options=compiler_options(),
+    )
 
 
 def per_rank_step(
@@ -419,4 +425,4 @@ def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree, layout: Boun
             modes["manual"] = manual_axes(layout, mapped, args)
         return mapped(modes["manual"])(*args)
 
-    return jax.jit(evaluate)
+    return jax.jit(evaluate, compiler_options=compiler_options())
