@@ -188,12 +188,30 @@ class Linen(_OutputLoss):
 
 NnxCall = Callable[..., Any]
 
+#: The linen collections flax's bridge maps to nnx types of its own, none of them model state.
+_NOT_STATE = ("params", "batch_stats", "cache", "intermediates", "perturbations")
+
+
+def _model_state(path: tuple, value: Any) -> bool:
+    """An ``nnx`` filter: a ``BatchStat``, or a variable a bridged linen layer keeps in a
+    collection of its own (``ToNNX`` gives each such collection its own variable type), as
+    :class:`Linen` keeps every collection ``init`` returned besides the params."""
+    from flax import nnx
+    from flax.nnx import variablelib
+
+    if isinstance(value, nnx.BatchStat):
+        return True
+    bridged = {t for name, t in variablelib.VariableTypeCache.items() if name not in _NOT_STATE}
+    return isinstance(value, nnx.Variable) and type(value) in bridged
+
 
 class Nnx(_OutputLoss):
     """A ``flax.nnx.Module`` called as ``module(batch[input_key])`` (or by ``call``) plus a loss.
 
     The module is split once into its graph, its ``nnx.Param`` state (the params), its
-    ``nnx.BatchStat`` state (the model state) and the rest (``nnx.Rngs`` streams, constants).
+    ``nnx.BatchStat`` state and the collections of bridged linen layers that are neither
+    params nor intermediates (e.g. :class:`jaxcoll.nn.MoE`'s routing bias): the model state,
+    and the rest (``nnx.Rngs`` streams, constants).
     Each call rebuilds a module from them inside the traced step, so modules holding
     ``nnx.Rngs`` (``nnx.Dropout(rate, rngs=rngs)``) work: training calls ``module.train()``
     and reseeds every rng stream of the module from the Trainer's per-rank, per-step key
@@ -249,7 +267,7 @@ class Nnx(_OutputLoss):
         self.input_key = input_key
         self.call = call
         # Three filters: the graph and exactly three states (flax types the tail as variadic).
-        self._graph, self._params, *states = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
+        self._graph, self._params, *states = nnx.split(module, nnx.Param, _model_state, ...)
         self._stats, self._rest = states
 
     def init(self, rng: jax.Array | None = None, batch: PyTree = None) -> tuple[PyTree, PyTree]:
@@ -306,7 +324,7 @@ class Nnx(_OutputLoss):
             outputs = model(batch[self.input_key])
         else:
             outputs = self.call(model, batch, train=train, rngs=rngs)
-        new_stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)) if train else model_state
+        new_stats = nnx.to_pure_dict(nnx.state(model, _model_state)) if train else model_state
         return outputs, new_stats
 
     def specs(self) -> PyTree:

@@ -65,7 +65,7 @@ def bind(layout: Any, api: str, mesh: Mesh | None) -> BoundLayout:
         context,
         1 if context is None else int(mesh.shape[context]),
     )
-    return BoundLayout(layout, mesh, data, split, layout._binding())
+    return BoundLayout(layout, mesh, data, split, layout._binding(data))
 
 
 def _check(layout: Any, api: str, mesh: Mesh, data_axes: tuple) -> None:

@@ -447,9 +447,10 @@ class Layout:
         """:meth:`bind`, its errors naming ``api`` (the Trainer's)."""
         return _bound.bind(self, api, mesh)
 
-    def _binding(self) -> roles.Binding:
+    def _binding(self, data_axes: tuple[str, ...] | None = None) -> roles.Binding:
         """What model code's roles and logical axes stand for in this layout, and its
-        schedule (:mod:`jaxcoll._core.roles`)."""
+        schedule (:mod:`jaxcoll._core.roles`); ``data_axes``: the bound mesh's data axes
+        (a layout that names none splits the batch over the mesh's ``"data"``)."""
         by_role = {
             r.value: getattr(self, f"{r.value}_axis")
             for r in (Role.TENSOR, Role.PIPELINE, Role.CONTEXT, Role.EXPERT)
@@ -458,5 +459,6 @@ class Layout:
         axes: dict[str, Any] = dict(by_role)
         for logical, role in table.items():
             axes[logical] = None if role is None else by_role[role]
-        axes["batch"] = self.data_axes or None  # the axes the tokens are split over
+        tokens = self.data_axes if data_axes is None else data_axes
+        axes["batch"] = tokens or None  # the axes the tokens are split over
         return roles.Binding(axes, self.schedule, self.attention)
