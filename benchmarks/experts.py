@@ -28,6 +28,14 @@ Rows:
   each expert keeps 64 assignments per sequence, in GShard's order (so the same as the GShard
   row below drops), each device sends at most ``2 sequences x 64`` rows to each expert's
   device, and its receive buffer holds ``8 x 128`` rows.
+- ``jaxcoll fsdp8+ep8 buffer 2.0`` (``--rows jaxcoll-fsdp8-bounded``): the same layout,
+  dropless at bounded memory, ``MoE(..., buffer_factor=2.0)``: each device's receive buffer
+  holds twice the balanced load (``8 x ceil(2.0 x 512 / 8) = 8 x 128`` rows, the capacity
+  row's), each device sends at most 128 rows to each expert's device per round, and what
+  does not fit goes in further rounds (at most ``512 / 128 = 4``; the rounds needed, agreed
+  by one ``pmax`` of the counts, run, the others are skipped by a ``lax.cond``; a round's
+  buffers are recomputed in the backward, not kept). Nothing is dropped whatever the
+  routing (all tokens to one expert: 4 rounds).
 - ``jaxcoll ddp8+ep8``: the same with ``dp.Layout(replicate=8, expert=8)``: the dense params
   replicated (DDP), the experts still one per device.
 - ``gspmd gshard``: the same model and math in plain JAX under ``jax.jit``
@@ -82,6 +90,24 @@ row (4.0 GFLOP per device per step against GShard's 1.25). On GPUs the ragged al
 moves only the routed rows; the buffer's memory stays. The GSPMD ragged_dot row moves no
 tokens by all-to-all: it all-gathers the sorted rows (59 all-gathers, 40 MiB a step).
 
+Bounded dropless (``--rows jaxcoll-fsdp8-capacity,jaxcoll-fsdp8-bounded,gspmd-ragged
+--rounds 3``, one interleaved run, jax 0.10.2, the 2 cores shared with other work (a load
+near 9), so every time is several times the default run's above; ms, args + temp = peak MiB
+per device): capacity 2.0 394 / 1.60 + 20.11 = 21.71, buffer 2.0 530 / 1.60 + 12.66 = 14.26,
+GSPMD ragged_dot 1834 / 1.60 + 32.77 = 34.37; every step-0 loss 5.595233. So the bounded
+dropless row takes 0.66x the capacity row's memory and 0.29x the GSPMD dropless row's time
+(1.34x the capacity row's; an earlier run under more load: 0.32x and 1.23x). At balanced
+routing one round
+runs; its buffers are the capacity row's, and recomputing the round's forward in the
+backward costs the extra time. Its memory is below the capacity row's because that row's
+backward keeps its activations (the buffer's rows through both matmuls) and this one does
+not. The collectives column counts every round of the scan as if it ran (4 per layer, 40
+all-to-alls; at balanced routing one round per layer runs) and ``GFLOP`` counts the scan's
+body once. On XLA:CPU, ``jax.lax.ragged_dot`` is a masked dense matmul (its cost is
+``E_local x`` the buffer's rows whatever the group sizes): the experts compute the buffer's
+padding rows too (about half of them at factor 2.0 and balanced routing); where XLA has a
+ragged-dot instruction (GPU, TPU) it is lowered to it.
+
 XLA:CPU flags: jaxcoll's (``jaxcoll.xla_cpu_flags``: collective timeouts) except its
 scheduler setting: the concurrency-optimized scheduler stays on, XLA's default, as in
 ``benchmarks/nd.py`` (GSPMD programs hung with it off there); ``--jaxcoll-scheduler`` turns it
@@ -98,13 +124,23 @@ import time
 
 import jaxcoll
 
-ROWS = ("jaxcoll-fsdp8", "jaxcoll-fsdp8-capacity", "jaxcoll-ddp8", "gspmd", "gspmd-ragged")
+ROWS = (
+    "jaxcoll-fsdp8",
+    "jaxcoll-fsdp8-capacity",
+    "jaxcoll-fsdp8-bounded",
+    "jaxcoll-ddp8",
+    "gspmd",
+    "gspmd-ragged",
+)
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the rows")
 parser.add_argument("--steps", type=int, default=3, help="steps per row per round")
 parser.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {ROWS}")
 parser.add_argument(
     "--capacity-factor", type=float, default=2.0, help="GSPMD's and the capacity row's"
+)
+parser.add_argument(
+    "--buffer-factor", type=float, default=2.0, help="the bounded dropless row's buffer_factor"
 )
 parser.add_argument(
     "--jaxcoll-scheduler",
@@ -147,13 +183,16 @@ class Model(nn.Module):
     """Embedding -> LAYERS x (h + MoE(LayerNorm(h))) -> head."""
 
     capacity_factor: float | None = None  # None: dropless
+    buffer_factor: float | None = None  # dropless: None, room for the worst case
 
     @nn.compact
     def __call__(self, x):
         h = nn.Embed(VOCAB, WIDTH, name="embed")(x)
         for i in range(LAYERS):
-            cf = self.capacity_factor
-            moe = pnn.MoE(EXPERTS, HIDDEN, k=K, capacity_factor=cf, name=f"moe{i}")
+            cf, bf = self.capacity_factor, self.buffer_factor
+            moe = pnn.MoE(
+                EXPERTS, HIDDEN, k=K, capacity_factor=cf, buffer_factor=bf, name=f"moe{i}"
+            )
             h = h + moe(nn.LayerNorm(name=f"ln{i}")(h))
         return nn.Dense(VOCAB, name="head")(h)
 
@@ -270,8 +309,10 @@ class Row:
         self.times: list[float] = []
 
 
-def row_jaxcoll(layout: dp.Layout, capacity_factor: float | None = None) -> Row:
-    loss = jaxcoll_loss(Model(capacity_factor))
+def row_jaxcoll(
+    layout: dp.Layout, capacity_factor: float | None = None, buffer_factor: float | None = None
+) -> Row:
+    loss = jaxcoll_loss(Model(capacity_factor, buffer_factor))
     trainer = dp.Trainer(loss, optax.adamw(1e-3), layout=layout)
     state = trainer.init(init_params(), jax.random.key(0))
     step, abstract = trainer.step_program(state, BATCH_NP)
@@ -332,6 +373,9 @@ def main() -> None:
     if "jaxcoll-fsdp8-capacity" in names:
         name = f"jaxcoll fsdp8+ep8 capacity {args.capacity_factor}"
         rows[name] = row_jaxcoll(dp.Layout(shard=8, expert=8), args.capacity_factor)
+    if "jaxcoll-fsdp8-bounded" in names:
+        name = f"jaxcoll fsdp8+ep8 buffer {args.buffer_factor}"
+        rows[name] = row_jaxcoll(dp.Layout(shard=8, expert=8), None, args.buffer_factor)
     if "jaxcoll-ddp8" in names:
         rows["jaxcoll ddp8+ep8"] = row_jaxcoll(dp.Layout(replicate=8, expert=8))
     if "gspmd" in names:

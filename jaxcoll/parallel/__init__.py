@@ -26,7 +26,9 @@ them (the pipeline takes ``data_axis_name=`` and averages gradients over it exac
   and :func:`routed` (puts it in ``jax.nn``'s place while a layout's step is traced);
 * :mod:`.moe`: mixtures of experts: :func:`moe_mlp` (the entry: a mixture of experts over
   an expert axis), :func:`dispatch` and :func:`combine` (the tokens' exchange),
-  :class:`Load` and :func:`moe_metrics` (the load and the load-balancing loss);
+  :func:`hierarchical_dispatch` and :func:`hierarchical_combine` (the two-level exchange
+  across processes), :class:`Load` and :func:`moe_metrics` (the load and the load-balancing
+  loss), :func:`update_expert_bias` (aux-loss-free balancing);
 * :mod:`.axes`: :func:`is_bound`, the switch of model code that runs split or dense.
 """
 
@@ -45,8 +47,11 @@ from .context import to_context_order as to_context_order
 from .moe import Load as Load
 from .moe import combine as combine
 from .moe import dispatch as dispatch
+from .moe import hierarchical_combine as hierarchical_combine
+from .moe import hierarchical_dispatch as hierarchical_dispatch
 from .moe import moe_metrics as moe_metrics
 from .moe import moe_mlp as moe_mlp
+from .moe import update_expert_bias as update_expert_bias
 from .pipeline import pipeline_value_and_grad as pipeline_value_and_grad
 from .schedules import GPipe as GPipe
 from .schedules import Interleaved as Interleaved
@@ -80,6 +85,8 @@ __all__ = [
     "dispatch",
     "dot_product_attention",
     "gelu",
+    "hierarchical_combine",
+    "hierarchical_dispatch",
     "is_bound",
     "mlp",
     "mlp_specs",
@@ -92,4 +99,5 @@ __all__ = [
     "row_parallel",
     "sequence_gather",
     "to_context_order",
+    "update_expert_bias",
 ]

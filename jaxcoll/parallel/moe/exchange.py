@@ -38,6 +38,7 @@ def dispatch(
     capacity: int | None = None,
     keep: jax.Array | None = None,
     max_per_rank: int | None = None,
+    start: int | jax.Array = 0,
 ) -> tuple[PyTree, jax.Array, jax.Array, Routing]:
     """Send each token to the rank holding its expert; return what this rank's experts get.
 
@@ -66,6 +67,11 @@ def dispatch(
             rank's tokens are not sent (zeros from :func:`combine`). A router's capacity
             gives it; where XLA has no ragged all-to-all (CPU) the exchange then moves
             ``n * max_per_rank`` rows per rank instead of ``n * T``.
+        start: with ``max_per_rank``, the tokens to each rank already sent (an int, traced
+            or not): a rank's tokens ``start .. start + max_per_rank - 1`` (in token order)
+            are sent, the others not. Sending every token in rounds of ``max_per_rank``
+            (``start = round * max_per_rank``) bounds the buffers and drops nothing
+            (:func:`jaxcoll.parallel.moe_mlp`'s ``buffer_factor``).
 
     Returns:
         ``(tokens, local_expert, valid, routing)``: the received tokens ``(capacity, ...)``,
@@ -78,10 +84,11 @@ def dispatch(
     dest = expert // experts_per_rank
     if keep is not None:  # not sent: sorted past every rank's rows, counted nowhere
         dest = jnp.where(keep, dest, n)
-    if max_per_rank is not None:  # each rank's first max_per_rank tokens, in token order
+    if max_per_rank is not None:  # each rank's tokens start.., max_per_rank, in token order
         onehot = jax.nn.one_hot(dest, n + 1, dtype=jnp.int32)
         ahead = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
-        dest = jnp.where(ahead < max_per_rank, dest, n)
+        window = (ahead >= start) & (ahead < start + max_per_rank)
+        dest = jnp.where(window, dest, n)
     order = jnp.argsort(dest, stable=True)
     send = jnp.zeros((n,), jnp.int32).at[dest].add(1, mode="drop")
     payload = {

@@ -73,3 +73,29 @@ def moe_metrics(loads: PyTree) -> dict[str, jax.Array]:
         "moe_dropped": 1.0 - kept / routed,
         "moe_imbalance": imbalance,
     }
+
+
+def update_expert_bias(bias: jax.Array, load: Load, rate: float) -> jax.Array:
+    """The routing bias after a step of DeepSeek-V3's auxiliary-loss-free load balancing.
+
+    Equivalent to::
+
+        bias + rate * sign(mean(load.routed) - load.routed)
+
+    each expert's bias raised by ``rate`` where it was chosen for fewer assignments than the
+    mean, lowered where for more (unchanged at the mean), outside the gradient
+    (``stop_gradient``). ``load`` is over the whole batch (summed over the data axes), so every
+    device, in any layout, computes the same new bias. The bias enters the routing through
+    :func:`~jaxcoll.parallel.moe_mlp`'s ``bias``: it chooses the experts, never weighs them.
+
+    Args:
+        bias: ``(E,)``, the bias the step routed with.
+        load: the step's :class:`Load` (what :func:`~jaxcoll.parallel.moe_mlp` returned).
+        rate: the update's size per step (DeepSeek-V3's gamma, 0.001 there).
+
+    Returns:
+        The new bias, ``(E,)``, in ``bias``'s dtype.
+    """
+    routed = jax.lax.stop_gradient(load.routed).astype(jnp.float32)
+    step = rate * jnp.sign(jnp.mean(routed) - routed)
+    return (jax.lax.stop_gradient(bias) + step).astype(jnp.result_type(bias))
