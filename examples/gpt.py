@@ -6,6 +6,7 @@
     python examples/gpt.py --layout fsdp2xtp2xpp2:1f1b2  # ... by 1F1B, 2 micro-batches
     python examples/gpt.py --layout fsdp2xcp2xtp2   # ... each sequence split over 2 (ring)
     python examples/gpt.py --layout fsdp8 --experts 8    # an MoE GPT, one expert per device
+    python examples/gpt.py --layout fsdp4xpp2:1f1b2 --experts 8  # ... in 2 pipeline stages
     python examples/gpt.py --layout single          # the same model on one device
     jaxcoll-run --nprocs 2 --devices-per-proc 4 examples/gpt.py --layout fsdp2xtp2xpp2
 
@@ -32,7 +33,12 @@ Every layout trains the same model to the same params as ``--layout single``
 (tests/test_gpt.py checks it within 1e-5). ``--experts E`` makes each block's MLP a mixture
 of E experts (jaxcoll.nn.MoE: top-2 of E, each expert half the dense MLP's width, dropless,
 its load-balancing loss added), the experts split over the data shards (the replicas without
-fsdp): ``fsdp8 --experts 8`` holds one expert per device, FSDP holds the rest. The loop is
+fsdp): ``fsdp8 --experts 8`` holds one expert per device, FSDP holds the rest. With a
+pipeline each stage's blocks hold their experts over the stage's data shards, and each stage
+adds its load-balancing loss over each pipeline micro-batch to that micro-batch's loss
+(``parallel.pipeline_loss(..., has_aux=True)``): the aux loss is then that of each pipeline
+micro-batch, the j-th contiguous part of each data replica's rows (``:1f1b1``, one micro-batch,
+trains ``single``'s params; tests/parallel/test_pipeline_moe.py). The loop is
 ``Trainer.fit``, as nanoGPT's: every ``--eval-every`` steps it evaluates on train and val
 batches and prints both losses, the learning rate, tokens/s and (with ``--peak-flops``) MFU.
 With ``--ckpt DIR`` a run resumes from the newest checkpoint in DIR, in its own layout
@@ -181,8 +187,9 @@ def stage(blocks, h):
 
 
 def moe_stage(blocks, h):
-    """Every block in order, and the metrics of their mixtures of experts (their load over
-    the whole batch and their load-balancing loss, ``moe_aux``)."""
+    """This stage's blocks in order, its load-balancing loss (weighted: the pipeline adds it
+    to the micro-batch's loss and differentiates it through the routers) and the metrics of
+    its mixtures of experts (their load over the micro-batch, over every data replica)."""
 
     def block(h, p):
         h, sown = Block().apply({"params": p}, h, mutable=["intermediates"])
@@ -190,8 +197,21 @@ def moe_stage(blocks, h):
 
     h, sown = jax.lax.scan(block, h, blocks)
     stacked = jax.tree_util.tree_leaves(sown, is_leaf=lambda v: isinstance(v, parallel.Load))
-    loads = [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked[0]) for i in range(LAYERS)]
-    return h, parallel.moe_metrics(loads)
+    count = stacked[0].aux.shape[0]  # this stage's blocks
+    loads = [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked[0]) for i in range(count)]
+    metrics = parallel.moe_metrics(loads)
+    return h, (AUX * metrics["moe_aux"], metrics)
+
+
+def moe_report(metrics):
+    """The step's MoE metrics from every stage's on every micro-batch (leaves (stages,
+    micro-batches)): the layers' aux losses summed (a micro-batch's mean), the dropped share
+    averaged (every stage and micro-batch routes as many assignments), the worst imbalance."""
+    return {
+        "moe_aux": jnp.mean(jnp.sum(metrics["moe_aux"], 0)),
+        "moe_dropped": jnp.mean(metrics["moe_dropped"]),
+        "moe_imbalance": jnp.max(metrics["moe_imbalance"]),
+    }
 
 
 def head_loss(head, h, y):
@@ -211,10 +231,12 @@ def loss_fn(params, batch, rng):
     # backward, the head on the last stage; with no pipeline axis, every block in order, then
     # the head.
     head = {"ln_f": params["ln_f"], "wte": params["wte"]}
-    if EXPERTS:  # the blocks in order, their load-balancing loss added
-        h, metrics = moe_stage(params["blocks"], h)
-        loss = head_loss(head, h, batch["y"])
-        return loss + AUX * metrics["moe_aux"], {"lm_loss": loss, **metrics}
+    if EXPERTS:  # each stage's load-balancing loss added to each micro-batch's loss
+        loss, metrics = parallel.pipeline_loss(
+            moe_stage, head_loss, params["blocks"], head, h, batch["y"], has_aux=True
+        )
+        metrics = moe_report(metrics)
+        return loss, {"lm_loss": loss - AUX * metrics["moe_aux"], **metrics}
     return parallel.pipeline_loss(stage, head_loss, params["blocks"], head, h, batch["y"]), {}
 
 
@@ -276,8 +298,6 @@ def layout(name: str) -> dp.Layout:
         raise SystemExit(f"--layout {name!r}: {e}") from None
     if parsed.replicate is None and parsed.shard is None:
         raise SystemExit(f"--layout {name!r}: name a data role too (dp1 for none)")
-    if EXPERTS and parsed.pipeline:
-        raise SystemExit(f"--layout {name!r} --experts {EXPERTS}: no pipeline with experts")
     if parsed.pipeline and parsed.schedule is None:
         parsed = dataclasses.replace(parsed, schedule=parallel.GPipe(MICRO))
     if EXPERTS:  # the experts over the data shards (the replicas without them)

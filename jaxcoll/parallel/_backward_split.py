@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._core.typing import PyTree
+from .._core.vma import cast_varying
 from .._jax import Literal, jaxpr_parts, scan_counts, varying_of
 from ._lowering import call_stage
 
@@ -266,12 +267,28 @@ class _Split:
     computed by the same equation as in the vjp, so the gradients are the vjp's.
     """
 
-    def __init__(self, stage_fn: Any, own: PyTree, h: jax.Array, side: PyTree = None) -> None:
+    def __init__(
+        self,
+        stage_fn: Any,
+        own: PyTree,
+        h: jax.Array,
+        side: PyTree = None,
+        term: tuple[tuple, int] | None = None,
+    ) -> None:
+        # ``term``: where ``stage_fn`` returns ``(h, (loss_term, aux))``, ``(axes, M)``: the
+        # loss term, typed varying over ``axes``, gets the cotangent 1 / M in B and W alike.
         def vjp(params: PyTree, x: jax.Array, side: PyTree, ct: jax.Array) -> tuple:
-            def forward(params: PyTree, x: jax.Array) -> jax.Array:
-                return call_stage(stage_fn, params, x, side)
+            def forward(params: PyTree, x: jax.Array) -> Any:
+                out = call_stage(stage_fn, params, x, side)
+                if term is None:
+                    return out
+                h, (loss_term, _) = out
+                return h, cast_varying(loss_term.astype(jnp.float32), term[0])
 
-            return jax.vjp(forward, params, x)[1](ct)
+            if term is None:
+                return jax.vjp(forward, params, x)[1](ct)
+            scale = cast_varying(jnp.full((), 1.0 / term[1], jnp.float32), term[0])
+            return jax.vjp(forward, params, x)[1]((ct, scale))
 
         closed = jax.make_jaxpr(vjp)(own, h, side, h)
         self.treedef = jax.tree_util.tree_structure(own)

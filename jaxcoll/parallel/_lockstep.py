@@ -12,21 +12,25 @@ from jax import lax
 from .. import primitives
 from .._core.typing import PyTree
 from .._core.vma import cast_varying
-from ._lowering import Staged
-from ._stages import _carried, _check_stage, _forward, _names
+from ._lowering import Staged, add_aux, aux_zeros
+from ._stages import _carried, _check_stage, _forward_aux, _names
 
 
-def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
+def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array, tuple]:
     """GPipe: all forwards (saving M stage inputs), then all backwards. ``loss_fn`` is
     ``(head, out, y) -> mean loss``. Returns the last stage's mean loss (garbage elsewhere),
     this stage's gradient summed over micro-batches of the mean loss, the gradient of
     ``head`` (the last stage's; zero elsewhere) and that of the inputs ``xs`` (stage 0's;
-    zero elsewhere)."""
+    zero elsewhere) and ``(terms, auxs)`` (:func:`aux_zeros`: this stage's loss terms summed
+    over micro-batches, its aux per micro-batch)."""
     stage_fn, loss_fn, own, xs, ys, stage_axis, head = p.parts()
     n_stages = primitives.world_size(stage_axis)
     s = primitives.rank(stage_axis)
     m = xs.shape[0]
-    saved, outs = _forward(api, stage_fn, own, xs, stage_axis, sides=p.sides)
+    saved, outs, extra = _forward_aux(
+        api, stage_fn, own, xs, stage_axis, sides=p.sides, has_aux=p.has_aux
+    )
+    term_axes = _names(extra[0])
 
     # The head runs on the last stage alone (a cond: the others skip its FLOPs).
     grad = jax.value_and_grad(loss_fn, argnums=(0, 1))
@@ -55,8 +59,7 @@ def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
         active = (u >= 0) & (u < m)
         k = jnp.clip(m - 1 - u, 0, m - 1)
         ct = jnp.where(s == n_stages - 1, grads_out[k], received)
-        _, vjp = jax.vjp(p.at(k), own, saved[k])
-        d_params, d_input = vjp(ct)
+        d_params, d_input = p.pullback(own, saved[k], k, term_axes)(ct)
         acc = jax.tree_util.tree_map(
             lambda a, d: a + jnp.where(active, d, jnp.zeros_like(d)), acc, d_params
         )
@@ -70,7 +73,7 @@ def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
     )
     d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), names)
     (_, grads, d_xs), _ = lax.scan(step, (zero_ct, zeros, d_xs0), jnp.arange(m + n_stages - 1))
-    return loss, grads, d_head, d_xs
+    return loss, grads, d_head, d_xs, extra
 
 
 def _typed_as(tree: PyTree, template: PyTree) -> PyTree:
@@ -80,9 +83,10 @@ def _typed_as(tree: PyTree, template: PyTree) -> PyTree:
 
 def _slot_template(p: Staged, act: tuple, keep: int) -> tuple:
     """1F1B's slot state, zero: ``(message, saved inputs, own cotangent, gradient, loss,
-    head's gradient, inputs' gradient)``, each typed as what it holds: activations (and their
-    cotangents) over ``act``, the axes the forward's do vary over (:func:`_carried`),
-    gradients as their params, the loss over those of the activations, targets and head."""
+    head's gradient, inputs' gradient, (loss terms, aux))``, each typed as what it holds:
+    activations (and their cotangents) over ``act``, the axes the forward's do vary over
+    (:func:`_carried`), gradients as their params, the loss over those of the activations,
+    targets and head, the stage's loss terms and aux as :func:`aux_zeros` types them."""
     _, _, own, xs, ys, _, head = p.parts()
     zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
     saved0 = cast_varying(jnp.zeros((keep,) + xs.shape[1:], xs.dtype), act)
@@ -90,7 +94,7 @@ def _slot_template(p: Staged, act: tuple, keep: int) -> tuple:
     loss0 = cast_varying(jnp.zeros((), jnp.float32), _names(zero, ys, head))
     head0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _names(p)), head)
     d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
-    return (zero, saved0, zero, zeros, loss0, head0, d_xs0)
+    return (zero, saved0, zero, zeros, loss0, head0, d_xs0, aux_zeros(p, act))
 
 
 def _slot_pairs(n_stages: int) -> tuple[list, list]:
@@ -111,8 +115,8 @@ def _forward_branch(
     cotangent the backward starts from. ``state``: the slot's carry but the message."""
     stage_fn, loss_fn, own, xs, ys, _, head = p.parts()
     m = xs.shape[0]
-    zero, _, _, _, loss0, head0, _ = template
-    at_last, own_ct, saved, acc, loss, acc_head, d_xs = state
+    zero, _, _, _, loss0, head0, _, _ = template
+    at_last, own_ct, saved, acc, loss, acc_head, d_xs, extra = state
 
     def typed_head(tree: PyTree) -> PyTree:
         """The head's cond's outputs typed as theirs in ``template``."""
@@ -120,7 +124,8 @@ def _forward_branch(
 
     def run_forward():
         inp = jnp.where(s == 0, xs[fi], received)
-        out = p.stage(own, inp, fi)
+        out, term, aux = p.forward(own, inp, fi)
+        extra_new = add_aux(extra, term, aux, fi)
         saved_new = saved.at[fi % keep].set(inp)
 
         def head_part():
@@ -133,12 +138,13 @@ def _forward_branch(
             return typed_head((own_ct, loss, acc_head))
 
         own_ct_new, loss_new, acc_head_new = lax.cond(at_last, head_part, no_head)
-        return _typed_as((out, saved_new, own_ct_new, acc, loss_new, acc_head_new, d_xs), template)
+        new = (out, saved_new, own_ct_new, acc, loss_new, acc_head_new, d_xs, extra_new)
+        return _typed_as(new, template)
 
     return run_forward
 
 
-def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
+def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array, tuple]:
     """1F1B in lock-step slots: in slot t stage s runs the forward of micro-batch (t - s) / 2
     when t - s is even, the backward of micro-batch (t - 2S + 1 + s) / 2 when it is odd; after
     each slot one ``sendrecv`` moves every forward's activation to s + 1 and every backward's
@@ -152,14 +158,15 @@ def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Ar
     s = primitives.rank(stage_axis)
     last = n_stages - 1
     m = xs.shape[0]
-    _check_stage(api, stage_fn, own, xs, p.sides)
+    _check_stage(api, stage_fn, own, xs, p.sides, p.has_aux)
     keep = min(n_stages, m)
-    template = _slot_template(p, _carried(stage_fn, own, xs, s, p.sides), keep)
-    zero, saved0, _, zeros, loss0, head0, d_xs0 = template
+    template = _slot_template(p, _carried(stage_fn, own, xs, s, p.sides, p.has_aux), keep)
+    zero, saved0, _, zeros, loss0, head0, d_xs0, extra0 = template
+    term_axes = _names(extra0[0])
     even, odd = _slot_pairs(n_stages)
 
     def slot(carry, t, pairs):
-        received, own_ct, saved, acc, loss, acc_head, d_xs = carry
+        received, own_ct, saved, acc, loss, acc_head, d_xs, extra = carry
         forward = (t - s) % 2 == 0
         i = (t - s) // 2  # the forward's micro-batch
         j = (t - 2 * last - 1 + s) // 2  # the backward's micro-batch
@@ -170,33 +177,36 @@ def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Ar
         # Trainer step, less memory than updating it after the switch): the idle slots of the
         # warm-up and drain compute nothing.
         def idle():
-            return _typed_as((zero, saved, own_ct, acc, loss, acc_head, d_xs), template)
+            return _typed_as((zero, saved, own_ct, acc, loss, acc_head, d_xs, extra), template)
 
-        state = (at_last, own_ct, saved, acc, loss, acc_head, d_xs)
+        state = (at_last, own_ct, saved, acc, loss, acc_head, d_xs, extra)
         run_forward = _forward_branch(p, template, s, fi, keep, received, state)
 
         def run_backward():
             ct = jnp.where(at_last, own_ct, received)
-            _, vjp = jax.vjp(p.at(bj), own, saved[bj % keep])
+            vjp = p.pullback(own, saved[bj % keep], bj, term_axes)
             d_params, d_input = vjp(ct)
             acc_new = jax.tree_util.tree_map(jnp.add, acc, d_params)
             d_xs_new = d_xs.at[bj].set(jnp.where(s == 0, d_input, d_xs[bj]))
-            return _typed_as((d_input, saved, own_ct, acc_new, loss, acc_head, d_xs_new), template)
+            new = (d_input, saved, own_ct, acc_new, loss, acc_head, d_xs_new, extra)
+            return _typed_as(new, template)
 
         fwd = forward & (i >= 0) & (i < m)
         bwd = ~forward & (j >= 0) & (j < m)
         branch = jnp.where(fwd, 1, jnp.where(bwd, 2, 0))
-        message, saved, own_ct, acc, loss, acc_head, d_xs = lax.switch(
+        message, saved, own_ct, acc, loss, acc_head, d_xs, extra = lax.switch(
             branch, (idle, run_forward, run_backward)
         )
         # -> activations to s + 1, <- cotangents to s - 1: one sendrecv (one ppermute)
         sent = primitives.sendrecv(message, stage_axis, pairs)
-        return sent, own_ct, saved, acc, loss, acc_head, d_xs
+        return sent, own_ct, saved, acc, loss, acc_head, d_xs, extra
 
     def step(carry, k):
         carry = slot(carry, 2 * k, even)
         return slot(carry, 2 * k + 1, odd), None
 
-    carry = (zero, zero, saved0, zeros, loss0, head0, d_xs0)
-    (_, _, _, grads, loss, d_head, d_xs), _ = lax.scan(step, carry, jnp.arange(m + n_stages - 1))
-    return loss / m, grads, d_head, d_xs
+    carry = (zero, zero, saved0, zeros, loss0, head0, d_xs0, extra0)
+    (_, _, _, grads, loss, d_head, d_xs, extra), _ = lax.scan(
+        step, carry, jnp.arange(m + n_stages - 1)
+    )
+    return loss / m, grads, d_head, d_xs, extra

@@ -13,7 +13,7 @@ from jax import lax
 from .. import primitives
 from .._core.typing import PyTree
 from .._core.vma import cast_varying, varying_axes
-from ._lowering import call_stage, side_at
+from ._lowering import Staged, add_aux, aux_zeros, call_stage, side_at, split_output
 from .schedules import Schedule
 
 
@@ -79,14 +79,22 @@ def _check_side(api: str, examples: int, side: PyTree) -> None:
 
 
 def _check_stage(
-    api: str, stage_fn: Callable, params: PyTree, xs: jax.Array, sides: PyTree = None
+    api: str,
+    stage_fn: Callable,
+    params: PyTree,
+    xs: jax.Array,
+    sides: PyTree = None,
+    has_aux: bool = False,
 ) -> None:
     # Typed as the schedule calls it: varying over every axis the params or inputs vary over.
-    def probe_fn(params: PyTree, h: jax.Array, side: PyTree) -> jax.Array:
+    def probe_fn(params: PyTree, h: jax.Array, side: PyTree) -> Any:
         return call_stage(stage_fn, params, h, side)
 
     h0 = cast_varying(xs[0], _names(params, xs))
-    probe = jax.eval_shape(probe_fn, params, h0, side_at(sides, 0))
+    out = jax.eval_shape(probe_fn, params, h0, side_at(sides, 0))
+    if has_aux:
+        _check_aux(api, out)
+    probe = split_output(out, has_aux)[0]
     if (probe.shape, probe.dtype) != (xs.shape[1:], xs.dtype):
         raise ValueError(
             f"{api}: stage_fn maps a micro-batch of shape {xs.shape[1:]} "
@@ -97,7 +105,12 @@ def _check_stage(
 
 
 def _carried(
-    stage_fn: Callable, params: PyTree, xs: jax.Array, s: jax.Array, sides: PyTree = None
+    stage_fn: Callable,
+    params: PyTree,
+    xs: jax.Array,
+    s: jax.Array,
+    sides: PyTree = None,
+    has_aux: bool = False,
 ) -> tuple:
     """The axes the forward's activations vary over: the inputs' and the stage's, and those
     ``stage_fn``'s output varies over given such an input (a fixed point). A stage whose
@@ -110,11 +123,31 @@ def _carried(
 
     while True:
         h0 = cast_varying(xs[0], tuple(sorted(names, key=str)))
-        probe = jax.eval_shape(probe_fn, params, h0, side_at(sides, 0))
+        probe = split_output(jax.eval_shape(probe_fn, params, h0, side_at(sides, 0)), has_aux)[0]
         grown = names | set(varying_axes(probe) or ())
         if grown == names:
             return tuple(sorted(names, key=str))
         names = grown
+
+
+def _no_head(*args: Any) -> Any:
+    raise NotImplementedError("the forward schedule runs no head")
+
+
+def _check_aux(api: str, out: Any) -> None:
+    """A stage that has aux returns ``(h, (loss_term, aux))``, ``loss_term`` a float scalar."""
+    ok = isinstance(out, tuple) and len(out) == 2
+    ok = ok and isinstance(out[1], tuple) and len(out[1]) == 2
+    term: Any = out[1][0] if ok else None
+    dtype: Any = getattr(term, "dtype", None)
+    if getattr(term, "shape", None) != () or not jnp.issubdtype(dtype, jnp.floating):
+        got = jax.tree_util.tree_map(lambda v: f"{v.dtype}{list(v.shape)}", out)
+        raise ValueError(
+            f"{api}: with has_aux=True, stage_fn must return (h, (loss_term, aux)): the new "
+            f"activation, a float scalar added to the micro-batch's loss (e.g. a weighted "
+            f"load-balancing loss) and a pytree of metrics; got {got}. Return "
+            f"(h, (jnp.zeros(()), aux)) for a stage without a loss term."
+        )
 
 
 def _forward(
@@ -126,29 +159,56 @@ def _forward(
     *,
     sides: PyTree = None,
 ) -> tuple[jax.Array, jax.Array]:
+    """The forward schedule (:func:`_forward_aux` without aux): each stage's saved inputs
+    ``(M, mb, ...)`` and, on the last stage, the outputs."""
+    saved, outs, _ = _forward_aux(api, stage_fn, params, xs, stage_axis, sides=sides)
+    return saved, outs
+
+
+def _forward_aux(
+    api: str,
+    stage_fn: Callable,
+    params: PyTree,
+    xs: jax.Array,
+    stage_axis: Hashable,
+    *,
+    sides: PyTree = None,
+    has_aux: bool = False,
+) -> tuple[jax.Array, jax.Array, tuple]:
     """The forward schedule: at step t stage s runs micro-batch t - s (with its side inputs,
-    where ``sides`` is not None). Returns each stage's saved inputs ``(M, mb, ...)`` and, on
-    the last stage, the outputs."""
+    where ``sides`` is not None). Returns each stage's saved inputs ``(M, mb, ...)``, on
+    the last stage the outputs, and this stage's ``(loss terms, aux)`` (:func:`aux_zeros`;
+    with ``has_aux``, ``stage_fn`` returns ``(h, (loss_term, aux))``)."""
     n_stages = primitives.world_size(stage_axis)
     m = xs.shape[0]
     s = primitives.rank(stage_axis)
-    _check_stage(api, stage_fn, params, xs, sides)
-    names = _carried(stage_fn, params, xs, s, sides)
+    _check_stage(api, stage_fn, params, xs, sides, has_aux)
+    names = _carried(stage_fn, params, xs, s, sides, has_aux)
     zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
     buffers = cast_varying(jnp.zeros(xs.shape, xs.dtype), names)
     forward = [(i, i + 1) for i in range(n_stages - 1)]
+    # The stage alone (no head: the forward schedule runs none).
+    staged = Staged(stage_fn, _no_head, params, xs, None, stage_axis, (), sides, has_aux)
+    extra0 = aux_zeros(staged, names)
 
     def step(carry, t):
-        received, saved, outs = carry
+        received, saved, outs, extra = carry
         mb = t - s
         active = (mb >= 0) & (mb < m)
         k = jnp.clip(mb, 0, m - 1)
         inp = jnp.where(s == 0, xs[jnp.clip(t, 0, m - 1)], received)
-        out = call_stage(stage_fn, params, inp, side_at(sides, k))
+        out, term, aux = staged.forward(params, inp, k)
+        if term is not None:  # an idle step adds nothing
+            term = jnp.where(active, term, jnp.zeros_like(term))
+            aux = jax.tree_util.tree_map(
+                lambda a, b: jnp.where(active, a, b[k].astype(a.dtype)), aux, extra[1]
+            )
+        extra = add_aux(extra, term, aux, k)
         saved = saved.at[k].set(jnp.where(active, inp, saved[k]))
         outs = outs.at[k].set(jnp.where(active & (s == n_stages - 1), out, outs[k]))
         # -> the activation crosses to the next stage (send/recv: one ppermute)
-        return (primitives.sendrecv(out, stage_axis, forward), saved, outs), None
+        return (primitives.sendrecv(out, stage_axis, forward), saved, outs, extra), None
 
-    (_, saved, outs), _ = lax.scan(step, (zero, buffers, buffers), jnp.arange(m + n_stages - 1))
-    return saved, outs
+    carry = (zero, buffers, buffers, extra0)
+    (_, saved, outs, extra), _ = lax.scan(step, carry, jnp.arange(m + n_stages - 1))
+    return saved, outs, extra

@@ -35,7 +35,7 @@ from .. import primitives
 from .._core.typing import PyTree
 from .._core.vma import cast_varying
 from ._backward_split import _Split
-from ._lowering import Staged, axes_of, side_at
+from ._lowering import Staged, add_aux, aux_zeros, axes_of, side_at
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 _KINDS = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT}
@@ -141,8 +141,8 @@ def _first_carry(
     p: Staged, split: _Split, zero: jax.Array, act: tuple, keep: int, wkeep: int
 ) -> tuple:
     """The slots' first carry, ``(stage inputs, output cotangents, what B saves for W,
-    gradient, head's gradient, loss, inputs' gradient, outbox)``, each zero and typed as what
-    it will hold."""
+    gradient, head's gradient, loss, inputs' gradient, outbox, (loss terms, aux))``, each
+    zero and typed as what it will hold."""
     _, _, own, xs, ys, _, head = p.parts()
     saved0 = [
         cast_varying(jnp.zeros((wkeep, *shape), dtype), axes)
@@ -156,31 +156,34 @@ def _first_carry(
         jnp.zeros((), jnp.float32), tuple(sorted(set(act).union(*map(axes_of, leaves)), key=str))
     )
     d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
-    return (inputs0, inputs0, saved0, zeros, head0, loss0, d_xs0, zero)
+    return (inputs0, inputs0, saved0, zeros, head0, loss0, d_xs0, zero, aux_zeros(p, act))
 
 
 def _forward_ops(p: Staged, f_like: tuple, k: jax.Array) -> tuple:
     """A slot's forward of micro-batch ``k`` as the branches of a ``lax.switch``: none, a
-    forward, and the last stage's forward with the head. Each maps ``(inp, acc_head, loss)``
-    to ``(out, d_out, acc_head, loss)``, typed as ``f_like``; each passes through what it does
-    not change."""
+    forward, and the last stage's forward with the head. Each maps ``(inp, acc_head, loss,
+    extra)`` to ``(out, d_out, acc_head, loss, extra)`` (``extra``: the stage's loss terms and
+    aux, :func:`aux_zeros`), typed as ``f_like``; each passes through what it does not
+    change."""
     _, loss_fn, own, xs, ys, _, head = p.parts()
     m = xs.shape[0]
     zero = f_like[0]
 
-    def no_forward(inp: jax.Array, acc_head: PyTree, loss: jax.Array) -> tuple:
-        return _typed((zero, zero, acc_head, loss), f_like)
+    def no_forward(inp: jax.Array, acc_head: PyTree, loss: jax.Array, extra: tuple) -> tuple:
+        return _typed((zero, zero, acc_head, loss, extra), f_like)
 
-    def forward(inp: jax.Array, acc_head: PyTree, loss: jax.Array) -> tuple:
-        return _typed((p.stage(own, inp, k), zero, acc_head, loss), f_like)
+    def forward(inp: jax.Array, acc_head: PyTree, loss: jax.Array, extra: tuple) -> tuple:
+        out, term, aux = p.forward(own, inp, k)
+        return _typed((out, zero, acc_head, loss, add_aux(extra, term, aux, k)), f_like)
 
-    def forward_head(inp: jax.Array, acc_head: PyTree, loss: jax.Array) -> tuple:
+    def forward_head(inp: jax.Array, acc_head: PyTree, loss: jax.Array, extra: tuple) -> tuple:
         """The last stage's forward: the head, its loss and B's cotangent too."""
-        out = p.stage(own, inp, k)
+        out, term, aux = p.forward(own, inp, k)
         y = jax.tree_util.tree_map(lambda v: v[k], ys)
         value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
         acc_head = jax.tree_util.tree_map(lambda a, d: a + d / m, acc_head, d_head)
-        return _typed((out, d_out / m, acc_head, loss + value.astype(jnp.float32)), f_like)
+        loss = loss + value.astype(jnp.float32)
+        return _typed((out, d_out / m, acc_head, loss, add_aux(extra, term, aux, k)), f_like)
 
     return no_forward, forward, forward_head
 
@@ -190,7 +193,7 @@ def _split_ops(split: _Split, own: PyTree, carry0: tuple, w: jax.Array, side: Py
     (passed through, not copied, in the slots it does not run); ``w``: the micro-batch's entry
     of W's buffers; ``side``: its side inputs (None: none). ``carry0``: the slots' first carry
     (the types)."""
-    _, _, saved0, zeros, _, _, _, zero = carry0
+    _, _, saved0, zeros, _, _, _, zero, _ = carry0
 
     def backward(inp: jax.Array, ct: jax.Array, saved: list) -> tuple:
         """B: the input's gradient, which the stage below waits for; what W will need
@@ -212,7 +215,7 @@ def _split_ops(split: _Split, own: PyTree, carry0: tuple, w: jax.Array, side: Py
 
 def zero_bubble(
     p: Staged, rows: list, keep: int, act: tuple
-) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
+) -> tuple[jax.Array, PyTree, PyTree, jax.Array, tuple]:
     """Run the table ``rows`` (:meth:`ZeroBubble.table`), keeping stage inputs and output
     cotangents in ``keep`` buffers (:meth:`ZeroBubble.kept_inputs`: micro-batch i in buffer
     i mod ``keep``) and what B saves for W in :func:`kept_for_w` buffers. ``loss_fn`` is
@@ -237,10 +240,14 @@ def zero_bubble(
         jnp.asarray(plan[k]) for k in ("send", "hold", "recv", "recv_mb", "pattern")
     )
     zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), act)
-    split = _Split(stage_fn, own, zero, side_at(sides, 0))
+    term = None
+    if p.has_aux:  # the loss term's axes and M: its cotangent in B and W
+        term = (axes_of(aux_zeros(p, act)[0]), m)
+    split = _Split(stage_fn, own, zero, side_at(sides, 0), term)
     wkeep = kept_for_w(rows)
     carry0 = _first_carry(p, split, zero, act, keep, wkeep)
-    f_like = (zero, zero, carry0[4], carry0[5])  # (out, d_out, head's gradient, loss)
+    # (out, d_out, head's gradient, loss, (loss terms, aux))
+    f_like = (zero, zero, carry0[4], carry0[5], carry0[8])
 
     def mover(pairs: tuple) -> Any:
         return lambda x: primitives.sendrecv(x, stage_axis, list(pairs)) if pairs else x
@@ -248,7 +255,7 @@ def zero_bubble(
     movers = [mover(pairs) for pairs in plan["patterns"]]
 
     def one_slot(carry: tuple, t: jax.Array) -> tuple:
-        inputs, cts, saved, acc, acc_head, loss, d_xs, outbox = carry
+        inputs, cts, saved, acc, acc_head, loss, d_xs, outbox, extra = carry
         kind, k = kinds[s, t], mbs[s, t]
         i, w = k % keep, k % wkeep
         inp = cast_varying(jnp.where(s == 0, xs[k], inputs[i]), act)  # F's and B's
@@ -257,8 +264,8 @@ def zero_bubble(
         # in the slots it does not run).
         head_now = (kind == FORWARD) & (s == last)
         which = jnp.where(kind == FORWARD, jnp.where(s == last, 2, 1), 0)
-        out, d_out, acc_head, loss = lax.switch(
-            which, _forward_ops(p, f_like, k), inp, acc_head, loss
+        out, d_out, acc_head, loss, extra = lax.switch(
+            which, _forward_ops(p, f_like, k), inp, acc_head, loss, extra
         )
         (backward, no_backward), (weight, no_weight) = _split_ops(
             split, own, carry0, w, side_at(sides, k)
@@ -279,9 +286,9 @@ def zero_bubble(
         c = jnp.where(head_now, i, j)
         ct = jnp.where(recv[s, t] == COTANGENT, got, cts[c])
         cts = cts.at[c].set(jnp.where(head_now, d_out, ct))
-        return (inputs, cts, saved, acc, acc_head, loss, d_xs, outbox), None
+        return (inputs, cts, saved, acc, acc_head, loss, d_xs, outbox, extra), None
 
-    (_, _, _, grads, d_head, loss, d_xs, _), _ = lax.scan(
+    (_, _, _, grads, d_head, loss, d_xs, _, extra), _ = lax.scan(
         one_slot, carry0, jnp.arange(kind_np.shape[1])
     )
-    return loss / m, grads, d_head, d_xs
+    return loss / m, grads, d_head, d_xs, extra

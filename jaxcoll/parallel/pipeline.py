@@ -29,7 +29,7 @@ from .._core.typing import PyTree
 from .._core.vma import cast_varying
 from . import _interleaved, _zero_bubble
 from ._lockstep import _gpipe, _one_f_one_b
-from ._lowering import Staged
+from ._lowering import Staged, aux_zeros
 from ._stages import _carried, _check_side, _check_stage, _check_targets, _microbatches
 from .schedules import SCHEDULES, GPipe, Interleaved, Schedule, ZeroBubble
 
@@ -130,25 +130,37 @@ def lower(
     head: PyTree = (),
     *,
     sides: PyTree = None,
-) -> tuple[jax.Array, PyTree, PyTree, jax.Array]:
+    has_aux: bool = False,
+) -> tuple[jax.Array, PyTree, PyTree, jax.Array, tuple]:
     """Run ``schedule`` (its checks against the stages made): ``loss_fn`` is
     ``(head, out, y) -> mean loss``; ``own``: this stage's params (leading axis v for
-    :class:`Interleaved`); ``sides``: the side inputs cut into micro-batches, or None.
-    Returns the last stage's mean loss, this stage's gradient, the head's and the inputs'."""
-    p = Staged(stage_fn, loss_fn, own, xs, ys, stage_axis, head, sides)
+    :class:`Interleaved`); ``sides``: the side inputs cut into micro-batches, or None;
+    ``has_aux``: ``stage_fn`` returns ``(h, (loss_term, aux))``. Returns the last stage's mean
+    loss, this stage's gradient, the head's and the inputs', and ``(terms, auxs)``: this
+    stage's loss terms summed over micro-batches and its aux per micro-batch (leading axis M;
+    ``()`` without aux)."""
+    p = Staged(stage_fn, loss_fn, own, xs, ys, stage_axis, head, sides, has_aux)
     s = primitives.rank(stage_axis)
     if isinstance(schedule, Interleaved):
+        if has_aux:
+            raise ValueError(
+                f"{api}: has_aux=True runs under GPipe, OneFOneB and ZeroBubble, not yet "
+                f"{schedule!r}; pass schedule=parallel.OneFOneB({schedule.microbatches}) or "
+                f"parallel.ZeroBubble({schedule.microbatches}) (the layers then unreshaped, "
+                f"one chunk per stage)."
+            )
         first = jax.tree_util.tree_map(lambda q: q[0], own)
         n_stages = primitives.world_size(stage_axis)
         check = lambda: _check_stage(api, stage_fn, first, xs, sides)  # noqa: E731
         _interleaved.check_runs(api, check, own, schedule.virtual, n_stages)
         act = _carried(stage_fn, first, xs, s, sides)
-        return _interleaved.interleaved(p, schedule.virtual, act)
+        return (*_interleaved.interleaved(p, schedule.virtual, act), aux_zeros(p, act))
     if isinstance(schedule, ZeroBubble):
-        _check_stage(api, stage_fn, own, xs, sides)
+        _check_stage(api, stage_fn, own, xs, sides, has_aux)
         n_stages = primitives.world_size(stage_axis)
         rows, keep = schedule.table(n_stages), schedule.kept_inputs(n_stages)
-        return _zero_bubble.zero_bubble(p, rows, keep, _carried(stage_fn, own, xs, s, sides))
+        act = _carried(stage_fn, own, xs, s, sides, has_aux)
+        return _zero_bubble.zero_bubble(p, rows, keep, act)
     return (_gpipe if isinstance(schedule, GPipe) else _one_f_one_b)(api, p)
 
 
@@ -318,7 +330,7 @@ def pipeline_value_and_grad(
     if isinstance(sched, Interleaved):
         sched.check(api, n_stages)
         _interleaved.check_chunks(api, params, sched.virtual, stages=n_stages)
-    last_loss, grads, _, _ = lower(
+    last_loss, grads, _, _, _ = lower(
         api, sched, stage_fn, _headless(loss_fn), own, xs, ys, stage_axis, sides=sides
     )
 

@@ -27,7 +27,7 @@ from .._core.typing import PyTree
 from .._core.vma import cast_varying
 from . import _interleaved
 from ._lowering import axes_of, call_stage
-from ._stages import _forward, _microbatches, _names
+from ._stages import _forward_aux, _microbatches, _names
 from .pipeline import lower, resolve_axis, resolve_schedule, split_batch, split_side
 from .schedules import Interleaved, Schedule
 
@@ -43,7 +43,8 @@ def pipeline_loss(
     axis_name: Hashable | None = Role.PIPELINE,
     schedule: Schedule | None = None,
     side: PyTree = None,
-) -> jax.Array:
+    has_aux: bool = False,
+) -> Any:
     """The mean loss of a staged model over this replica's batch, differentiable (``jax.grad``)
     with respect to ``stage_params``, ``head_params`` and ``x`` through ``schedule``'s own
     backward: the pipeline's loss for a ``dp.Trainer``.
@@ -94,9 +95,23 @@ def pipeline_loss(
     loss and this stage's gradient at once, a data axis averaged once), the same schedules run
     by :func:`~jaxcoll.parallel.pipeline_value_and_grad`.
 
+    **Stage losses and aux** (``has_aux=True``). Each stage's call on micro-batch i returns
+    its loss term ``t[s, i]`` and aux ``a[s, i]``; the loss is then::
+
+        mean over i of (head_fn(head_params, h_last_i, y_i) + sum over s of t[s, i])
+
+    (each term belongs to its micro-batch, as a Trainer's ``accum_steps`` makes a mixture of
+    experts' load-balancing loss that of each micro-batch), and ``aux`` holds every ``a[s,
+    i]``: each leaf ``(S, M, ...)``, the same on every stage (in dense mode ``(1, M, ...)``:
+    one call over all the stages' params on each micro-batch). A term computed from values
+    reduced over a data axis (a load summed over the replicas) is each replica's, so the
+    caller's average over the replicas keeps it once, as for a dense model. GPipe, 1F1B and
+    ZB-H1 run it (ZB-H1's B and W each take the term's share); :class:`Interleaved` refuses it.
+
     Args:
         stage_fn: ``(stage_params, h) -> h``, or ``(stage_params, h, side) -> h`` when
-            ``side`` is given, keeping the activation's shape and dtype.
+            ``side`` is given, keeping the activation's shape and dtype; with ``has_aux``,
+            ``-> (h, (loss_term, aux))``.
         head_fn: ``(head_params, h_last, y_microbatch) -> scalar``, the MEAN loss over the
             micro-batch (the output head and the loss: run on the last stage only).
         stage_params: this stage's params (leading axis v with :class:`Interleaved`).
@@ -113,6 +128,15 @@ def pipeline_loss(
             example of ``x``), handed to every stage micro-batch by micro-batch; None (the
             default): none, and ``stage_fn`` takes two arguments.
 
+        has_aux: ``stage_fn`` returns ``(h, (loss_term, aux))``: ``loss_term`` a float scalar
+            added to the loss of the micro-batch (a weighted load-balancing loss: its gradient
+            flows back through the stage, its router included), ``aux`` a pytree of arrays
+            kept per micro-batch, not differentiated (a mixture of experts' loads). See
+            **Stage losses and aux** above.
+
+    Returns:
+        The loss; with ``has_aux``, ``(loss, aux)``.
+
     Raises:
         TypeError: ``schedule`` not a schedule value (a schedule's name, ``"1f1b"``: the
             message names the value to pass, ``parallel.OneFOneB(M)``), or none given or in
@@ -120,7 +144,8 @@ def pipeline_loss(
         ValueError: M not dividing B, (interleaved, v > 1) M not a multiple of S, params
             not stacked ``(v, n, ...)`` with :class:`Interleaved` (the message names the
             reshape), a stage that changes the activation's shape, a leaf of ``side``
-            without one row per example.
+            without one row per example, a stage not returning ``(h, (loss_term, aux))``
+            with ``has_aux``, ``has_aux`` under :class:`Interleaved`.
     """
     api = "pipeline_loss"
     stage_axis = resolve_axis(axis_name)
@@ -133,10 +158,22 @@ def pipeline_loss(
         if stages is not None:
             schedule.check(api, stages)
         _interleaved.check_layers(api, stage_params, schedule.virtual, stages)
-    pipe = _Pipe(api, schedule, stage_fn, head_fn, None if dense else stage_axis)
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"{api}: has_aux must be a bool, got {has_aux!r} instead.")
+    if has_aux and isinstance(schedule, Interleaved):
+        raise ValueError(
+            f"{api}: has_aux=True runs under GPipe, OneFOneB and ZeroBubble, not yet "
+            f"{schedule!r}; pass schedule=parallel.OneFOneB({schedule.microbatches}) or "
+            f"parallel.ZeroBubble({schedule.microbatches}) (the layers then unreshaped, one "
+            f"chunk per stage)."
+        )
+    pipe = _Pipe(api, schedule, stage_fn, head_fn, None if dense else stage_axis, has_aux)
+    if dense and has_aux:
+        return _dense_aux(pipe, stage_params, head_params, xs, ys, _constant(sides))
     if dense:
         return _dense(pipe, stage_params, head_params, x, ys, _constant(side))
-    return _scheduled(pipe, stage_params, head_params, xs, ys, sides)
+    out = _scheduled(pipe, stage_params, head_params, xs, ys, sides)
+    return out if has_aux else out[0]
 
 
 @dataclass(frozen=True)
@@ -149,6 +186,7 @@ class _Pipe:
     stage_fn: Callable
     head_fn: Callable
     stage_axis: Hashable | None
+    has_aux: bool = False
 
 
 def _constant(side: PyTree) -> PyTree:
@@ -181,6 +219,38 @@ def _dense(
     return jnp.mean(jax.vmap(pipe.head_fn, in_axes=(None, 0, 0))(head_params, outs, ys))
 
 
+def _dense_aux(
+    pipe: _Pipe,
+    stage_params: PyTree,
+    head_params: PyTree,
+    xs: jax.Array,
+    ys: PyTree,
+    sides: PyTree,
+) -> tuple[jax.Array, PyTree]:
+    """Dense mode with stage losses: every stage (``stage_params``: all of them) on each
+    micro-batch in turn, its loss term added to the head's loss of that micro-batch."""
+
+    def one(args: tuple) -> tuple:
+        h, y, side = args
+        out, (term, aux) = call_stage(pipe.stage_fn, stage_params, h, side)
+        return pipe.head_fn(head_params, out, y) + term, aux
+
+    losses, aux = lax.map(one, (xs, ys, sides))
+    return jnp.mean(losses), jax.tree_util.tree_map(lambda a: a[None], aux)
+
+
+def _all_stages(auxs: PyTree, stage_axis: Hashable) -> PyTree:
+    """Every stage's ``auxs`` (leaves ``(M, ...)``) as leaves ``(S, M, ...)``, the same on
+    every stage: each puts its own at its index, one all-reduce over the stage axis."""
+    s = primitives.rank(stage_axis)
+    n = primitives.world_size(stage_axis)
+
+    def placed(a: jax.Array) -> jax.Array:
+        return jnp.where(jnp.arange(n).reshape((n,) + (1,) * a.ndim) == s, a[None], 0)
+
+    return primitives.all_reduce(jax.tree_util.tree_map(placed, auxs), stage_axis)
+
+
 def _with_grads(
     pipe: _Pipe, stage_params: PyTree, head_params: PyTree, xs: jax.Array, ys: PyTree, sides: PyTree
 ) -> tuple:
@@ -206,11 +276,15 @@ def _with_grads(
         stage_axis,
         head,
         sides=sides,
+        has_aux=pipe.has_aux,
     )
-    last_loss, grads, d_head, d_xs = out
+    last_loss, grads, d_head, d_xs, (terms, auxs) = out
     last = primitives.world_size(stage_axis) - 1
-    loss = primitives.all_reduce(jnp.where(s == last, last_loss, 0.0), stage_axis)
-    return loss, (grads, d_head, d_xs)
+    m = xs.shape[0]
+    # The head's mean loss (the last stage's) and every stage's loss terms' mean.
+    mine = jnp.where(s == last, last_loss, 0.0) + terms / m
+    loss = primitives.all_reduce(mine, stage_axis)
+    return (loss, _all_stages(auxs, stage_axis)), (grads, d_head, d_xs)
 
 
 def _forwards_only(
@@ -226,7 +300,9 @@ def _forwards_only(
         params = stage_params
         if isinstance(schedule, Interleaved):
             params = jax.tree_util.tree_map(lambda p, c=c: p[c], stage_params)
-        _, outs = _forward(pipe.api, pipe.stage_fn, params, h, stage_axis, sides=sides)
+        _, outs, (terms, auxs) = _forward_aux(
+            pipe.api, pipe.stage_fn, params, h, stage_axis, sides=sides, has_aux=pipe.has_aux
+        )
         if c < schedule.virtual - 1:
             h = primitives.broadcast(outs, stage_axis, last)
     typed = (*_names(head_params, outs, ys), stage_axis)
@@ -236,7 +312,8 @@ def _forwards_only(
         return cast_varying(jnp.mean(losses).astype(jnp.float32), typed)
 
     value = lax.cond(s == last, head, lambda: cast_varying(jnp.zeros((), jnp.float32), typed))
-    return primitives.all_reduce(value, stage_axis)
+    value = value + terms / xs.shape[0]
+    return primitives.all_reduce(value, stage_axis), _all_stages(auxs, stage_axis)
 
 
 def _scheduled(
@@ -267,7 +344,8 @@ def _scheduled(
         for tree in (ys, sides)
     )
 
-    def backward(grads: tuple, ct: jax.Array) -> tuple:
+    def backward(grads: tuple, cts: tuple) -> tuple:
+        ct = cts[0]  # the aux is not differentiated
         # Scaled by the loss's cotangent, then summed over the axes a gradient varies over and
         # its primal does not (what jax.grad does for a value shared over an axis): the stage
         # axis for the head's params (the last stage's) and the input (stage 0's), a data
