@@ -24,6 +24,7 @@ from .. import primitives
 from .._core.typing import PyTree
 from .._core.vma import cast_varying
 from ._lowering import Staged, axes_of
+from ._stages import _at, _put, _targets_at
 
 
 def _reshape_hint(v: int, name: str) -> str:
@@ -178,7 +179,7 @@ def _first_carry(p: Staged, v: int, act: tuple) -> tuple[tuple, PyTree]:
     leaves = jax.tree_util.tree_leaves((ys, head))
     loss_axes = set(act).union(*(axes_of(t) for t in leaves))
     loss0 = cast_varying(jnp.zeros((), jnp.float32), tuple(sorted(loss_axes, key=str)))
-    d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
+    d_xs0 = cast_varying(jnp.zeros(xs.stack.shape, xs.dtype), act)  # laid out as xs
     return (zero, zero, saved0, holder0, grads0, loss0, head0, d_xs0), chunk_zeros
 
 
@@ -198,7 +199,7 @@ def _forward_branches(
             out = p.stage(_chunk(own, fc), inp, fi)
             if not with_head:
                 return _typed((out, inp, zero, loss0, head0), like)
-            y = jax.tree_util.tree_map(lambda t: t[fi], ys)
+            y = _targets_at(ys, fi)
             value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
             d_head = jax.tree_util.tree_map(lambda d: d / m, d_head)
             return _typed((out, inp, d_out / m, value.astype(jnp.float32), d_head), like)
@@ -270,7 +271,7 @@ def interleaved(p: Staged, v: int, act: tuple) -> tuple[jax.Array, PyTree, PyTre
         )
         holder = holder.at[slot].set(jnp.where(bwd, -1, holder[slot]))
         first = bwd & (s == 0) & (bc == 0)  # the model's first chunk: the inputs' gradient
-        d_xs = d_xs.at[bi].set(jnp.where(first, d_input, d_xs[bi]))
+        d_xs = _put(d_xs, bi, jnp.where(first, d_input, _at(d_xs, bi)))
         # <- cotangents one stage down the ring (stage 0's go to stage S - 1's previous chunk)
         ct_in = primitives.sendrecv(d_input, stage_axis, down)
         return (act_in, ct_in, saved, holder, acc, loss, acc_head, d_xs), None

@@ -13,7 +13,7 @@ from .. import primitives
 from .._core.typing import PyTree
 from .._core.vma import cast_varying
 from ._lowering import Staged, add_aux, aux_zeros
-from ._stages import _carried, _check_stage, _forward_aux, _names
+from ._stages import _at, _carried, _check_stage, _forward_aux, _names, _put, _targets_at
 
 
 def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array, tuple]:
@@ -37,7 +37,8 @@ def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array, t
     typed = (*_names(head, outs, ys), stage_axis)
 
     def head_all():
-        losses, (d_heads, grads_out) = jax.vmap(grad, in_axes=(None, 0, 0))(head, outs, ys)
+        # outs (M, mb, ...), the targets (mb, M, ...) read in place
+        losses, (d_heads, grads_out) = jax.vmap(grad, in_axes=(None, 0, 1))(head, outs, ys)
         d_head = jax.tree_util.tree_map(lambda d: jnp.sum(d, 0) / m, d_heads)
         out = (jnp.mean(losses).astype(jnp.float32), d_head, grads_out / m)
         return jax.tree_util.tree_map(lambda v: cast_varying(v, typed), out)
@@ -63,7 +64,7 @@ def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array, t
         acc = jax.tree_util.tree_map(
             lambda a, d: a + jnp.where(active, d, jnp.zeros_like(d)), acc, d_params
         )
-        d_xs = d_xs.at[k].set(jnp.where(active & (s == 0), d_input, d_xs[k]))
+        d_xs = _put(d_xs, k, jnp.where(active & (s == 0), d_input, _at(d_xs, k)))
         # <- the cotangent crosses back to the previous stage (send/recv: one ppermute)
         return (primitives.sendrecv(d_input, stage_axis, backward), acc, d_xs), None
 
@@ -71,7 +72,7 @@ def _gpipe(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Array, t
     zeros = jax.tree_util.tree_map(
         lambda p: cast_varying(jnp.zeros(p.shape, p.dtype), _names(p)), own
     )
-    d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), names)
+    d_xs0 = cast_varying(jnp.zeros(xs.stack.shape, xs.dtype), names)  # laid out as xs
     (_, grads, d_xs), _ = lax.scan(step, (zero_ct, zeros, d_xs0), jnp.arange(m + n_stages - 1))
     return loss, grads, d_head, d_xs, extra
 
@@ -93,7 +94,7 @@ def _slot_template(p: Staged, act: tuple, keep: int) -> tuple:
     zeros = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _names(p)), own)
     loss0 = cast_varying(jnp.zeros((), jnp.float32), _names(zero, ys, head))
     head0 = jax.tree_util.tree_map(lambda p: cast_varying(jnp.zeros_like(p), _names(p)), head)
-    d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
+    d_xs0 = cast_varying(jnp.zeros(xs.stack.shape, xs.dtype), act)  # laid out as xs
     return (zero, saved0, zero, zeros, loss0, head0, d_xs0, aux_zeros(p, act))
 
 
@@ -129,7 +130,7 @@ def _forward_branch(
         saved_new = saved.at[fi % keep].set(inp)
 
         def head_part():
-            y = jax.tree_util.tree_map(lambda v: v[fi], ys)
+            y = _targets_at(ys, fi)
             value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
             acc_head_new = jax.tree_util.tree_map(lambda a, d: a + d / m, acc_head, d_head)
             return typed_head((d_out / m, loss + value.astype(jnp.float32), acc_head_new))
@@ -187,7 +188,7 @@ def _one_f_one_b(api: str, p: Staged) -> tuple[jax.Array, PyTree, PyTree, jax.Ar
             vjp = p.pullback(own, saved[bj % keep], bj, term_axes)
             d_params, d_input = vjp(ct)
             acc_new = jax.tree_util.tree_map(jnp.add, acc, d_params)
-            d_xs_new = d_xs.at[bj].set(jnp.where(s == 0, d_input, d_xs[bj]))
+            d_xs_new = _put(d_xs, bj, jnp.where(s == 0, d_input, _at(d_xs, bj)))
             new = (d_input, saved, own_ct, acc_new, loss, acc_head, d_xs_new, extra)
             return _typed_as(new, template)
 

@@ -29,16 +29,18 @@ class Staged:
     """``(head, out, y) -> mean loss`` of one micro-batch (run on the last stage)."""
     own: PyTree
     """This stage's params (leading axis v for the interleaved schedule)."""
-    xs: jax.Array
-    """The inputs, ``(M, micro-batch, ...)`` (read by stage 0)."""
+    xs: Any
+    """The inputs, read as ``(M, micro-batch, ...)`` (by stage 0): ``xs[k]`` is micro-batch
+    ``k``, the replica's rows ``k::M`` read in place (``_stages.MicroBatches``)."""
     ys: PyTree
-    """The targets, every leaf ``(M, micro-batch, ...)`` (read by the last stage)."""
+    """The targets, every leaf the replica's rows as ``(rows / M, M, ...)`` (micro-batch ``k``
+    at ``[:, k]``, read by the last stage)."""
     stage_axis: Hashable
     head: PyTree = ()
     """The head's params (``()``: none)."""
     sides: PyTree = None
-    """The side inputs, every leaf ``(M, micro-batch, ...)`` (read by every stage: each
-    holds the replica's whole batch), or None: ``stage_fn`` takes none."""
+    """The side inputs, every leaf read as ``xs`` is (by every stage: each holds the
+    replica's whole batch), or None: ``stage_fn`` takes none."""
     has_aux: bool = False
     """``stage_fn`` returns ``(h, (loss_term, aux))``: a scalar added to the micro-batch's
     loss (differentiated) and a pytree the schedule keeps per micro-batch (not differentiated);
@@ -118,8 +120,8 @@ def add_aux(carry: tuple, term: Any, aux: PyTree, k: Any) -> tuple:
 
 
 def side_at(sides: PyTree, k: Any) -> PyTree:
-    """Micro-batch ``k`` of the side inputs ``sides`` (``(M, micro-batch, ...)`` leaves), or
-    None where there are none."""
+    """Micro-batch ``k`` of the side inputs ``sides`` (leaves read as ``(M, micro-batch,
+    ...)``), or None where there are none."""
     return None if sides is None else jax.tree_util.tree_map(lambda v: v[k], sides)
 
 

@@ -18,15 +18,19 @@ from .schedules import Schedule
 
 
 def _names(*trees: Any) -> tuple:
-    """Every mesh axis any leaf of ``trees`` varies over (shard_map's types), sorted."""
+    """Every mesh axis any leaf of ``trees`` varies over (shard_map's types), sorted (a
+    :class:`MicroBatches` leaf: its stack's)."""
     out: set = set()
     for leaf in jax.tree_util.tree_leaves(trees):
+        leaf = leaf.stack if isinstance(leaf, MicroBatches) else leaf
         out |= set(varying_axes(leaf) or ())
     return tuple(sorted(out, key=str))
 
 
 def _microbatches(api: str, x: jax.Array, schedule: Schedule) -> jax.Array:
-    """``x`` cut into ``schedule``'s M micro-batches: ``(M, B // M, ...)``."""
+    """``x`` as ``schedule``'s M micro-batches, in place: ``(B // M, M, ...)`` (a reshape, no
+    copy), micro-batch m being rows m::M (:func:`_at`), as a Trainer's ``accum_steps`` cuts
+    its micro-batches: a replica's rows m::M are its share of the global rows m::M."""
     m = schedule.microbatches
     if x.ndim == 0 or x.shape[0] % m:
         raise ValueError(
@@ -34,7 +38,59 @@ def _microbatches(api: str, x: jax.Array, schedule: Schedule) -> jax.Array:
             f"do not split into the {m} of {schedule!r} equal micro-batches. Pick a "
             f"divisor of the per-replica batch size."
         )
-    return x.reshape((m, x.shape[0] // m) + x.shape[1:])
+    return x.reshape((x.shape[0] // m, m) + x.shape[1:])
+
+
+def _at(stack: jax.Array, k: Any) -> jax.Array:
+    """Micro-batch ``k`` of ``stack`` (``(B // M, M, ...)``, :func:`_microbatches`): its rows
+    k::M, read in place."""
+    return lax.dynamic_index_in_dim(stack, k, axis=1, keepdims=False)
+
+
+def _targets_at(ys: PyTree, k: Any) -> PyTree:
+    """Micro-batch ``k`` of every leaf of ``ys`` (each ``(B // M, M, ...)``)."""
+    return jax.tree_util.tree_map(lambda t: _at(t, k), ys)
+
+
+def _put(stack: jax.Array, k: Any, value: jax.Array) -> jax.Array:
+    """``stack`` (``(B // M, M, ...)``) with micro-batch ``k`` set to ``value``, in place."""
+    return lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), k, axis=1)
+
+
+class MicroBatches:
+    """M micro-batches read in place from ``stack``: micro-batch k is ``stack``'s index k
+    on ``axis`` (1 for :func:`_microbatches`' ``(B // M, M, ...)``, 0 for a schedule's own
+    ``(M, mb, ...)`` buffers). Indexed and shaped as ``(M, mb, ...)`` (``xs[k]``,
+    ``xs.shape[0]`` is M), so a schedule reads micro-batch k without a transposed copy; a
+    leaf of a pytree (side inputs: one per leaf)."""
+
+    def __init__(self, stack: jax.Array, axis: int = 1) -> None:
+        self.stack, self.axis = stack, axis
+
+    @property
+    def shape(self) -> tuple:
+        """``(M, mb, ...)``."""
+        shape = self.stack.shape
+        return (shape[self.axis],) + shape[: self.axis] + shape[self.axis + 1 :]
+
+    @property
+    def dtype(self) -> Any:
+        return self.stack.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.stack.ndim
+
+    def __getitem__(self, k: Any) -> jax.Array:
+        """Micro-batch ``k`` (an int or a traced index)."""
+        return lax.dynamic_index_in_dim(self.stack, k, axis=self.axis, keepdims=False)
+
+
+def in_place(tree: PyTree, axis: int = 1) -> PyTree:
+    """Every leaf of ``tree`` (None stays None) as :class:`MicroBatches` on ``axis``."""
+    if tree is None:
+        return None
+    return jax.tree_util.tree_map(lambda t: MicroBatches(jnp.asarray(t), axis), tree)
 
 
 def _rows_checked(api: str, name: str, examples: int, tree: PyTree, why: str) -> None:
@@ -82,7 +138,7 @@ def _check_stage(
     api: str,
     stage_fn: Callable,
     params: PyTree,
-    xs: jax.Array,
+    xs: MicroBatches,
     sides: PyTree = None,
     has_aux: bool = False,
 ) -> None:
@@ -107,7 +163,7 @@ def _check_stage(
 def _carried(
     stage_fn: Callable,
     params: PyTree,
-    xs: jax.Array,
+    xs: MicroBatches,
     s: jax.Array,
     sides: PyTree = None,
     has_aux: bool = False,
@@ -154,13 +210,16 @@ def _forward(
     api: str,
     stage_fn: Callable,
     params: PyTree,
-    xs: jax.Array,
+    xs: jax.Array | MicroBatches,
     stage_axis: Hashable,
     *,
     sides: PyTree = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The forward schedule (:func:`_forward_aux` without aux): each stage's saved inputs
-    ``(M, mb, ...)`` and, on the last stage, the outputs."""
+    ``(M, mb, ...)`` and, on the last stage, the outputs. ``xs`` (and every leaf of
+    ``sides``): :class:`MicroBatches`, or an array ``(M, mb, ...)``, micro-batch m at m."""
+    if not isinstance(xs, MicroBatches):
+        xs, sides = MicroBatches(xs, axis=0), in_place(sides, axis=0)
     saved, outs, _ = _forward_aux(api, stage_fn, params, xs, stage_axis, sides=sides)
     return saved, outs
 
@@ -169,14 +228,15 @@ def _forward_aux(
     api: str,
     stage_fn: Callable,
     params: PyTree,
-    xs: jax.Array,
+    xs: MicroBatches,
     stage_axis: Hashable,
     *,
     sides: PyTree = None,
     has_aux: bool = False,
 ) -> tuple[jax.Array, jax.Array, tuple]:
     """The forward schedule: at step t stage s runs micro-batch t - s (with its side inputs,
-    where ``sides`` is not None). Returns each stage's saved inputs ``(M, mb, ...)``, on
+    where ``sides`` is not None; ``xs`` and every leaf of ``sides`` :class:`MicroBatches`,
+    read in place). Returns each stage's saved inputs ``(M, mb, ...)``, on
     the last stage the outputs, and this stage's ``(loss terms, aux)`` (:func:`aux_zeros`;
     with ``has_aux``, ``stage_fn`` returns ``(h, (loss_term, aux))``)."""
     n_stages = primitives.world_size(stage_axis)
@@ -185,10 +245,12 @@ def _forward_aux(
     _check_stage(api, stage_fn, params, xs, sides, has_aux)
     names = _carried(stage_fn, params, xs, s, sides, has_aux)
     zero = cast_varying(jnp.zeros(xs.shape[1:], xs.dtype), names)
-    buffers = cast_varying(jnp.zeros(xs.shape, xs.dtype), names)
+    buffers = cast_varying(jnp.zeros(xs.shape, xs.dtype), names)  # (M, mb, ...): their own
     forward = [(i, i + 1) for i in range(n_stages - 1)]
     # The stage alone (no head: the forward schedule runs none).
-    staged = Staged(stage_fn, _no_head, params, xs, None, stage_axis, (), sides, has_aux)
+    # Staged reads xs as (M, mb, ...) by index and shape: MicroBatches reads it in place.
+    inputs: Any = xs
+    staged = Staged(stage_fn, _no_head, params, inputs, None, stage_axis, (), sides, has_aux)
     extra0 = aux_zeros(staged, names)
 
     def step(carry, t):

@@ -36,6 +36,7 @@ from .._core.typing import PyTree
 from .._core.vma import cast_varying
 from ._backward_split import _Split
 from ._lowering import Staged, add_aux, aux_zeros, axes_of, side_at
+from ._stages import MicroBatches, _at, _put, _targets_at
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 _KINDS = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT}
@@ -155,7 +156,7 @@ def _first_carry(
     loss0 = cast_varying(
         jnp.zeros((), jnp.float32), tuple(sorted(set(act).union(*map(axes_of, leaves)), key=str))
     )
-    d_xs0 = cast_varying(jnp.zeros(xs.shape, xs.dtype), act)
+    d_xs0 = cast_varying(jnp.zeros(xs.stack.shape, xs.dtype), act)  # laid out as xs
     return (inputs0, inputs0, saved0, zeros, head0, loss0, d_xs0, zero, aux_zeros(p, act))
 
 
@@ -179,7 +180,7 @@ def _forward_ops(p: Staged, f_like: tuple, k: jax.Array) -> tuple:
     def forward_head(inp: jax.Array, acc_head: PyTree, loss: jax.Array, extra: tuple) -> tuple:
         """The last stage's forward: the head, its loss and B's cotangent too."""
         out, term, aux = p.forward(own, inp, k)
-        y = jax.tree_util.tree_map(lambda v: v[k], ys)
+        y = _targets_at(ys, k)
         value, (d_head, d_out) = jax.value_and_grad(loss_fn, argnums=(0, 1))(head, out, y)
         acc_head = jax.tree_util.tree_map(lambda a, d: a + d / m, acc_head, d_head)
         loss = loss + value.astype(jnp.float32)
@@ -229,7 +230,10 @@ def zero_bubble(
     # micro-batch is the stage's own), so B replays the split's jaxpr on the types it was
     # traced with.
     sides = jax.tree_util.tree_map(
-        lambda v: cast_varying(v, tuple(sorted({*axes_of(v), stage_axis}, key=str))), p.sides
+        lambda v: MicroBatches(
+            cast_varying(v.stack, tuple(sorted({*axes_of(v.stack), stage_axis}, key=str))), v.axis
+        ),
+        p.sides,
     )
     last = primitives.world_size(stage_axis) - 1
     m = xs.shape[0]
@@ -272,7 +276,7 @@ def zero_bubble(
         )
         d_input, saved = lax.cond(kind == BACKWARD, backward, no_backward, inp, cts[i], saved)
         acc = lax.cond(kind == WEIGHT, weight, no_weight, acc, saved)
-        d_xs = d_xs.at[k].set(jnp.where((s == 0) & (kind == BACKWARD), d_input, d_xs[k]))
+        d_xs = _put(d_xs, k, jnp.where((s == 0) & (kind == BACKWARD), d_input, _at(d_xs, k)))
         # One sendrecv: this slot's forward output up, or a B's gradient (this slot's or the
         # outbox's) down; the slot's pattern is the same on every stage.
         what = send[s, t]

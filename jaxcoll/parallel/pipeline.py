@@ -30,7 +30,15 @@ from .._core.vma import cast_varying
 from . import _interleaved, _zero_bubble
 from ._lockstep import _gpipe, _one_f_one_b
 from ._lowering import Staged, aux_zeros
-from ._stages import _carried, _check_side, _check_stage, _check_targets, _microbatches
+from ._stages import (
+    MicroBatches,
+    _carried,
+    _check_side,
+    _check_stage,
+    _check_targets,
+    _microbatches,
+    in_place,
+)
 from .schedules import SCHEDULES, GPipe, Interleaved, Schedule, ZeroBubble
 
 _VALUES = (
@@ -97,16 +105,18 @@ def resolve_schedule(api: str, schedule: Any, dense: bool) -> Schedule:
 
 
 def split_batch(api: str, x: jax.Array, y: PyTree, schedule: Schedule) -> tuple[jax.Array, PyTree]:
-    """``x`` and every leaf of ``y`` cut into ``schedule``'s micro-batches (a leading axis of
-    M), ``y`` checked to hold one row per example of ``x``."""
+    """``x`` and every leaf of ``y`` as ``schedule``'s M micro-batches, in place (``(B // M,
+    M, ...)``: micro-batch m is rows m::M, as a Trainer's ``accum_steps`` cuts them), ``y``
+    checked to hold one row per example of ``x``."""
     xs = _microbatches(api, x, schedule)
     _check_targets(api, x.shape[0], y)
     return xs, jax.tree_util.tree_map(lambda t: _microbatches(api, t, schedule), y)
 
 
 def split_side(api: str, x: jax.Array, side: PyTree, schedule: Schedule) -> PyTree:
-    """Every leaf of the side inputs ``side`` cut into ``schedule``'s micro-batches as ``x``
-    is, checked to hold one row per example of ``x``; None (no side inputs) stays None."""
+    """Every leaf of the side inputs ``side`` as ``schedule``'s micro-batches as ``x`` is
+    (:func:`split_batch`), checked to hold one row per example of ``x``; None (no side
+    inputs) stays None."""
     if side is None:
         return None
     _check_side(api, x.shape[0], side)
@@ -134,12 +144,16 @@ def lower(
 ) -> tuple[jax.Array, PyTree, PyTree, jax.Array, tuple]:
     """Run ``schedule`` (its checks against the stages made): ``loss_fn`` is
     ``(head, out, y) -> mean loss``; ``own``: this stage's params (leading axis v for
-    :class:`Interleaved`); ``sides``: the side inputs cut into micro-batches, or None;
+    :class:`Interleaved`); ``xs``, ``ys``: the inputs and targets as :func:`split_batch`
+    gives them (``(B // M, M, ...)``: micro-batch m is rows m::M, read in place); ``sides``:
+    the side inputs as :func:`split_side` gives them, or None;
     ``has_aux``: ``stage_fn`` returns ``(h, (loss_term, aux))``. Returns the last stage's mean
     loss, this stage's gradient, the head's and the inputs', and ``(terms, auxs)``: this
     stage's loss terms summed over micro-batches and its aux per micro-batch (leading axis M;
-    ``()`` without aux)."""
-    p = Staged(stage_fn, loss_fn, own, xs, ys, stage_axis, head, sides, has_aux)
+    ``()`` without aux). The inputs' gradient is laid out as ``xs``."""
+    # Staged reads xs as (M, mb, ...) by index and shape: MicroBatches reads it in place.
+    xs_in, sides = MicroBatches(xs), in_place(sides)
+    p = Staged(stage_fn, loss_fn, own, xs_in, ys, stage_axis, head, sides, has_aux)
     s = primitives.rank(stage_axis)
     if isinstance(schedule, Interleaved):
         if has_aux:
@@ -151,15 +165,15 @@ def lower(
             )
         first = jax.tree_util.tree_map(lambda q: q[0], own)
         n_stages = primitives.world_size(stage_axis)
-        check = lambda: _check_stage(api, stage_fn, first, xs, sides)  # noqa: E731
+        check = lambda: _check_stage(api, stage_fn, first, xs_in, sides)  # noqa: E731
         _interleaved.check_runs(api, check, own, schedule.virtual, n_stages)
-        act = _carried(stage_fn, first, xs, s, sides)
+        act = _carried(stage_fn, first, xs_in, s, sides)
         return (*_interleaved.interleaved(p, schedule.virtual, act), aux_zeros(p, act))
     if isinstance(schedule, ZeroBubble):
-        _check_stage(api, stage_fn, own, xs, sides, has_aux)
+        _check_stage(api, stage_fn, own, xs_in, sides, has_aux)
         n_stages = primitives.world_size(stage_axis)
         rows, keep = schedule.table(n_stages), schedule.kept_inputs(n_stages)
-        act = _carried(stage_fn, own, xs, s, sides, has_aux)
+        act = _carried(stage_fn, own, xs_in, s, sides, has_aux)
         return _zero_bubble.zero_bubble(p, rows, keep, act)
     return (_gpipe if isinstance(schedule, GPipe) else _one_f_one_b)(api, p)
 
@@ -204,7 +218,9 @@ def pipeline_value_and_grad(
         loss, grads = jax.value_and_grad(model_loss)(chunks, x_global, y_global)
         return loss, stack([grads[c * S + stage] for c in range(v)])
 
-    The replica's batch splits into M micro-batches; every transfer between neighbouring
+    The replica's batch splits into M micro-batches, micro-batch i its rows i::M (read in
+    place, as a ``dp.Trainer``'s ``accum_steps`` cuts its micro-batches: a replica's rows
+    i::M are its share of the global rows i::M); every transfer between neighbouring
     stages is one ``sendrecv`` (one ``lax.ppermute``). A backward recomputes the stage's
     forward from its saved input (re-materialisation, as GPipe does: only stage inputs are
     kept), sends the input cotangent to stage s - 1 and adds the parameter gradient to the

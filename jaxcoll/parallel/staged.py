@@ -27,7 +27,7 @@ from .._core.typing import PyTree
 from .._core.vma import cast_varying
 from . import _interleaved
 from ._lowering import axes_of, call_stage
-from ._stages import _forward_aux, _microbatches, _names
+from ._stages import MicroBatches, _at, _forward_aux, _microbatches, _names, in_place
 from .pipeline import lower, resolve_axis, resolve_schedule, split_batch, split_side
 from .schedules import Interleaved, Schedule
 
@@ -101,7 +101,10 @@ def pipeline_loss(
         mean over i of (head_fn(head_params, h_last_i, y_i) + sum over s of t[s, i])
 
     (each term belongs to its micro-batch, as a Trainer's ``accum_steps`` makes a mixture of
-    experts' load-balancing loss that of each micro-batch), and ``aux`` holds every ``a[s,
+    experts' load-balancing loss that of each micro-batch; micro-batch i is the replica's
+    rows i::M, its share of the global rows i::M, as ``accum_steps`` cuts them, so which
+    examples share a micro-batch is the same on every layout and in dense mode), and
+    ``aux`` holds every ``a[s,
     i]``: each leaf ``(S, M, ...)``, the same on every stage (in dense mode ``(1, M, ...)``:
     one call over all the stages' params on each micro-batch). A term computed from values
     reduced over a data axis (a load summed over the replicas) is each replica's, so the
@@ -215,8 +218,8 @@ def _dense(
 
         _interleaved.check_runs(pipe.api, probe, chunks, pipe.schedule.virtual, None)
     h = call_stage(pipe.stage_fn, stage_params, x, side)
-    outs = _microbatches(pipe.api, h, pipe.schedule)
-    return jnp.mean(jax.vmap(pipe.head_fn, in_axes=(None, 0, 0))(head_params, outs, ys))
+    outs = _microbatches(pipe.api, h, pipe.schedule)  # micro-batch m: rows m::M, as ys's
+    return jnp.mean(jax.vmap(pipe.head_fn, in_axes=(None, 1, 1))(head_params, outs, ys))
 
 
 def _dense_aux(
@@ -228,14 +231,15 @@ def _dense_aux(
     sides: PyTree,
 ) -> tuple[jax.Array, PyTree]:
     """Dense mode with stage losses: every stage (``stage_params``: all of them) on each
-    micro-batch in turn, its loss term added to the head's loss of that micro-batch."""
+    micro-batch in turn (rows m::M, read in place), its loss term added to the head's loss
+    of that micro-batch."""
 
-    def one(args: tuple) -> tuple:
-        h, y, side = args
+    def one(k: jax.Array) -> tuple:
+        h, y, side = jax.tree_util.tree_map(lambda t: _at(t, k), (xs, ys, sides))
         out, (term, aux) = call_stage(pipe.stage_fn, stage_params, h, side)
         return pipe.head_fn(head_params, out, y) + term, aux
 
-    losses, aux = lax.map(one, (xs, ys, sides))
+    losses, aux = lax.map(one, jnp.arange(pipe.schedule.microbatches))
     return jnp.mean(losses), jax.tree_util.tree_map(lambda a: a[None], aux)
 
 
@@ -280,7 +284,7 @@ def _with_grads(
     )
     last_loss, grads, d_head, d_xs, (terms, auxs) = out
     last = primitives.world_size(stage_axis) - 1
-    m = xs.shape[0]
+    m = pipe.schedule.microbatches
     # The head's mean loss (the last stage's) and every stage's loss terms' mean.
     mine = jnp.where(s == last, last_loss, 0.0) + terms / m
     loss = primitives.all_reduce(mine, stage_axis)
@@ -295,7 +299,7 @@ def _forwards_only(
     stage_axis, schedule = pipe.stage_axis, pipe.schedule
     s = primitives.rank(stage_axis)
     last = primitives.world_size(stage_axis) - 1
-    h = xs
+    h, sides = MicroBatches(xs), in_place(sides)  # micro-batch m: rows m::M, in place
     for c in range(schedule.virtual):
         params = stage_params
         if isinstance(schedule, Interleaved):
@@ -303,16 +307,16 @@ def _forwards_only(
         _, outs, (terms, auxs) = _forward_aux(
             pipe.api, pipe.stage_fn, params, h, stage_axis, sides=sides, has_aux=pipe.has_aux
         )
-        if c < schedule.virtual - 1:
-            h = primitives.broadcast(outs, stage_axis, last)
+        if c < schedule.virtual - 1:  # the outputs (M, mb, ...): the next chunk's inputs
+            h = MicroBatches(primitives.broadcast(outs, stage_axis, last), axis=0)
     typed = (*_names(head_params, outs, ys), stage_axis)
 
     def head() -> jax.Array:  # the last stage's alone (a cond: the others skip it)
-        losses = jax.vmap(pipe.head_fn, in_axes=(None, 0, 0))(head_params, outs, ys)
+        losses = jax.vmap(pipe.head_fn, in_axes=(None, 0, 1))(head_params, outs, ys)
         return cast_varying(jnp.mean(losses).astype(jnp.float32), typed)
 
     value = lax.cond(s == last, head, lambda: cast_varying(jnp.zeros((), jnp.float32), typed))
-    value = value + terms / xs.shape[0]
+    value = value + terms / schedule.microbatches
     return primitives.all_reduce(value, stage_axis), _all_stages(auxs, stage_axis)
 
 

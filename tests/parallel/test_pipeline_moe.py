@@ -4,8 +4,9 @@ gradient flows back through the stage's routers, and every stage's loads come ba
 
 A stage of two ``jaxcoll.nn.MoE`` layers (experts local, the load summed over the data axis)
 on 2 data x 2 stages, by GPipe, 1F1B and ZB-H1, against one device running the same
-micro-batches: micro-batch k is the k-th contiguous part of every replica's rows (the
-load, and so the auxiliary loss, is over all of them). The GPT of examples/gpt.py runs the
+micro-batches: micro-batch k is the global rows k::M, every replica's rows k::M (as a
+``dp.Trainer``'s ``accum_steps`` cuts its micro-batches; the load, and so the auxiliary
+loss, is over all of them). The GPT of examples/gpt.py runs the
 same with ``--experts`` and a pipeline layout (its experts split over each stage's data
 shards).
 """
@@ -63,8 +64,8 @@ def _problem():
 
 
 def _groups(a):
-    """Micro-batch k of every replica's rows, side by side: ``(M, R * B / M, ...)``."""
-    return a.reshape((R, M, B // M) + a.shape[1:]).swapaxes(0, 1).reshape((M, -1) + a.shape[1:])
+    """Micro-batch k, the global rows k::M: ``(M, R * B / M, ...)``."""
+    return jnp.stack([a[k::M] for k in range(M)])
 
 
 @jax.jit
@@ -176,10 +177,9 @@ def test_dense_mode_runs_each_micro_batch_with_its_term():
             has_aux=True,
         )
         want = 0.0
-        for k in range(M):
-            rows = slice(k * B // M, (k + 1) * B // M)
-            h, (term, _) = stage(blocks, x[rows])
-            want += (head(w, h, y[rows]) + term) / M
+        for k in range(M):  # micro-batch k: rows k::M
+            h, (term, _) = stage(blocks, x[k::M])
+            want += (head(w, h, y[k::M]) + term) / M
         return value, loads, want
 
     value, loads, want = run(blocks, w, x[:B], y[:B])
@@ -214,3 +214,65 @@ def test_a_stage_without_its_term_or_an_interleaved_schedule_is_named():
     chunks = jax.tree.map(lambda v: v[None], blocks)  # (v=1, S * layers, ...)
     with pytest.raises(ValueError, match=r"has_aux=True runs under GPipe, OneFOneB"):
         run(stage, parallel.Interleaved(M, virtual=1), chunks, P(None, "pipe"))
+
+
+def _norm_stage(ws, h, data_axis="data"):
+    """A stage whose loss term is a statistic of its micro-batch over every replica (a
+    BatchNorm's mean): which rows share a micro-batch shows in the loss."""
+
+    def layer(h, w):
+        mean = jnp.mean(h, axis=(0, 1))
+        if data_axis is not None:
+            mean = jax.lax.pmean(mean, data_axis)
+        return jnp.tanh((h - mean) @ w), mean
+
+    h, means = jax.lax.scan(layer, h, ws)
+    return h, (jnp.sum(means**2), means)
+
+
+@pytest.mark.parametrize("schedule", [parallel.OneFOneB(M), parallel.GPipe(M)], ids=repr)
+def test_micro_batch_k_is_the_global_rows_k_mod_m(schedule):
+    # 2 data x 2 stages, M = 2: the micro-batch statistic's loss term, the loss, its
+    # gradients and the means per micro-batch equal one device's, whose micro-batch k is
+    # the global rows k::M (rows far apart, so other groupings give other means).
+    rng = np.random.default_rng(3)
+    ws = (rng.normal(size=(S, D, D)) / np.sqrt(D)).astype(np.float32)
+    w = (rng.normal(size=(D, 3)) / np.sqrt(D)).astype(np.float32)
+    x = (rng.normal(size=(R * B, T, D)) + np.arange(R * B)[:, None, None]).astype(np.float32)
+    y = rng.normal(size=(R * B, T, 3)).astype(np.float32)
+
+    def oracle(ws, w):
+        def one(k):
+            h, (term, means) = _norm_stage(ws, x[k::M], data_axis=None)
+            return head(w, h, y[k::M]) + term, means
+
+        losses, means = zip(*(one(k) for k in range(M)), strict=True)
+        return sum(losses) / M, jnp.stack(means, 1)  # means (S, M, D)
+
+    (want, want_means), want_grads = jax.value_and_grad(oracle, (0, 1), has_aux=True)(ws, w)
+    mesh = Mesh(np.array(jax.devices()[: R * S]).reshape(R, S), ("data", "pipe"))
+
+    def body(ws, w, x, y):
+        def loss(ws, w):
+            return parallel.pipeline_loss(
+                _norm_stage, head, ws, w, x, y, axis_name="pipe", schedule=schedule, has_aux=True
+            )
+
+        (value, means), grads = jax.value_and_grad(loss, (0, 1), has_aux=True)(ws, w)
+        grads = jax.tree.map(lambda g: g / R, grads)  # summed over "data" by jax.grad
+        return jax.lax.pmean(value, "data"), means[None], grads
+
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("pipe"), P(), P("data"), P("data")),
+            out_specs=(P(), P("data"), (P("pipe"), P())),
+        )
+    )
+    value, means, (g_ws, g_w) = f(ws, w, x, y)
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    for r in range(R):  # every replica holds every stage's means of every micro-batch
+        np.testing.assert_allclose(means[r, :, :, 0], want_means, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g_ws, want_grads[0], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(g_w, want_grads[1], rtol=1e-4, atol=1e-6)
