@@ -24,6 +24,7 @@ from ._watch import preemption_point as preemption_point
 from ._watch import preemption_requested as preemption_requested
 from ._watch import watch as watch
 from ._watch import watch_outputs as watch_outputs
+from ._xla_flags import compiler_options as compiler_options
 from ._xla_flags import xla_cpu_flags as xla_cpu_flags
 from ._xla_flags import xla_gpu_flags as xla_gpu_flags
 from .distributed import init as init
@@ -39,6 +40,7 @@ __all__ = [
     "PyTree",
     "ReduceOp",
     "algorithms",
+    "compiler_options",
     "dist",
     "distributed",
     "dump_trace",

@@ -3,13 +3,10 @@
 import os
 
 from jaxcoll._xla_flags import with_xla_cpu_flags  # imports nothing
-from tests.fast_compile import FAST_COMPILE  # imports nothing
 
 # 8 devices, and XLA:CPU's rendezvous timeouts out of the way: on a loaded machine a device
 # thread can join a collective 40 s late, and XLA:CPU would then abort the whole test process.
-os.environ["XLA_FLAGS"] = with_xla_cpu_flags(
-    f"{FAST_COMPILE} {os.environ.get('XLA_FLAGS', '')}".strip(), devices=8
-)
+os.environ["XLA_FLAGS"] = with_xla_cpu_flags(os.environ.get("XLA_FLAGS", ""), devices=8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

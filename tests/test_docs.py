@@ -23,13 +23,12 @@ import jaxcoll
 from jaxcoll import xla_cpu_flags
 
 from . import snippets
-from .fast_compile import FAST_COMPILE
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 REFERENCE = DOCS / "reference"
 PAGES = sorted(DOCS.glob("*.md"))
-XLA_FLAGS = " ".join([FAST_COMPILE, *xla_cpu_flags(devices=8)])
+XLA_FLAGS = " ".join(xla_cpu_flags(devices=8))
 
 # docs/dp.md is the README's data-parallel section moved as it stands; its snippets name a
 # model, data and arrays they do not define, as a reader's script would have them. These are

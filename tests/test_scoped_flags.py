@@ -12,14 +12,13 @@ import textwrap
 import time
 
 from jaxcoll._xla_flags import compiler_options
-from tests.fast_compile import FAST_COMPILE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # 8 simulated devices; the rest of XLA's flags as a user's process has them.
 PRELUDE = """
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 {fast}"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jaxcoll
 jaxcoll.init()
@@ -30,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
 def _run(body: str, timeout: float = 90, env: dict[str, str] | None = None):
-    code = textwrap.dedent(PRELUDE.format(fast=FAST_COMPILE)) + textwrap.dedent(body)
+    code = textwrap.dedent(PRELUDE) + textwrap.dedent(body)
     clean = {
         k: v
         for k, v in os.environ.items()
@@ -85,7 +84,7 @@ def test_init_leaves_a_plain_gspmd_program_as_xla_compiles_it():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     flags = proc.stdout.splitlines()[0]  # as the process set them: init() added nothing
-    assert flags == f"XLA_FLAGS=--xla_force_host_platform_device_count=8 {FAST_COMPILE}", flags
+    assert flags == "XLA_FLAGS=--xla_force_host_platform_device_count=8", flags
     assert "ran" in proc.stdout
 
 

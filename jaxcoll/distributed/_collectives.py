@@ -25,9 +25,9 @@ from jax.sharding import PartitionSpec as P
 from .. import primitives
 from .._core.checks import check_pairs
 from .._core.ops import ReduceOp, check_op_dtype, coerce_op
+from .._core.scheduled import Scheduled
 from .._core.typing import PyTree
 from .._watch import detect, process, watchdog
-from .._xla_flags import compiler_options
 from ..groups import Group
 from . import _inflight
 from ._group import group_root, resolve_group
@@ -53,9 +53,10 @@ def _program(api: str, name: str, group: Group, options: tuple[tuple[str, Any], 
         out = fn(local, group.axis_name, **kwargs)
         return jax.tree_util.tree_map(lambda a: a[None], out)
 
-    return jax.jit(
-        jax.shard_map(body, mesh=group.mesh, in_specs=spec, out_specs=spec),
-        compiler_options=compiler_options(),
+    return Scheduled(
+        jax.jit(
+            jax.shard_map(body, mesh=group.mesh, in_specs=spec, out_specs=spec),
+        )
     )
 
 

@@ -21,9 +21,9 @@ from jax.sharding import PartitionSpec as P
 from .. import primitives
 from .._core.checks import check_sizes, check_static_int, is_list
 from .._core.ops import ReduceOp, check_op_dtype, coerce_op
+from .._core.scheduled import Scheduled
 from .._core.typing import PyTree
 from .._watch import process, watchdog
-from .._xla_flags import compiler_options
 from ..groups import Group
 from . import _inflight
 from ._collectives import all_to_all
@@ -157,9 +157,10 @@ def _a2a_program(group: Group, out_width: int):
         out, _ = primitives.ragged_all_to_all(local, group.axis_name, sizes[0], out_size=out_width)
         return jax.tree_util.tree_map(lambda a: a[None], out)
 
-    return jax.jit(
-        jax.shard_map(body, mesh=group.mesh, in_specs=(spec, spec), out_specs=spec),
-        compiler_options=compiler_options(),
+    return Scheduled(
+        jax.jit(
+            jax.shard_map(body, mesh=group.mesh, in_specs=(spec, spec), out_specs=spec),
+        )
     )
 
 
@@ -256,9 +257,10 @@ def _gather_program(group: Group, sizes: tuple[int, ...], dst: int | None):
             for j in range(len(sizes))
         ]
 
-    return jax.jit(
-        jax.shard_map(body, mesh=group.mesh, in_specs=spec, out_specs=[spec] * len(sizes)),
-        compiler_options=compiler_options(),
+    return Scheduled(
+        jax.jit(
+            jax.shard_map(body, mesh=group.mesh, in_specs=spec, out_specs=[spec] * len(sizes)),
+        )
     )
 
 
@@ -385,9 +387,10 @@ def _reduce_scatter_program(group: Group, sizes: tuple[int, ...], op: ReduceOp):
         out, _ = primitives.reduce_scatter_uneven(local, group.axis_name, sizes, op)
         return jax.tree_util.tree_map(lambda a: a[None], out)
 
-    return jax.jit(
-        jax.shard_map(body, mesh=group.mesh, in_specs=spec, out_specs=spec),
-        compiler_options=compiler_options(),
+    return Scheduled(
+        jax.jit(
+            jax.shard_map(body, mesh=group.mesh, in_specs=spec, out_specs=spec),
+        )
     )
 
 

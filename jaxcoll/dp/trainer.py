@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._core.checks import check_static_int
+from .._core.scheduled import Scheduled
 from .._core.typing import PyTree
 from .._watch import process, watchdog
 from .adapters import Model, annotated
@@ -380,15 +381,17 @@ class Trainer:
         if sync.phased:
             sync = key = sync.phase(self._host_step(state) if host_step is None else host_step)
         if key not in self._step_fns:
-            self._step_fns[key] = build_step(
-                self._loss,
-                sync,
-                state,
-                self.layout,
-                accum_steps=self.accum_steps,
-                donate=self.donate,
-                extra=self.extra,
-                skip_nonfinite=self.skip_nonfinite,
+            self._step_fns[key] = Scheduled(
+                build_step(
+                    self._loss,
+                    sync,
+                    state,
+                    self.layout,
+                    accum_steps=self.accum_steps,
+                    donate=self.donate,
+                    extra=self.extra,
+                    skip_nonfinite=self.skip_nonfinite,
+                )
             )
         return self._step_fns[key]
 
@@ -438,7 +441,9 @@ class Trainer:
             ``step(state, batch) -> (state, metrics)`` and ``jax.ShapeDtypeStruct`` trees with
             the shardings the step receives, e.g. for
             ``jax.export.export(step, platforms=("cuda",))(*args)`` or
-            ``step.lower(*args).compile()``. Nothing is run or transferred.
+            ``step.lower(*args).compile(compiler_options=jaxcoll.compiler_options())`` (the
+            executable :meth:`step` runs: a plain ``jax.jit``, compiled with jaxcoll's XLA
+            options). Nothing is run or transferred.
         """
         check_state("Trainer.step_program", state)
         self._check_batch(batch, "Trainer.step")
@@ -457,7 +462,7 @@ class Trainer:
         args = (jax.tree_util.tree_map(of_state, state), jax.tree_util.tree_map(of_batch, batch))
         if step is not None:
             step = check_static_int("Trainer.step_program", "step", step)
-        return self._step_program(state, step), args
+        return self._step_program(state, step).jitted, args
 
     # ------------------------------------------------------------------------------ evaluate
     def evaluate(self, state: TrainState, data: Batches | Iterable[PyTree]) -> dict[str, float]:
@@ -477,7 +482,7 @@ class Trainer:
         check_state(api, state)
         self._check_placed(api, state.params)
         if self._eval_fn is None:
-            self._eval_fn = build_eval(self._loss, self.sync, state.params, self.layout)
+            self._eval_fn = Scheduled(build_eval(self._loss, self.sync, state.params, self.layout))
         eval_fn = self._eval_fn
         return loop.evaluate(
             lambda b: self._run(

@@ -12,8 +12,6 @@ import uuid
 
 import numpy as np
 
-from ..fast_compile import FAST_COMPILE
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKERS = os.path.join(ROOT, "tests", "multihost", "workers")
 TOKEN_VAR = "JAXCOLL_TEST_JOB"
@@ -35,7 +33,7 @@ def start(launcher_args: list[str], worker: str, worker_args: list[str]):
     token = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOLL_")}
     env[TOKEN_VAR] = token
-    env["XLA_FLAGS"] = FAST_COMPILE  # the launcher sets the device count per process
+    env.pop("XLA_FLAGS", None)  # the launcher sets the device count per process
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [
         sys.executable,

@@ -21,7 +21,6 @@ from jax.sharding import PartitionSpec as P
 from ... import primitives
 from ..._core.typing import AxisName, PyTree
 from ..._core.vma import axis_names, to_varying, varying_axes
-from ..._xla_flags import compiler_options
 from ..checks import LossOutputError, float_params
 from ..extra import Extra
 from ..layout import BoundLayout
@@ -286,12 +285,7 @@ def build_step(
         return new, metrics
 
     out = (state_shardings(strategy, state), NamedSharding(strategy.mesh, P()))
-    return jax.jit(
-        step,
-        donate_argnums=(0,) if donate else (),
-        out_shardings=out,
-        compiler_options=compiler_options(),
-    )
+    return jax.jit(step, donate_argnums=(0,) if donate else (), out_shardings=out)
 
 
 def per_rank_step(
@@ -425,4 +419,4 @@ def build_eval(loss: StateLoss, strategy: Strategy, params: PyTree, layout: Boun
             modes["manual"] = manual_axes(layout, mapped, args)
         return mapped(modes["manual"])(*args)
 
-    return jax.jit(evaluate, compiler_options=compiler_options())
+    return jax.jit(evaluate)
