@@ -198,7 +198,7 @@ class Trainer:
         self._returned: Any = lambda: None  # the state the last step returned (weakly)
         self._step_fns: dict[Any, Any] = {}
         self._known_step: tuple[Any, int] | None = None
-        self._eval_fn = None
+        self._eval_fn: Scheduled | None = None
 
     @property
     def mesh(self) -> Mesh:
