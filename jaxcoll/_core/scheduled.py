@@ -36,6 +36,8 @@ class Scheduled:
     def __init__(self, jitted: Any) -> None:
         self.jitted = jitted
         self._compiled: dict[Any, Any] = {}
+        # a profile names each run, as it names a jit's dispatch ``PjitFunction(name)``
+        self._label = f"jaxcoll({getattr(jitted, '__name__', 'program')})"
 
     def __call__(self, *args: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten(args)
@@ -47,7 +49,12 @@ class Scheduled:
             lowered = self.jitted.lower(*args)
             compiled = lowered.compile(compiler_options=compiler_options())
             self._compiled[key] = compiled
-        return compiled(*args)
+        with jax.profiler.TraceAnnotation(self._label):
+            return compiled(*args)
+
+    def _cache_size(self) -> int:
+        """The executables compiled so far (what ``jax.jit``'s own ``_cache_size`` counts)."""
+        return len(self._compiled)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.jitted, name)

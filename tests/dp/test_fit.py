@@ -531,7 +531,7 @@ def test_tensorboard_plot_and_profile(run, tmp_path):
     # the trace of steps 2 and 3
     assert glob.glob(str(tmp_path / "profile" / "**" / "*.xplane.pb"), recursive=True)
     drawn = dp.plot_trace(tmp_path / "profile", tmp_path / "trace.png")
-    assert "PjitFunction(step)" in dict(drawn["ops"])  # the Trainer's step was dispatched
+    assert "jaxcoll(step)" in dict(drawn["ops"])  # the Trainer's step was run
     assert drawn["threads"][0][1] > 0 and 0 < drawn["span_s"] < 60
     assert matplotlib.image.imread(tmp_path / "trace.png").std() > 0.05
     for make, match in (
