@@ -251,7 +251,8 @@ def build_step(
 ):
     """The jitted step ``(state, batch) -> (state, metrics)`` for states shaped like ``state``.
 
-    Per rank (``shard_map``, params as the state holds them, the batch split over the data
+    Per rank (``shard_map``, params as the state holds them: ``strategy.held``, the state's
+    own but for a semi-synchronous strategy's replicas; the batch split over the data
     axes as ``layout.split`` says): the local gradients, the metrics and the model state
     averaged over ranks, the gradients synchronised by ``strategy.reduce``
     (:func:`per_rank_step`). Then, in the global view of the same program:
@@ -267,7 +268,8 @@ def build_step(
         # Checked when traced (each new state signature): an integer param would otherwise
         # fail inside jax.grad, unnamed.
         float_params("Trainer.step", state.params, strategy.grad_route)
-        args = (state.params, state.model_state, state.comm_state, batch, state.step, state.rng)
+        held = strategy.held(state.params, state.opt_state)  # the params the loss sees
+        args = (held, state.model_state, state.comm_state, batch, state.step, state.rng)
         if "manual" not in modes:
             modes["manual"] = manual_axes(
                 layout, lambda m: per_rank_step(loss, strategy, state, layout, accum_steps, m), args
@@ -310,6 +312,7 @@ def per_rank_step(
 
     def per_rank(params, model_state, comm_state, batch, step, rng):
         with tracing(layout) as used:
+            params = strategy.own_held(params)
             batch = split.part(batch)
             rank = lax.axis_index(axis)
             key = jax.random.fold_in(jax.random.fold_in(rng, step), rank)
@@ -337,7 +340,7 @@ def per_rank_step(
         per_rank,
         mesh=strategy.mesh,
         in_specs=(
-            only(strategy.state_param_specs(state.params), manual),
+            only(strategy.held_specs(state.params), manual),
             P(),
             per_rank_spec,
             split.spec,

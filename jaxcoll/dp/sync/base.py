@@ -341,6 +341,24 @@ class Strategy:
         (:meth:`model_specs`; replicated without a layout) by default."""
         return self.model_specs(params)
 
+    def held(self, params: PyTree, opt_state: PyTree) -> PyTree:
+        """Global view: the params the step's per-rank loss differentiates, as the step's
+        ``shard_map`` receives them (placed as :meth:`held_specs` says): ``params`` (the
+        train state's) by default; a semi-synchronous strategy's replicas' own params
+        (:class:`~jaxcoll.dp.sync.DiLoCo`: from its optimizer state)."""
+        return params
+
+    def held_specs(self, params: PyTree) -> PyTree:
+        """The ``shard_map`` in_specs of :meth:`held`: :meth:`state_param_specs` by
+        default."""
+        return self.state_param_specs(params)
+
+    def own_held(self, held: PyTree) -> PyTree:
+        """Per rank, inside the step's ``shard_map``: this rank's block of :meth:`held` ->
+        the params as :meth:`loss_of_held` takes them (the train state's layout): the block
+        itself by default."""
+        return held
+
     def extra_specs(self, extra: PyTree, params: PyTree) -> PyTree:
         """Where the train state holds ``extra`` (:class:`~jaxcoll.dp.Extra`): each leaf that
         mirrors a param placed like the param in the state (:func:`mirror_specs`), the

@@ -10,6 +10,7 @@ from ..layout import BoundLayout
 from .base import Strategy
 from .ddp import DDP
 from .fsdp import FSDP
+from .semisync import DiLoCo
 from .zero1 import ZeRO1
 
 
@@ -35,6 +36,8 @@ def for_layout(api: str, layout: BoundLayout, sync: Any) -> Strategy:
             f"dp.sync.ZeRO1() or dp.sync.FSDP()), got {sync!r} of type "
             f"{type(sync).__name__} instead."
         )
+    if isinstance(sync, DiLoCo):  # checks the layout itself when prepared (check_prepared)
+        return sync
     given, shard = layout.layout, layout.shard_axis
     if shard is None:
         if sync is None:
