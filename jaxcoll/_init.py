@@ -6,7 +6,9 @@ Where the job's shape comes from, first match wins, one source for all three val
 2. jaxcoll's variables, set by ``jaxcoll-run``: ``JAXCOLL_COORDINATOR_ADDRESS``,
    ``JAXCOLL_NUM_PROCESSES``, ``JAXCOLL_PROCESS_ID`` (and ``JAXCOLL_LOCAL_DEVICE_IDS``,
    ``JAXCOLL_COORDINATOR_BIND_ADDRESS``, ``JAXCOLL_INIT_TIMEOUT``,
-   ``JAXCOLL_HEARTBEAT_TIMEOUT``, ``JAXCOLL_SHUTDOWN_TIMEOUT``);
+   ``JAXCOLL_HEARTBEAT_TIMEOUT``, ``JAXCOLL_SHUTDOWN_TIMEOUT``, ``JAXCOLL_RECOVERABLE``: ``1``
+   turns JAX's ``jax_enable_recoverability`` on before joining, so the job goes on when a
+   process other than 0 dies, with a 3 s heartbeat timeout unless one is given);
 3. JAX's: ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``;
 4. torchrun's: ``MASTER_ADDR`` + ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` (``LOCAL_RANK``
    picks this process's one GPU when ``LOCAL_WORLD_SIZE`` > 1, as torchrun does);
@@ -41,6 +43,11 @@ __all__ = ["initialize"]
 INIT_TIMEOUT = 30
 HEARTBEAT_TIMEOUT = 20
 SHUTDOWN_TIMEOUT = 60
+# A job that goes on without a lost data replica (``JAXCOLL_RECOVERABLE=1``, or
+# ``jax_enable_recoverability`` set before joining; :class:`jaxcoll.dp.Survivor`): the
+# survivors learn of a death about this many seconds after it (2.5-3.7 s measured at 3 s,
+# ``benchmarks/replica_loss.py``), so a shorter default than a restarted job's.
+RECOVERABLE_HEARTBEAT_TIMEOUT = 3
 
 _SOURCES = (
     ("jaxcoll", "JAXCOLL_COORDINATOR_ADDRESS", "JAXCOLL_NUM_PROCESSES", "JAXCOLL_PROCESS_ID"),
@@ -144,6 +151,35 @@ def _cluster(env: Mapping[str, str]) -> str | None:
             if count.isdigit() and int(count) > 1:
                 return name
     return None
+
+
+def _recoverable(api: str, given: bool | None, env: Mapping[str, str]) -> bool:
+    """Whether the job goes on when a process dies: ``given`` (``init(recoverable=)``), else
+    ``JAXCOLL_RECOVERABLE`` (``1``/``0``), else whether ``jax_enable_recoverability`` was
+    already set in this process.
+
+    In such a job a survivor's collective with a dead process fails after XLA's collective
+    timeout (on CPU ``--xla_cpu_collective_timeout_seconds``, read from ``XLA_FLAGS`` once per
+    process: the launcher sets it, e.g. ``jaxcoll._xla_flags.with_xla_cpu_flags(
+    "--xla_cpu_collective_timeout_seconds=5", devices)``; the week ``jaxcoll-run`` sets lets
+    it hang), and :func:`jaxcoll.distributed.live_devices` then lists the live devices.
+    """
+    if given is not None:
+        if not isinstance(given, bool):
+            raise TypeError(
+                f"{api}: recoverable must be True, False or None, got {given!r} of type "
+                f"{type(given).__name__} instead."
+            )
+        return given
+    raw = env.get("JAXCOLL_RECOVERABLE", "").strip().lower()
+    if raw in ("1", "true", "yes"):
+        return True
+    if raw not in ("", "0", "false", "no"):
+        raise ValueError(
+            f"{api}: environment variable JAXCOLL_RECOVERABLE={raw!r} must be 1 (the job goes "
+            f"on when a process dies) or 0 (the default: it ends)."
+        )
+    return bool(raw == "" and getattr(jax.config, "jax_enable_recoverability", False))
 
 
 def _timeout(api: str, argname: str, value: int | None, env_var: str, default: int) -> int:
@@ -274,6 +310,7 @@ def initialize(
     coordinator_bind_address: str | None = None,
     cluster_detection_method: str | None = None,
     fail_fast: bool = True,
+    recoverable: bool | None = None,
 ) -> None:
     """Join the multi-process job this process belongs to: the joining half of jaxcoll.init.
 
@@ -292,11 +329,16 @@ def initialize(
         "the arguments",
     )
     spec = _job_spec(api, given, cluster_detection_method)
+    recoverable = _recoverable(api, recoverable, os.environ)
     init_t = _timeout(
         api, "initialization_timeout", initialization_timeout, "JAXCOLL_INIT_TIMEOUT", INIT_TIMEOUT
     )
     beat_t = _timeout(
-        api, "heartbeat_timeout", heartbeat_timeout, "JAXCOLL_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT
+        api,
+        "heartbeat_timeout",
+        heartbeat_timeout,
+        "JAXCOLL_HEARTBEAT_TIMEOUT",
+        RECOVERABLE_HEARTBEAT_TIMEOUT if recoverable else HEARTBEAT_TIMEOUT,
     )
     stop_t = _timeout(
         api, "shutdown_timeout", shutdown_timeout, "JAXCOLL_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT
@@ -318,6 +360,10 @@ def initialize(
             return None  # one process, nothing to join
     if spec.num_processes == 1:
         return None
+    if recoverable and not jax.distributed.is_initialized():
+        # Read by jax.distributed.initialize: the coordination service then lets the other
+        # processes go on when one dies, instead of ending them all.
+        jax.config.update("jax_enable_recoverability", True)
     _join_once(api, spec, cluster, init_t, beat_t, stop_t, bind)
     if fail_fast and not getattr(sys.excepthook, _FAIL_FAST_MARK, False):
         sys.excepthook = _fail_fast_hook(sys.excepthook)

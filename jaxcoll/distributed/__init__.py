@@ -41,6 +41,7 @@ from ._group import new_subgroups as new_subgroups
 from ._group import ordered_group as ordered_group
 from ._group import world as world
 from ._init import init as init
+from ._live import live_devices as live_devices
 from ._objects import all_gather_object as all_gather_object
 from ._objects import broadcast_object as broadcast_object
 from ._objects import broadcast_object_list as broadcast_object_list
@@ -83,6 +84,7 @@ __all__ = [
     "irecv",
     "is_initialized",
     "isend",
+    "live_devices",
     "local_ranks",
     "new_group",
     "new_subgroups",

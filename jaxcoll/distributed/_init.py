@@ -21,6 +21,7 @@ def init(
     coordinator_bind_address: str | None = None,
     cluster_detection_method: str | None = None,
     fail_fast: bool = True,
+    recoverable: bool | None = None,
     timeout: float | None = None,
     debug: str | None = None,
     first_timeout: float | None = None,
@@ -84,6 +85,13 @@ def init(
         fail_fast: if True (the default), an uncaught exception in a multi-process job ends
             this process right after its traceback (exit code 1), instead of waiting at JAX's
             exit barrier for peers that may be blocked in a collective with it.
+        recoverable: if True, the job goes on when a process other than 0 dies (JAX's
+            ``jax_enable_recoverability``, set before joining; the heartbeat timeout then
+            defaults to 3 s): the survivors' collectives with it fail, and
+            :func:`jaxcoll.distributed.live_devices` lists the devices left
+            (:class:`jaxcoll.dp.Survivor` goes on with them). XLA:CPU's collective timeout
+            must then be finite (``--xla_cpu_collective_timeout_seconds`` in ``XLA_FLAGS``).
+            None (the default): ``JAXCOLL_RECOVERABLE`` (``1``/``0``), else off.
         timeout: seconds a collective (every ``dist`` call, a :func:`jaxcoll.watch`-ed
             function, outputs given to :func:`jaxcoll.watch_outputs`) whose program has
             completed before in this process may take before the watchdog ends this process
@@ -140,6 +148,7 @@ def init(
         coordinator_bind_address=coordinator_bind_address,
         cluster_detection_method=cluster_detection_method,
         fail_fast=fail_fast,
+        recoverable=recoverable,
     )
     _watch.start(timeout_setting, debug_setting, first_setting)
     return world()

@@ -31,6 +31,7 @@ from .loop.components import Profile as Profile
 from .loop.components import Progress as Progress
 from .loop.components import Throughput as Throughput
 from .loop.evaluate import Evaluate as Evaluate
+from .loop.replicas import Survivor as Survivor
 from .reports.metrics import measure_peak_flops as measure_peak_flops
 from .reports.plot import PlotWriter as PlotWriter
 from .reports.plot import plot_history as plot_history
@@ -63,6 +64,7 @@ __all__ = [
     "Progress",
     "Quantize",
     "SaveBest",
+    "Survivor",
     "SyncBatchNorm",
     "TensorBoardWriter",
     "Throughput",

@@ -49,6 +49,73 @@ def start(launcher_args: list[str], worker: str, worker_args: list[str]):
     return popen, token
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_each(
+    nprocs: int,
+    devices: int,
+    worker: str,
+    worker_args: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    xla_flags: str = "",
+    logs: str,
+    coordinator: str | None = None,
+    ids: list[int] | None = None,
+    token: str | None = None,
+    tag: str = "",
+) -> tuple[list[subprocess.Popen], str]:
+    """Start the job's processes one by one, without the launcher (which ends the job when one
+    dies): a job that goes on without a dead process (``dp.Survivor``). Return (the Popens,
+    in process order, each writing its output to ``logs/p{k}.log``; the token).
+
+    Each process gets jaxcoll's job variables (process 0's coordinator on a free port),
+    ``devices`` simulated CPU devices, the launcher's XLA:CPU flags on top of ``xla_flags``
+    (which wins where both set a flag) and ``env`` last. The caller ends them: every process
+    carries the token (:func:`survivors`). To start a replacement into a running job, pass its
+    ``coordinator`` (``127.0.0.1:<free_port()>`` given to the first call), ``token`` and
+    ``ids`` (the processes to start; default all), and a ``tag`` for its log's name
+    (``p{k}{tag}.log``)."""
+    from jaxcoll._xla_flags import with_xla_cpu_flags
+
+    coordinator = coordinator or f"127.0.0.1:{free_port()}"
+    token = token or uuid.uuid4().hex
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("JAXCOLL_", "JAX_"))}
+    base.update(
+        {
+            TOKEN_VAR: token,
+            "JAX_PLATFORMS": "cpu",
+            "JAX_NUM_CPU_DEVICES": str(devices),
+            "XLA_FLAGS": with_xla_cpu_flags(xla_flags, devices),
+            "JAXCOLL_COORDINATOR_ADDRESS": coordinator,
+            "JAXCOLL_NUM_PROCESSES": str(nprocs),
+            "PYTHONPATH": os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]),
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+    )
+    popens = []
+    for k in range(nprocs) if ids is None else ids:
+        with open(os.path.join(logs, f"p{k}{tag}.log"), "w") as log:  # the child keeps its own fd
+            popens.append(
+                subprocess.Popen(
+                    [sys.executable, os.path.join(WORKERS, worker), *worker_args],
+                    cwd=ROOT,
+                    env={**base, "JAXCOLL_PROCESS_ID": str(k)},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    return popens, token
+
+
 def finish(popen: subprocess.Popen, token: str, started: float, timeout: float) -> Job:
     out, err = popen.communicate(timeout=timeout)
     return Job(popen.returncode, out, err, time.monotonic() - started, token)
