@@ -248,3 +248,7 @@ def test_survivor_refuses_layouts_it_cannot_shrink():
         dp.Survivor(_loss, optax.sgd(LR), layout=dp.Layout(replicate="data"))
     with pytest.raises(ValueError, match=r"timeout=0 must be a positive number"):
         dp.Survivor(_loss, optax.sgd(LR), layout=dp.Layout(replicate=8), timeout=0)
+    with pytest.raises(TypeError, match=r"sync=DiLoCo\(...\) keeps one state per replica"):
+        dp.Survivor(
+            _loss, optax.sgd(LR), layout=dp.Layout(replicate=8), sync=dp.sync.DiLoCo(every=2)
+        )

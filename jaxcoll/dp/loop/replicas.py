@@ -39,6 +39,7 @@ from ..layout import Layout
 from ..state import TrainState
 from ..step.loss import LossFn
 from ..sync import Strategy
+from ..sync.semisync import DiLoCo
 from ..trainer import Trainer
 
 __all__ = ["Recovery", "Survivor"]
@@ -180,6 +181,13 @@ class Survivor:
             )
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"{api}: timeout={timeout!r} must be a positive number of seconds.")
+        if isinstance(sync, DiLoCo):
+            raise TypeError(
+                f"{api}: sync={type(sync).__name__}(...) keeps one state per replica, which a "
+                f"Survivor cannot drop yet; train it with dp.Trainer and survive a lost process "
+                f"through a restart (jaxcoll-run --max-restarts), or pass sync=dp.sync.DDP() or "
+                f"dp.sync.FSDP()."
+            )
         self._options: dict[str, Any] = dict(
             sync=sync, accum_steps=accum_steps, extra=extra, skip_nonfinite=skip_nonfinite
         )
@@ -413,12 +421,9 @@ def _unwatched() -> None:
     """Turn this process's collective watchdog and flight recorder off: its failed-device
     check ends a process in which part of a step's devices failed while the others wait (a
     survivor's, for a moment, at a loss)."""
-    from ..._watch import process
+    from ..._watch import pause
 
-    with process.lock:
-        process.settings = dataclasses.replace(
-            process.settings, on=False, watching=False, configured=True
-        )
+    pause()
 
 
 def _local_int(x: Any) -> int:
