@@ -8,6 +8,7 @@
     python examples/gpt.py --layout fsdp8 --experts 8    # an MoE GPT, one expert per device
     python examples/gpt.py --layout fsdp4xpp2:1f1b2 --experts 8  # ... in 2 pipeline stages
     python examples/gpt.py --layout single          # the same model on one device
+    python examples/gpt.py --layout dp2xfsdp4 --sync diloco8  # DiLoCo: 2 replicas meet every 8
     jaxcoll-run --nprocs 2 --devices-per-proc 4 examples/gpt.py --layout fsdp2xtp2xpp2
 
 nanoGPT's model and recipe at CPU size: causal self-attention and an MLP per block (pre-
@@ -43,9 +44,14 @@ trains ``single``'s params; tests/parallel/test_pipeline_moe.py). The loop is
 batches and prints both losses, the learning rate, tokens/s and (with ``--peak-flops``) MFU.
 With ``--ckpt DIR`` a run resumes from the newest checkpoint in DIR, in its own layout
 whatever layout wrote it, and saves there when the validation loss improves and at the last
-step. Logs come from process 0 only. Expect the validation loss to fall from about 3.4 (a
-uniform guess over the 31 characters) to about 0.5 in 300 steps (dp8: 1.20 at step 100, 0.48
-at step 300).
+step. Logs come from process 0 only. ``--sync diloco8`` trains semi-synchronously
+(``dp.sync.DiLoCo(every=8)``, its paper's outer Nesterov step, lr 0.7 and momentum 0.9): each
+data replica (the layout's ``dp`` degree; FSDP within a replica where it has ``fsdp``) steps on
+its own params and the replicas meet every 8 steps, the evaluations on the params of their
+last meeting; ``localsgd8`` averages them instead, and ``:int8`` (``diloco8:int8``) sends the
+pseudo-gradients in 8 bits (benchmarks/diloco.py measures them against the default).
+Expect the validation loss to fall from about 3.4 (a uniform guess over the 31 characters) to
+about 0.5 in 300 steps (dp8: 1.20 at step 100, 0.48 at step 300).
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import tempfile
 
@@ -315,16 +322,48 @@ PRECISIONS = {
 }
 
 
-def trainer_for(name: str, precision: str = "fp32") -> dp.Trainer:
-    """The Trainer of a ``--layout``; ``single``: the same model on one device."""
+#: ``--sync``: semi-synchronous training across the data replicas, every N steps.
+SYNCS = {"diloco": dp.sync.DiLoCo, "localsgd": dp.sync.LocalSGD}
+
+
+def semisync(name: str, shard: bool):
+    """The strategy a ``--sync`` names (``diloco8``, ``localsgd4``, ``diloco8:int8``): the
+    replicas meet every N steps; within each, DDP (FSDP where the layout has ``shard``)."""
+    m = re.fullmatch(r"(diloco|localsgd)(\d+)(:int8)?", name)
+    if m is None:
+        raise SystemExit(
+            f"--sync {name!r}: auto, or diloco8 / localsgd8 (the replicas meet every 8 steps), "
+            f"with :int8 for 8-bit pseudo-gradients (diloco8:int8)"
+        )
+    inner = dp.sync.FSDP() if shard else dp.sync.DDP()
+    quantize = dp.Quantize(grads=jnp.int8) if m[3] else None
+    try:
+        return SYNCS[m[1]](inner=inner, every=int(m[2]), quantize=quantize)
+    except ValueError as e:
+        raise SystemExit(f"--sync {name!r}: {e}") from None
+
+
+def trainer_for(name: str, precision: str = "fp32", sync: str = "auto") -> dp.Trainer:
+    """The Trainer of a ``--layout``; ``single``: the same model on one device. ``sync``:
+    ``auto`` (the layout's own strategy) or a ``--sync`` name (:func:`semisync`)."""
     if precision not in PRECISIONS:
         raise SystemExit(f"--precision {precision!r}: one of {sorted(PRECISIONS)}")
-    sync = None
+    strategy = None
     if PRECISIONS[precision]:
         if not layout(name).shard:
             raise SystemExit(f"--precision {precision}: needs a layout with fsdp (FSDP's gathers)")
-        sync = dp.sync.FSDP(**PRECISIONS[precision])
-    return dp.Trainer(loss_fn, optimizer(), layout=layout(name), sync=sync, accum_steps=ACCUM)
+        if sync != "auto":
+            raise SystemExit(f"--precision {precision}: with --sync auto only")
+        strategy = dp.sync.FSDP(**PRECISIONS[precision])
+    if sync != "auto":
+        strategy = semisync(sync, bool(layout(name).shard))
+        try:
+            return dp.Trainer(
+                loss_fn, optimizer(), layout=layout(name), sync=strategy, accum_steps=ACCUM
+            )
+        except ValueError as e:
+            raise SystemExit(f"--sync {sync!r} on --layout {name!r}: {e}") from None
+    return dp.Trainer(loss_fn, optimizer(), layout=layout(name), sync=strategy, accum_steps=ACCUM)
 
 
 def main(argv=None) -> None:
@@ -341,6 +380,12 @@ def main(argv=None) -> None:
         default="fp32",
         help=f"with fsdp: one of {', '.join(PRECISIONS)} (bf16 compute, 8-bit gathers or "
         f"gradients; fp32 master state)",
+    )
+    parser.add_argument(
+        "--sync",
+        default="auto",
+        help="auto (the layout's strategy), or diloco8 / localsgd8: the data replicas meet "
+        "every 8 steps (diloco8:int8: 8-bit pseudo-gradients)",
     )
     parser.add_argument(
         "--ckpt", help="a directory: resume from its newest checkpoint, save the best and last"
@@ -366,7 +411,7 @@ def main(argv=None) -> None:
         use_tiny()
     DATA, EXPERTS = args.data, args.experts
     me = jax.process_index()
-    trainer = trainer_for(args.layout, args.precision)
+    trainer = trainer_for(args.layout, args.precision, args.sync)
     state = trainer.init(init_params(), jax.random.key(0))
     if me == 0:
         count = sum(x.size for x in jax.tree_util.tree_leaves(state.params))

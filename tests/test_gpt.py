@@ -145,3 +145,12 @@ def test_precision_picks_the_strategy_and_needs_fsdp():
         gpt.trainer_for("dp8", "fp8-params")
     with pytest.raises(SystemExit, match="one of"):
         gpt.trainer_for("fsdp8", "fp4")
+
+
+def test_sync_picks_a_semisynchronous_strategy():
+    sync = gpt.trainer_for("dp2xfsdp4", sync="diloco8:int8").sync
+    assert isinstance(sync, gpt.dp.sync.DiLoCo) and sync.every == 8
+    assert isinstance(sync.inner, gpt.dp.sync.FSDP)
+    assert sync.quantize == gpt.dp.Quantize(grads=gpt.jnp.int8)
+    with pytest.raises(SystemExit, match="no replicate axis"):
+        gpt.trainer_for("fsdp8", sync="diloco8")

@@ -1,5 +1,7 @@
-"""dp.sync.DiLoCo and dp.sync.LocalSGD: semi-synchronous training against a NumPy reference of
-the algorithm, against DDP where they coincide, and the bytes that cross replicas per step."""
+"""dp.sync.DiLoCo, dp.sync.LocalSGD and dp.sync.StreamingDiLoCo: semi-synchronous training
+against a NumPy reference of the algorithm (8-bit pseudo-gradients included), against DDP where
+they coincide, the bytes that cross replicas per step, and what a streaming fragment's
+all-reduce waits for."""
 
 from __future__ import annotations
 
@@ -21,12 +23,12 @@ def _mesh():
     return jax.make_mesh((2, 4), ("node", "local"))
 
 
-def _params(seed=0):
+def _params(seed=0, width=WIDTH):
     r = np.random.default_rng(seed)
     return {
-        "w1": (r.normal(size=(IN, WIDTH)) / 2).astype(np.float32),
-        "b1": np.zeros(WIDTH, np.float32),
-        "w2": (r.normal(size=(WIDTH, 1)) / 4).astype(np.float32),
+        "w1": (r.normal(size=(IN, width)) / 2).astype(np.float32),
+        "b1": np.zeros(width, np.float32),
+        "w2": (r.normal(size=(width, 1)) / 4).astype(np.float32),
         "b2": np.zeros(1, np.float32),
     }
 
@@ -72,12 +74,52 @@ def np_adam(lr, b1=0.9, b2=0.999, eps=1e-8):
     return init, step
 
 
+def np_quantized_mean(deltas, block):
+    """The replicas' mean pseudo-gradient sent in int8 (``dp.Quantize(grads=jnp.int8)``):
+    each replica's leaves (``deltas[r]``: a list, leaf order) flattened, each padded to whole
+    blocks, into R rows; row j of every replica quantized per block and averaged by replica j
+    (float32), the average quantized again and gathered. Returns the leaves' means."""
+    count = len(deltas)
+
+    def rounded(x):  # per block of ``block``: amax / 127 scales, nearest int8, back
+        x = x.reshape(-1, block)
+        amax = np.abs(x).max(1, keepdims=True)
+        scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+        return (np.clip(np.round(x / scale), -127, 127) * scale).astype(np.float32).reshape(-1)
+
+    rows = []
+    for leaves in deltas:
+        flat = np.concatenate([np.pad(d.ravel(), (0, -d.size % block)) for d in leaves])
+        rows.append(np.pad(flat, (0, -flat.size % (count * block))).astype(np.float32))
+    parts = [np.split(rounded(row), count) for row in rows]  # parts[r][j]: to replica j
+    mean = np.concatenate(
+        [rounded(np.mean([parts[r][j] for r in range(count)], 0)) for j in range(count)]
+    )
+    out, at = [], 0
+    for d in deltas[0]:
+        out.append(mean[at : at + d.size].reshape(d.shape).astype(np.float64))
+        at += d.size + (-d.size % block)
+    return out
+
+
 def np_diloco(
-    params, batches, replicas, every, inner_lr, outer_lr, momentum, groups=None, mixing=0
+    params,
+    batches,
+    replicas,
+    every,
+    inner_lr,
+    outer_lr,
+    momentum,
+    groups=None,
+    mixing=0,
+    overlap=False,
+    block=None,
 ):
     """DiLoCo as its paper writes it: per replica Adam on its rows, Nesterov outer steps. With
-    ``groups`` (lists of param names), Streaming DiLoCo: group p meets where
-    ``(step + 1 + p * every // len(groups)) % every == 0``, replicas keeping ``mixing``."""
+    ``groups`` (lists of param names, leaf order), Streaming DiLoCo: group p meets where
+    ``(step + 1 + p * every // len(groups)) % every == 0``, replicas keeping ``mixing``; with
+    ``overlap``, its pseudo-gradient from the params before that step's inner update. With
+    ``block``, the pseudo-gradients' mean travels in int8 (:func:`np_quantized_mean`)."""
     init, inner_step = np_adam(inner_lr)
     groups = groups or [sorted(params)]
     glob = {k: v.astype(np.float64) for k, v in params.items()}
@@ -85,6 +127,7 @@ def np_diloco(
     states = [init(glob) for _ in range(replicas)]
     trace = {k: 0 * v for k, v in glob.items()}
     for step, b in enumerate(batches):
+        start = [dict(loc) for loc in local]  # each replica's params before this step
         rows = len(b["x"]) // replicas
         for r in range(replicas):  # replica r: its block of rows of the global batch
             part = slice(r * rows, (r + 1) * rows)
@@ -94,8 +137,13 @@ def np_diloco(
         for p, keys in enumerate(groups):
             if (step + 1 + p * every // len(groups)) % every:
                 continue
-            for k in keys:
-                delta = glob[k] - np.mean([loc[k] for loc in local], 0)
+            sent = start if overlap else local
+            if block is None:
+                deltas = [glob[k] - np.mean([loc[k] for loc in sent], 0) for k in keys]
+            else:
+                each = [[(glob[k] - loc[k]).astype(np.float32) for k in keys] for loc in sent]
+                deltas = np_quantized_mean(each, block)
+            for k, delta in zip(keys, deltas, strict=True):
                 trace[k] = delta + momentum * trace[k]
                 glob[k] = glob[k] - outer_lr * (delta + momentum * trace[k])
                 for loc in local:
@@ -129,19 +177,49 @@ def test_diloco_equals_the_numpy_reference():
     assert max(np.abs(want[k] - _params()[k]).max() for k in want) > 1e-2
 
 
-def test_streaming_diloco_equals_the_numpy_reference():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_streaming_diloco_equals_the_numpy_reference(overlap):
     batches = _batches(12, seed=5)
     sync = dp.sync.StreamingDiLoCo(
-        every=4, fragments=2, mixing=0.25, outer=optax.sgd(0.7, momentum=0.9, nesterov=True)
+        every=4,
+        fragments=2,
+        mixing=0.25,
+        overlap=overlap,
+        outer=optax.sgd(0.7, momentum=0.9, nesterov=True),
     )
     _, state = _train(sync, optax.adam(1e-2), batches)
     # leaves b1 (16), b2 (1), w1 (64), w2 (16): middles 8, 16.5, 49, 89 of 97 -> 0, 0, 1, 1
     groups = [["b1", "b2"], ["w1", "w2"]]
-    want = np_diloco(_params(), batches, 2, 4, 1e-2, 0.7, 0.9, groups, 0.25)
+    want = np_diloco(_params(), batches, 2, 4, 1e-2, 0.7, 0.9, groups, 0.25, overlap)
     got = jax.device_get(state.params)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=1e-5, err_msg=k)
     assert len(state.opt_state.outer) == 2
+    # the other schedule is another run: the reference tells them apart
+    other = np_diloco(_params(), batches, 2, 4, 1e-2, 0.7, 0.9, groups, 0.25, not overlap)
+    assert max(np.abs(other[k] - want[k]).max() for k in want) > 1e-3
+
+
+def test_int8_pseudo_gradients_equal_the_numpy_reference():
+    batches = _batches(12, seed=6)
+    quantize = dp.Quantize(grads=jnp.int8, block=16)  # 16 elements per scale: several per leaf
+    _, state = _train(dp.sync.DiLoCo(every=4, quantize=quantize), optax.adam(1e-2), batches)
+    want = np_diloco(_params(), batches, 2, 4, 1e-2, 0.7, 0.9, block=16)
+    got = jax.device_get(state.params)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=1e-5, err_msg=k)
+    # the rounding is there, and small: against the float32 pseudo-gradients' run
+    exact = np_diloco(_params(), batches, 2, 4, 1e-2, 0.7, 0.9)
+    gap = max(np.abs(exact[k] - want[k]).max() for k in want)
+    assert 1e-5 < gap < 1e-2, gap
+    # a streaming fragment's pseudo-gradient quantized too (with overlap)
+    groups = [["b1", "b2"], ["w1", "w2"]]
+    sync = dp.sync.StreamingDiLoCo(every=4, fragments=2, mixing=0.5, quantize=quantize)
+    _, state = _train(sync, optax.adam(1e-2), batches)
+    want = np_diloco(_params(), batches, 2, 4, 1e-2, 0.7, 0.9, groups, 0.5, True, 16)
+    got = jax.device_get(state.params)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=1e-5, err_msg=k)
 
 
 @pytest.mark.parametrize(
@@ -210,7 +288,7 @@ def _groups(text: str) -> list[list[int]]:
     return ids.reshape(int(iota[1]), int(iota[2])).tolist()
 
 
-_BYTES = {"f32": 4, "s32": 4, "u32": 4, "f16": 2, "bf16": 2, "f64": 8, "pred": 1}
+_BYTES = {"f32": 4, "s32": 4, "u32": 4, "f16": 2, "bf16": 2, "f64": 8, "pred": 1, "s8": 1}
 
 
 def _cross_replica_bytes(hlo: str, replica_of) -> int:
@@ -224,6 +302,33 @@ def _cross_replica_bytes(hlo: str, replica_of) -> int:
         result = line.split("=", 1)[1].split("all-reduce", 1)[0]
         for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result):
             total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+    return total
+
+
+#: Bytes a device sends per byte of a collective's result, in a group of n (ring all-reduce:
+#: a reduce-scatter then an all-gather).
+_WIRE = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+}
+
+
+def _cross_replica_wire_bytes(hlo: str, replica_of) -> float:
+    """Bytes every device sends over the wire in the collectives whose groups span more than
+    one replica (all-reduces, all-gathers and all-to-alls)."""
+    total = 0.0
+    for line in hlo.splitlines():
+        op = re.search(r"= .* (all-reduce|all-gather|all-to-all)\(", line)
+        if not op:
+            continue
+        groups = _groups(line)
+        if not any(len({replica_of(d) for d in g}) > 1 for g in groups):
+            continue
+        result = line.split("=", 1)[1].split(op[1], 1)[0]
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result):
+            size = _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+            total += _WIRE[op[1]](len(groups[0])) * size
     return total
 
 
@@ -283,6 +388,12 @@ def test_streaming_fragments_share_the_params_bytes_between_their_steps():
         ({"every": 2, "inner": dp.sync.DDP}, TypeError, r"inner=dp.sync.DDP is a class"),
         ({"every": 2, "inner": dp.sync.ZeRO1()}, ValueError, r"inner=ZeRO1\(\) is not supported"),
         ({"every": 2, "hook": dp.hooks.Compress(jnp.bfloat16)}, ValueError, r"inner strategy"),
+        ({"every": 2, "quantize": "int8"}, TypeError, r"quantize must be a dp.Quantize or None"),
+        (
+            {"every": 2, "quantize": dp.Quantize(params=jnp.int8)},
+            ValueError,
+            r"DiLoCo: quantize=.* must name the pseudo-gradients' dtype as grads",
+        ),
     ],
 )
 def test_fields_are_checked_at_construction(kwargs, error, message):
@@ -298,6 +409,7 @@ def test_fields_are_checked_at_construction(kwargs, error, message):
         ({"fragments": 2.0}, TypeError, r"fragments must be an int, got 2.0"),
         ({"mixing": 1.0}, ValueError, r"mixing=1.0 must be in \[0, 1\)"),
         ({"mixing": "0"}, TypeError, r"mixing must be a number in \[0, 1\), got '0'"),
+        ({"overlap": 1}, TypeError, r"StreamingDiLoCo: overlap must be True or False, got 1"),
     ],
 )
 def test_streaming_fields_are_checked(kwargs, error, message):
@@ -359,3 +471,78 @@ def test_an_hsdp_layout_by_degrees_runs_fsdp_within_each_replica():
     want, got = jax.device_get(want), jax.device_get(got)
     for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got), strict=True):
         np.testing.assert_allclose(g, w, atol=1e-6)
+
+
+def test_int8_pseudo_gradients_cut_the_bytes_across_replicas_about_4x():
+    params = _params(width=1024)  # w1 4096, b1 1024, w2 1024, b2 1: 6145 elements
+    batch = _batches(1)[0]
+    node = {d.id: i for i, row in enumerate(_mesh().devices) for d in row}
+
+    def wire(quantize):
+        sync = dp.sync.DiLoCo(every=2, quantize=quantize)
+        trainer = dp.Trainer(loss_fn, optax.adam(1e-2), mesh=_mesh(), layout=LAYOUT, sync=sync)
+        state = trainer.init(params, jax.random.key(0))
+        out = []
+        for step in (0, 1):  # an inner step, a sync step
+            fn, args = trainer.step_program(state, batch, step=step)
+            out.append(_cross_replica_wire_bytes(fn.lower(*args).compile().as_text(), node.get))
+        return out[1] - out[0]  # the pseudo-gradients' bytes
+
+    exact = wire(None)
+    assert exact == 2 * (2 - 1) / 2 * 4 * 6145  # one float32 all-reduce over 2 replicas
+    int8 = wire(dp.Quantize(grads=jnp.int8))
+    # each leaf padded to 256-element blocks (b2: 256), then to rows of 2 x 256: 6656 bytes
+    # and 26 float32 scales, all-to-all'd then all-gathered, half of each sent
+    assert int8 == 2 * (6656 + 4 * 26) / 2
+    assert exact / int8 > 3.5
+
+
+# ------------------------------------------------------- a streaming fragment's overlap
+def _entry(hlo: str) -> dict[str, tuple[str, list[str]]]:
+    """The entry computation's instructions in their scheduled order: name -> (line, the
+    names it reads)."""
+    out = {}
+    for line in hlo[hlo.index("\nENTRY") :].splitlines()[1:]:
+        if line.startswith("}"):
+            break
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)", line)
+        if m:
+            out[m[1]] = (line, re.findall(r"%([\w.\-]+)", m[2]))
+    return out
+
+
+def _reads_the_batch(entry) -> set[str]:
+    """The instructions that depend on the batch (the printed order is topological)."""
+    seen = {name for name, (line, _) in entry.items() if 'op_name="batch[' in line}
+    assert len(seen) == 2  # x and y
+    for name, (_, reads) in entry.items():
+        if any(r in seen for r in reads):
+            seen.add(name)
+    return seen
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_fragments_all_reduce_does_not_wait_for_the_step(overlap):
+    sync = dp.sync.StreamingDiLoCo(every=4, fragments=2, overlap=overlap)
+    trainer = dp.Trainer(loss_fn, optax.adam(1e-2), mesh=_mesh(), layout=LAYOUT, sync=sync)
+    state = trainer.init(_params(), jax.random.key(0))
+    node = {d.id: i for i, row in enumerate(trainer.mesh.devices) for d in row}
+    fn, args = trainer.step_program(state, _batches(1)[0], step=1)  # fragment 1: w1, w2
+    entry = _entry(fn.lower(*args).compile().as_text())
+    meets = [
+        name
+        for name, (line, _) in entry.items()
+        if re.search(r"= .* all-reduce\(", line)
+        and _cross_replica_bytes(line, node.get) == 4 * (64 + 16)
+    ]
+    assert len(meets) == 1, meets
+    batch_side = _reads_the_batch(entry)
+    order = list(entry)
+    if overlap:
+        # its operand is the step's input params: no data dependence on the gradients ...
+        assert meets[0] not in batch_side
+        # ... and the compiled schedule runs it before forward/backward ops (XLA:CPU's order)
+        later = [n for n in order[order.index(meets[0]) :] if n in batch_side]
+        assert any("fusion" in n or "dot" in n for n in later), later
+    else:  # the pseudo-gradient after the inner update: it waits for the gradients
+        assert meets[0] in batch_side

@@ -479,11 +479,11 @@ def _quantized_mean(q: Quantize, axis: str, count: int) -> Any:
         width = rows.shape[1]
         # Pseudo-gradients cross replicas here, in 8 bits: each replica receives every
         # replica's copy of its row (one all-to-all of the payloads, one of the scales) ...
-        bufs = primitives.all_to_all(list(quantize(rows, dtype, block)), axis, 0, 0, tiled=True)
-        part = jnp.mean(dequantize(*bufs, width, block), axis=0, keepdims=True)
+        sent = primitives.all_to_all(list(quantize(rows, dtype, block)), axis, 0, 0, tiled=True)
+        part = jnp.mean(dequantize(sent[0], sent[1], width, block), axis=0, keepdims=True)
         # ... and their mean, quantized again, is all-gathered (two all-gathers).
-        bufs = primitives.all_gather(list(quantize(part, dtype, block)), axis, dim=0, tiled=True)
-        mean = dequantize(*bufs, width, block).reshape(-1)
+        got = primitives.all_gather(list(quantize(part, dtype, block)), axis, dim=0, tiled=True)
+        mean = dequantize(got[0], got[1], width, block).reshape(-1)
         out, at = [], 0
         for p, d, pad in zip(params, deltas, padded, strict=True):
             out.append((p - mean[at : at + d.size].reshape(p.shape)).astype(p.dtype))
