@@ -15,6 +15,7 @@ Example (8 devices)::
     array(8., dtype=float32)
 """
 
+from .._core.live import live_devices as live_devices
 from .._core.ops import ReduceOp as ReduceOp
 from ..groups import Group as Group
 from ._collectives import all_gather as all_gather
@@ -41,7 +42,6 @@ from ._group import new_subgroups as new_subgroups
 from ._group import ordered_group as ordered_group
 from ._group import world as world
 from ._init import init as init
-from ._live import live_devices as live_devices
 from ._objects import all_gather_object as all_gather_object
 from ._objects import broadcast_object as broadcast_object
 from ._objects import broadcast_object_list as broadcast_object_list

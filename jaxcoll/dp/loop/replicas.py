@@ -29,10 +29,10 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..._core.live import live_devices
 from ..._core.roles import Role
 from ..._core.typing import PyTree
 from ..._xla_flags import XLA_CPU_TIMEOUT_S
-from ...distributed._live import live_devices
 from ..adapters import Model
 from ..extra import Extra
 from ..layout import Layout
