@@ -21,12 +21,16 @@ after joining the job; a single process settles the same settings at its first w
   leaves last, so JAX aborts none of them.
 * :mod:`.signals`: SIGTERM ends the process at once (exit code 143), or, inside
   :func:`handle_preemption`, stops every process's loop after the same step.
+* :func:`pause` / :func:`resume` (or ``with paused():``): the watchdog and the flight
+  recorder off for code that expects a lost peer to fail part of a program (``dp.Survivor``).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+from collections.abc import Iterator
 
 from . import monitor as _monitor
 from . import process
@@ -42,7 +46,9 @@ from .signals import install as _install_sigterm
 from .signals import preemption_point as preemption_point
 from .signals import preemption_requested as preemption_requested
 from .watchdog import configure as configure
+from .watchdog import pause as pause
 from .watchdog import register as register
+from .watchdog import resume as resume
 from .watchdog import watch_outputs as watch_outputs
 
 __all__ = [
@@ -51,15 +57,33 @@ __all__ = [
     "configure",
     "dump_trace",
     "handle_preemption",
+    "pause",
+    "paused",
     "preemption_point",
     "preemption_requested",
     "register",
+    "resume",
     "start",
     "watch",
     "watch_outputs",
 ]
 
 _exit_hook = False
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """This process's watchdog and flight recorder off inside the block (:func:`pause`), and
+    back as they were after it (:func:`resume`)::
+
+        >>> with jaxcoll._watch.paused():
+        ...     survive_a_lost_peer()
+    """
+    before = pause()
+    try:
+        yield
+    finally:
+        resume(before)
 
 
 def start(

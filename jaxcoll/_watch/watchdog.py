@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import os
 import threading
 import time
@@ -98,6 +99,42 @@ def run(program: Any, x: Any, what: str, options: str = "") -> Any:
 
 
 _completed: set[Any] = set()  # (what, options, signature) of programs that completed here
+_resumed_at = 0.0  # calls issued before this (monotonic) were registered before a pause
+
+
+def pause() -> process.Settings:
+    """Turn this process's collective watchdog and flight recorder off, from now until
+    :func:`resume`; return the settings in force before (to pass to :func:`resume`).
+
+    For code that expects some of a program's devices to fail while the others still wait
+    (``dp.Survivor``, where a lost peer fails a step on some devices first): the watchdog's
+    failed-device check would end the process. Calls made while paused are not watched or
+    recorded; a collective that hangs then waits for XLA's own timeout. Mismatch detection
+    and the monitor of failed peers (:mod:`.monitor`) are unchanged.
+
+    Returns:
+        The :class:`process.Settings` in force before the pause.
+    """
+    with process.lock:
+        before = process.settings
+        process.settings = dataclasses.replace(before, on=False, watching=False, configured=True)
+    return before
+
+
+def resume(before: process.Settings) -> None:
+    """Undo :func:`pause`: restore ``before`` (its return value). The calls registered
+    before the pause are no longer watched (their outputs may have failed while paused);
+    calls made from now on are."""
+    global _resumed_at
+    if not isinstance(before, process.Settings):
+        raise TypeError(
+            f"resume: before must be the Settings that pause() returned, got {before!r} of "
+            f"type {type(before).__name__} instead."
+        )
+    with process.lock:
+        _resumed_at = time.monotonic()
+        process.settings = before
+    ensure_thread()
 
 
 def watch_outputs(outputs: Any, what: str) -> Any:
@@ -231,6 +268,10 @@ def _run() -> None:
             continue
         while _pending:
             item = _pending[0]
+            if item[0].issued < _resumed_at:  # registered before a pause: not watched
+                _pending.popleft()
+                head = None
+                continue
             if item is not head:  # a new oldest entry: its wait starts now (or at dispatch)
                 head, left_seen_at = item, None
                 checked = set()  # its shards found healthy so far (see failed_device)

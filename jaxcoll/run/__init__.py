@@ -44,6 +44,19 @@ the others restart on their own devices, while at least MIN are left. SIGINT and
 SIGTERM sent to the launcher are forwarded to every process. Each process runs in its own
 session (process group) and is killed with the launcher if the launcher itself dies, so no
 process outlives it.
+
+With ``--recoverable`` the job goes on when a process other than 0 dies
+(:class:`jaxcoll.dp.Survivor`): every process gets ``JAXCOLL_RECOVERABLE=1`` and XLA:CPU's
+``--xla_cpu_collective_timeout_seconds`` set to ``--collective-timeout`` (default 10 s, so a
+survivor's collective with the dead process raises instead of waiting), and the heartbeat
+timeout defaults to 3 s. A process other than 0 that fails is reported on stderr (its index,
+exit code and last line) and left out; with ``--replace`` one replacement is started under its
+id, once per id, with ``JAXCOLL_REPLACEMENT=1`` (it calls ``Survivor.join``). Process 0 hosts
+JAX's coordination service: its failure still ends the job, as does a failure after it has
+ended. The exit code is 0 when process 0 and every process still running exit 0 (on another
+node: when at least one of its processes ran to the end and each that did exited 0).
+``--recoverable`` does not combine with ``--max-restarts`` or ``--nprocs MIN:MAX`` (they
+restart the group; this mode goes on without restarting).
 """
 
 from __future__ import annotations
@@ -59,6 +72,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .. import trace
+from .._init import HEARTBEAT_TIMEOUT, RECOVERABLE_HEARTBEAT_TIMEOUT
+from . import _recoverable
 from ._group import POLL_S as _POLL_S
 from ._group import _child_env as _child_env
 from ._group import _Group
@@ -79,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_job_options(p)
     _add_supervision_options(p)
     _add_watchdog_options(p)
+    _add_recovery_options(p)
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
     p.add_argument(
         "-m",
@@ -151,8 +167,36 @@ def _add_supervision_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--heartbeat-timeout",
         type=int,
-        default=20,
-        help="seconds without heartbeat before a peer counts as dead",
+        default=None,
+        help=f"seconds without heartbeat before a peer counts as dead (default "
+        f"{HEARTBEAT_TIMEOUT}; {RECOVERABLE_HEARTBEAT_TIMEOUT} with --recoverable)",
+    )
+
+
+def _add_recovery_options(p: argparse.ArgumentParser) -> None:
+    """--recoverable: the job goes on without a dead process (dp.Survivor)."""
+    p.add_argument(
+        "--recoverable",
+        action="store_true",
+        help="go on when a process other than 0 dies: report it instead of ending the job; "
+        "every process gets JAXCOLL_RECOVERABLE=1 and a finite XLA collective timeout "
+        "(for dp.Survivor). Process 0's death still ends the job: it hosts the "
+        "coordination service. Not with --max-restarts or --nprocs MIN:MAX",
+    )
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --recoverable: seconds a collective waits for a dead peer before it "
+        "raises (XLA:CPU's --xla_cpu_collective_timeout_seconds in XLA_FLAGS; default "
+        f"{_recoverable.DEFAULT_COLLECTIVE_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="with --recoverable: start one replacement under a dead process's id (same "
+        "coordinator and environment, JAXCOLL_REPLACEMENT=1), at most once per id",
     )
 
 
@@ -256,10 +300,45 @@ def _check(a: argparse.Namespace) -> None:
             f"a program's first run waits for its peers' compiles too. Set it to at least "
             f"{a.timeout:g}, or leave it out."
         )
+    _check_recovery(a)
     if a.init_timeout < 1 or a.heartbeat_timeout < 1:
         _error("--init-timeout and --heartbeat-timeout must be at least 1 second.")
     if not a.module and not os.path.exists(a.program):
         _error(f"program {a.program!r} does not exist. Pass a script path, or -m MODULE.")
+
+
+def _check_recovery(a: argparse.Namespace) -> None:
+    """--recoverable, --collective-timeout, --replace; the heartbeat timeout's default."""
+    if not a.recoverable:
+        for flag, given in (
+            ("--collective-timeout", a.collective_timeout is not None),
+            ("--replace", a.replace),
+        ):
+            if given:
+                _error(f"{flag} needs --recoverable (the job going on without a dead process).")
+        if a.heartbeat_timeout is None:
+            a.heartbeat_timeout = HEARTBEAT_TIMEOUT
+        return
+    if a.max_restarts:
+        _error(
+            f"--recoverable with --max-restarts={a.max_restarts}: the job goes on without a "
+            f"dead process instead of restarting the group. Use one of them."
+        )
+    if a.min_nprocs < a.nprocs:
+        _error(
+            f"--recoverable with --nprocs={a.min_nprocs}:{a.nprocs} (elastic restarts): the "
+            f"job goes on without a dead process instead of restarting the group. Give "
+            f"--nprocs {a.nprocs}."
+        )
+    if a.collective_timeout is None:
+        a.collective_timeout = _recoverable.DEFAULT_COLLECTIVE_TIMEOUT_S
+    if not a.collective_timeout > 0:
+        _error(
+            f"--collective-timeout={a.collective_timeout} must be a positive number of "
+            f"seconds: a survivor's collective with a dead process must end."
+        )
+    if a.heartbeat_timeout is None:
+        a.heartbeat_timeout = RECOVERABLE_HEARTBEAT_TIMEOUT
 
 
 def _say(msg: str) -> None:
@@ -325,6 +404,8 @@ def _supervise(
 ) -> int:
     """Run the group, restarting it (or, elastic, a smaller one) after a failure while the
     options allow; the job's exit code."""
+    if a.recoverable:
+        return _supervise_recoverable(a, command, traces, received)
     restart = 0  # generations started after the first (JAXCOLL_RESTART_COUNT)
     retries = 0  # restarts at the current size
     slots = list(range(a.nprocs))  # the original local ranks still in the job
@@ -370,6 +451,26 @@ def _supervise(
         code = proc.popen.returncode
         _say(f"failed: process {proc.index} {describe_exit(code)}{because(proc)}.")
         return code if code > 0 else 128 - code
+
+
+def _supervise_recoverable(
+    a: argparse.Namespace, command: list[str], traces: _Traces, received: list[int]
+) -> int:
+    """--recoverable: one group, going on without the processes other than 0 that die."""
+    group = _Group(a, command, 0, traces.path, list(range(a.nprocs)))
+    n = a.nnodes * a.nprocs
+    code = _recoverable.supervise(a, group, received, _say, _SETTLE_S)
+    if code is None:
+        sig = received[0]
+        _say(
+            f"received {signal.Signals(sig).name}; forwarding it to {len(group.procs)} process(es)."
+        )
+        group.stop(a.grace, sig)
+        group.join_output()
+        code = 128 + sig
+    if code or not group.lost:  # a lost process leaves no record: nothing to compare
+        _analyse(group, n, code != 0, traces)
+    return code
 
 
 def _wait(group: _Group, received: list[int]) -> list[Proc] | None:

@@ -20,6 +20,8 @@ from ._output import Proc, pump
 _PR_SET_PDEATHSIG = 1
 POLL_S = 0.05
 _KILLS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT}  # signals sent from outside
+COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"  # --recoverable sets it
+REPLACEMENT_ENV = {"JAXCOLL_REPLACEMENT": "1"}  # a replacement's mark (--replace)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -41,7 +43,7 @@ def _child_env(
     """The environment of local process ``local_rank`` of a generation that runs ``slots``
     (the original local ranks still in the job, default all): it takes the devices of slot
     ``slots[local_rank]``."""
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in REPLACEMENT_ENV}  # set by --replace
     slots = list(range(a.nprocs)) if slots is None else list(slots)
     nprocs = len(slots)
     nprocs_total = a.nnodes * nprocs
@@ -74,7 +76,14 @@ def _child_env(
     d = a.devices_per_proc
     # XLA:CPU's own rendezvous timeouts out of the way: only jaxcoll's watchdog ends a stuck
     # collective, with its message (see jaxcoll._xla_flags).
-    env["XLA_FLAGS"] = with_xla_cpu_flags(env.get("XLA_FLAGS", ""), d)
+    xla_flags = env.get("XLA_FLAGS", "")
+    if getattr(a, "recoverable", False):
+        # A survivor's collective with a dead peer must fail (and raise) after a finite time:
+        # --collective-timeout wins over the same flag in XLA_FLAGS.
+        kept = [f for f in xla_flags.split() if f.split("=", 1)[0] != COLLECTIVE_TIMEOUT_FLAG]
+        xla_flags = " ".join([*kept, f"{COLLECTIVE_TIMEOUT_FLAG}={a.collective_timeout:g}"])
+        env["JAXCOLL_RECOVERABLE"] = "1"
+    env["XLA_FLAGS"] = with_xla_cpu_flags(xla_flags, d)
     if d is not None:
         env["JAX_NUM_CPU_DEVICES"] = str(d)
         if nprocs_total > 1 or nprocs < a.nprocs:
@@ -104,37 +113,62 @@ class _Group:
         traces: str,
         slots: Sequence[int],
     ):
-        host_port = a.coordinator or f"127.0.0.1:{free_port()}"
-        bind = a.bind or host_port
+        self.a, self.command, self.restart = a, command, restart
+        self.host_port = a.coordinator or f"127.0.0.1:{free_port()}"
+        self.bind = a.bind or self.host_port
         self.lock = threading.Lock()
         self.procs: list[Proc] = []
+        self.lost: list[Proc] = []  # --recoverable: processes the job went on without
         self.slots = list(slots)
         self.trace_dir = os.path.join(traces, f"restart{restart}")
         os.makedirs(self.trace_dir, exist_ok=True)
         for local in range(len(self.slots)):
-            index = a.node_rank * len(self.slots) + local
-            env = _child_env(a, host_port, bind, local, restart, self.trace_dir, self.slots)
-            popen = subprocess.Popen(
-                command,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
+            self.procs.append(self._spawn(local))
+
+    def _spawn(self, local: int, extra: dict[str, str] | None = None) -> Proc:
+        """Start local process ``local`` (its environment plus ``extra``)."""
+        a = self.a
+        index = a.node_rank * len(self.slots) + local
+        env = _child_env(
+            a, self.host_port, self.bind, local, self.restart, self.trace_dir, self.slots
+        )
+        env.update(extra or {})
+        popen = subprocess.Popen(
+            self.command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        proc = Proc(index, popen)
+        threading.Thread(target=proc.reap, daemon=True).start()
+        prefix = "" if a.no_prefix else f"[{index}] "
+        for stream, out, who in (
+            (popen.stdout, sys.stdout, None),
+            (popen.stderr, sys.stderr, proc),
+        ):
+            t = threading.Thread(
+                target=pump, args=(stream, out, prefix, self.lock, who), daemon=True
             )
-            proc = Proc(index, popen)
-            threading.Thread(target=proc.reap, daemon=True).start()
-            prefix = "" if a.no_prefix else f"[{index}] "
-            for stream, out, who in (
-                (popen.stdout, sys.stdout, None),
-                (popen.stderr, sys.stderr, proc),
-            ):
-                t = threading.Thread(
-                    target=pump, args=(stream, out, prefix, self.lock, who), daemon=True
-                )
-                t.start()
-                proc.threads.append(t)
-            self.procs.append(proc)
+            t.start()
+            proc.threads.append(t)
+        return proc
+
+    def lose(self, proc: Proc) -> None:
+        """--recoverable: ``proc`` died and the job goes on without it (no longer in
+        :attr:`procs`: not signalled, not waited for)."""
+        self.procs.remove(proc)
+        self.lost.append(proc)
+        for t in proc.threads:
+            t.join(timeout=1.0)
+
+    def replace(self, proc: Proc) -> Proc:
+        """--recoverable --replace: start a process under lost ``proc``'s id, with the same
+        coordinator and environment and ``JAXCOLL_REPLACEMENT=1``."""
+        new = self._spawn(proc.index - self.a.node_rank * len(self.slots), REPLACEMENT_ENV)
+        self.procs.append(new)
+        return new
 
     def failures(self) -> list[Proc]:
         """Processes that exited non-zero or were killed, earliest first."""

@@ -27,11 +27,21 @@ First the references, run on this host with ``jaxcoll-run`` and no SLURM; then t
     checkpoint of step 4 (committed before the loss) on 1 x 4 devices and ends equal to the
     2 x 4 run within 1e-5.
 
+(g) ``examples/slurm_job_recoverable.sbatch`` (``jaxcoll-run --recoverable`` on each node) with
+    ``dp.Survivor`` (tests/multihost/workers/run_recoverable.py, HSDP replicate=2 x shard=4,
+    one replica per node), node 1 taken away at step 3 while its process sleeps there: no
+    restart; process 0 goes on alone from step 3 and the job COMPLETES with exit code 0, its
+    losses and final params those of one device stepping the same global batches (1e-6). Run
+    after (f): it first starts node 1's slurmd again.
+
+``JAXCOLL_SLURM_JOBS=g`` runs job (g) alone.
+
 After every job no process of it is left. Prints one line per job with its time.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -497,8 +507,109 @@ def job_f(ref_train: list[dict]) -> None:
     )
 
 
+def _node_back(node: str) -> None:
+    """Start ``node``'s slurmd again (after (f) took it away) and wait until it is idle."""
+    if _slurmd_running(node) and _node_state(node) == "idle":
+        return
+    log = open(SCRATCH / f"slurmd-{node}-again.out", "w")  # noqa: SIM115 - the daemon keeps it
+    subprocess.Popen(
+        ["slurmd", "-D", "-N", node, "-f", os.environ["SLURM_CONF"]],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # ended by run.sh's last sweep (it carries TEST_SLURM_RUN)
+    deadline = time.monotonic() + 90
+    while _node_state(node) != "idle":
+        if time.monotonic() > deadline:
+            raise AssertionError(f"(g) node {node} not idle again: {_node_state(node)!r}")
+        if _node_state(node) in ("down", "drain"):  # it answers again, marked down
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
+        time.sleep(0.5)
+
+
+def _slurmd_running(node: str) -> bool:
+    for path in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (path / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd[:1] and cmd[0].endswith(b"slurmd") and node.encode() in cmd:
+            return True
+    return False
+
+
+def _node_state(node: str) -> str:
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", "-n", node, "-o", "%t"], capture_output=True, text=True
+    ).stdout
+    return out.strip()  # "idle", or "idle*" / "down*" for a node that does not respond
+
+
+def job_g() -> None:
+    """(g) examples/slurm_job_recoverable.sbatch: node 1 is lost at step 3; no restart."""
+    from tests.multihost.test_replica_loss import _oracle
+
+    _node_back(NODE1)
+    out = SCRATCH / "g_recoverable"
+    out.mkdir()
+    kill_step, steps = 3, 8
+    job_id, token, t0 = submit(
+        "g_recoverable",
+        ROOT / "examples" / "slurm_job_recoverable.sbatch",
+        [str(WORKERS / "run_recoverable.py"), str(out), str(kill_step), str(steps)]
+        + ["1", "2", "4", "pause"],
+        CPU_NODES,
+        **{**CPU_ENV, "JAXCOLL_COLLECTIVE_TIMEOUT": "5"},
+    )
+    deadline = time.monotonic() + 180
+    while not (out / "killed").exists():  # process 1 (node 1) sleeps at step 3
+        if time.monotonic() > deadline or job_info(job_id).get("JobState") in _ENDED:
+            subprocess.run(["scancel", job_id], check=False)
+            raise AssertionError("(g) process 1 never reached step 3")
+        time.sleep(0.2)
+    lost_at = time.monotonic()
+    killed = _take_node_away(NODE1)
+    check(bool(killed), f"(g) found nothing of node {NODE1} to take away")
+    job = wait("g_recoverable", job_id, token, t0)
+    check(
+        job.state == "COMPLETED" and job.exit_code == 0,
+        f"(g) job {job.id} ended {job.state}, exit code {job.exit_code}",
+        job.output,
+    )
+    check("slurm_recoverable: node 0's launcher exited 0." in job.output, "(g) node 0", job.output)
+    check("restart" not in job.output.replace("--max-restarts", ""), "(g) restarted", job.output)
+    events = json.loads((out / "p0.json").read_text())
+    replicas = [s[4] for s in events["steps"]]
+    check(
+        [s[0] for s in events["steps"]] == list(range(steps))
+        and replicas == [2] * kill_step + [1] * (steps - kill_step),
+        f"(g) process 0's steps {events['steps']}",
+        job.output,
+    )
+    with np.load(out / "p0.npz") as data:
+        init = {k[5:]: data[k] for k in data.files if k.startswith("init/")}
+        batches = [{n: data[f"batch/{i}/{n}"] for n in ("x", "y", "id")} for i in range(steps)]
+        final = {k[6:]: data[k] for k in data.files if k.startswith("final/")}
+    expect, losses = _oracle(init, batches)
+    np.testing.assert_allclose([s[2] for s in events["steps"]], losses, rtol=1e-5, atol=1e-6)
+    for k, v in expect.items():
+        np.testing.assert_allclose(final[k], v, rtol=0, atol=1e-6, err_msg=f"(g) {k}")
+    resumed = events["steps"][kill_step][3] - events["steps"][kill_step - 1][3]
+    say(
+        f"(g) examples/slurm_job_recoverable.sbatch, node {NODE1} taken away at step "
+        f"{kill_step}: no restart, process 0 went on alone (step {kill_step} done "
+        f"{resumed:.1f} s after step {kill_step - 1}; job ended {job.ended_at - lost_at:.1f} s "
+        f"after the loss), COMPLETED exit 0, params equal to one device's: "
+        f"PASS {job.seconds:.1f} s"
+    )
+
+
 def main() -> None:
     t0 = time.monotonic()
+    if os.environ.get("JAXCOLL_SLURM_JOBS") == "g":  # (g) alone: it needs no reference
+        job_g()
+        say(f"job (g) passed in {time.monotonic() - t0:.1f} s")
+        return
     ref = SCRATCH / "ref"
     reference(
         ["--nprocs", "1", "--devices-per-proc", "8"],
@@ -529,7 +640,8 @@ def main() -> None:
     job_c()
     job_d(ref_train)
     job_e(ref_train)
-    job_f(ref_train)  # last: it takes node 1 away
+    job_f(ref_train)  # it takes node 1 away
+    job_g()  # last: it starts node 1 again, then takes it away
     say(f"all jobs passed in {time.monotonic() - t0:.1f} s")
 
 
