@@ -71,7 +71,8 @@ DP_FLOORS = {
     "jaxcoll.dp.step": 4,
     "jaxcoll.dp.loop": 4,
     "jaxcoll.dp.trainer": 5,
-    "jaxcoll.dp": 6,
+    "jaxcoll.dp.survivor": 6,
+    "jaxcoll.dp": 7,
 }
 DOOR = "jaxcoll._jax"  # the one module that reaches JAX internals
 INTERNAL = ("jax._src", "jax.interpreters", "jax.extend")

@@ -31,7 +31,6 @@ from .loop.components import Profile as Profile
 from .loop.components import Progress as Progress
 from .loop.components import Throughput as Throughput
 from .loop.evaluate import Evaluate as Evaluate
-from .loop.replicas import Survivor as Survivor
 from .reports.metrics import measure_peak_flops as measure_peak_flops
 from .reports.plot import PlotWriter as PlotWriter
 from .reports.plot import plot_history as plot_history
@@ -39,6 +38,7 @@ from .reports.plot import plot_trace as plot_trace
 from .reports.tensorboard import TensorBoardWriter as TensorBoardWriter
 from .reports.tensorboard import read_scalars as read_scalars
 from .state import TrainState as TrainState
+from .survivor import Survivor as Survivor
 from .sync.buckets import mean_gradients as mean_gradients
 from .sync.buckets import plan_buckets as plan_buckets
 from .sync.quantized import Quantize as Quantize

@@ -72,7 +72,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .. import trace
-from .._init import HEARTBEAT_TIMEOUT, RECOVERABLE_HEARTBEAT_TIMEOUT
 from . import _recoverable
 from ._group import POLL_S as _POLL_S
 from ._group import _child_env as _child_env
@@ -81,6 +80,11 @@ from ._group import free_port as free_port
 from ._output import Proc, because, describe_exit
 
 __all__ = ["main"]
+
+# jaxcoll.init's heartbeat defaults (jaxcoll/_init.py), given here too: the launcher imports no
+# JAX, and it passes the value to every process it starts (JAXCOLL_HEARTBEAT_TIMEOUT).
+HEARTBEAT_TIMEOUT = 20
+RECOVERABLE_HEARTBEAT_TIMEOUT = 3
 
 _SETTLE_S = 10.0  # how long the others may take to end by themselves after a failure
 

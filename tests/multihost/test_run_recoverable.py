@@ -162,3 +162,11 @@ def test_process_0_failing_still_ends_the_job(tmp_path):
         job.stderr,
     ), job.stderr[-3000:]
     assert survivors(job.token) == []
+
+
+def test_the_launchers_heartbeat_defaults_are_init_s():
+    # The launcher imports no JAX, so it states jaxcoll.init's defaults again; they must agree.
+    from jaxcoll import _init, run
+
+    assert run.HEARTBEAT_TIMEOUT == _init.HEARTBEAT_TIMEOUT
+    assert run.RECOVERABLE_HEARTBEAT_TIMEOUT == _init.RECOVERABLE_HEARTBEAT_TIMEOUT

@@ -29,18 +29,20 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..._core.live import live_devices
-from ..._core.roles import Role
-from ..._core.typing import PyTree
-from ..._xla_flags import XLA_CPU_TIMEOUT_S
-from ..adapters import Model
-from ..extra import Extra
-from ..layout import Layout
-from ..state import TrainState
-from ..step.loss import LossFn
-from ..sync import Strategy
-from ..sync.semisync import DiLoCo
-from ..trainer import Trainer
+from .._core.live import live_devices
+from .._core.roles import Role
+from .._core.typing import PyTree
+from .._jax import distributed_state
+from .._watch import pause
+from .._xla_flags import XLA_CPU_TIMEOUT_S
+from .adapters import Model
+from .extra import Extra
+from .layout import Layout
+from .state import TrainState
+from .step.loss import LossFn
+from .sync import Strategy
+from .sync.semisync import DiLoCo
+from .trainer import Trainer
 
 __all__ = ["Recovery", "Survivor"]
 
@@ -136,7 +138,7 @@ class Survivor:
 
     Attributes:
         trainer: the Trainer of the current mesh (a new one after each loss).
-        recoveries: a :class:`~jaxcoll.dp.loop.replicas.Recovery` per loss gone on from.
+        recoveries: a :class:`~jaxcoll.dp.survivor.Recovery` per loss gone on from.
 
     **Replacements.** With ``rejoin=True`` a process started again with a dead one's id
     calls :meth:`join` instead of :meth:`init` and gets the job's state at the survivors' next
@@ -421,7 +423,6 @@ def _unwatched() -> None:
     """Turn this process's collective watchdog and flight recorder off: its failed-device
     check ends a process in which part of a step's devices failed while the others wait (a
     survivor's, for a moment, at a loss)."""
-    from ..._watch import pause
 
     pause()
 
@@ -463,7 +464,6 @@ _MESH_KEY = "jaxcoll/survivor/mesh"
 def _publish(mesh: Mesh) -> None:
     """Put the mesh's device ids (its replica blocks, in order) in the job's key-value store,
     for a replacement's :meth:`Survivor.join`."""
-    from ..._jax import distributed_state
 
     client = distributed_state().client
     if client is None:
@@ -475,7 +475,6 @@ def _publish(mesh: Mesh) -> None:
 
 def _published(full: Mesh, timeout: float) -> np.ndarray:
     """The survivors' current replica blocks, from the key-value store."""
-    from ..._jax import distributed_state
 
     client = distributed_state().client
     try:
