@@ -619,6 +619,7 @@ def test_the_model_specs_are_found_once_and_travel_with_the_state(monkeypatch, t
     # restored into its template reads no specs again (each is placed as the Trainer places
     # it), nor does evaluate.
     from jaxcoll.dp import trainer as trainer_module
+    from jaxcoll.dp.trainer import _placement
 
     calls = []
     found = trainer_module.model_specs
@@ -627,7 +628,9 @@ def test_the_model_specs_are_found_once_and_travel_with_the_state(monkeypatch, t
         calls.append(args[0])
         return found(*args, **kwargs)
 
+    # init reads them in the Trainer's module; a state's placement check in _placement's.
     monkeypatch.setattr(trainer_module, "model_specs", counted)
+    monkeypatch.setattr(_placement, "model_specs", counted)
     trainer = _trainer("fsdp4xtp2")
     batches = data()
     state = trainer.init(params0(), jax.random.key(1), specs=SPECS)

@@ -11,14 +11,12 @@ places the state from its own replica's copy (the step's input, kept because not
 donated) and runs the *same* step on the *same* global batch again. The step count goes on;
 nothing is skipped or trained twice.
 
-What it costs, measured: see :class:`Survivor`.
+What it costs, measured: see :class:`Survivor`. What it asks of the job and layout is checked
+in ``_checks.py``; the state and batches are moved onto a new mesh by ``_moves.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -26,28 +24,31 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, Mesh
 
-from .._core.live import live_devices
-from .._core.roles import Role
-from .._core.typing import PyTree
-from .._jax import distributed_state
-from .._watch import pause
-from .._xla_flags import XLA_CPU_TIMEOUT_S
-from .adapters import Model
-from .extra import Extra
-from .layout import Layout
-from .state import TrainState
-from .step.loss import LossFn
-from .sync import Strategy
-from .sync.semisync import DiLoCo
-from .trainer import Trainer
+from ..._core.live import live_devices
+from ..._core.roles import Role
+from ..._core.typing import PyTree
+from ..adapters import Model
+from ..extra import Extra
+from ..layout import Layout
+from ..state import TrainState
+from ..step.loss import LossFn
+from ..sync import Strategy
+from ..sync.semisync import DiLoCo
+from ..trainer import Trainer
+from ._checks import _check_job, _named, _unwatched, _whole_processes
+from ._moves import (
+    _from_first_replica,
+    _global,
+    _local_int,
+    _placed,
+    _publish,
+    _published,
+    _zeros_on,
+)
 
 __all__ = ["Recovery", "Survivor"]
-
-_FLAG = "--xla_cpu_collective_timeout_seconds"
-_AXIS_ROLES = (Role.PIPELINE, Role.REPLICATE, Role.SHARD, Role.CONTEXT, Role.TENSOR)
 
 
 class Recovery(NamedTuple):
@@ -364,174 +365,3 @@ class Survivor:
         state = _from_first_replica(state, grown)
         self.trainer = self._trainer(grown)
         return state
-
-
-def _named(layout: Layout) -> Layout:
-    """``layout`` with each role naming the axis its built mesh gives it (``"replicate"``,
-    ``"shard"``, ...), for meshes the Survivor builds itself."""
-    names = {r.value: layout._names(r) for r in _AXIS_ROLES}
-    given = {role: (n[0] if n else None) for role, n in names.items()}
-    if layout.expert is not None:
-        given[Role.EXPERT.value] = layout.expert_axis
-    return dataclasses.replace(layout, **given)
-
-
-def _whole_processes(api: str, mesh: Mesh) -> None:
-    """Raise unless every process's devices lie in one data replica."""
-    blocks = np.moveaxis(mesh.devices, mesh.axis_names.index(Role.REPLICATE.value), 0)
-    where: dict[int, set[int]] = {}
-    for r in range(blocks.shape[0]):
-        for d in blocks[r].flat:
-            where.setdefault(d.process_index, set()).add(r)
-    split = {p: sorted(rs) for p, rs in where.items() if len(rs) > 1}
-    if split:
-        p, rs = next(iter(split.items()))
-        raise ValueError(
-            f"{api}: process {p} holds devices of replicas {rs}; each data replica must be "
-            f"whole processes (a lost process takes its replicas with it). Give replicate= "
-            f"a divisor of the process count ({jax.process_count()}) and the other roles "
-            f"the devices of one replica."
-        )
-
-
-def _check_job(api: str) -> None:
-    if jax.process_count() == 1:
-        return
-    if not getattr(jax.config, "jax_enable_recoverability", False):
-        raise RuntimeError(
-            f"{api}: the job was started without recoverability, so a lost process ends every "
-            f"process; set JAXCOLL_RECOVERABLE=1 for jaxcoll.init (or "
-            f'jax.config.update("jax_enable_recoverability", True) before joining) in every '
-            f"process."
-        )
-    if jax.default_backend() != "cpu":
-        return
-    values = [f.split("=", 1)[1] for f in os.environ.get("XLA_FLAGS", "").split() if "=" in f]
-    names = [f.split("=", 1)[0] for f in os.environ.get("XLA_FLAGS", "").split() if "=" in f]
-    given = [v for n, v in zip(names, values) if n == _FLAG]
-    seconds = float(given[-1]) if given and given[-1].replace(".", "", 1).isdigit() else None
-    if seconds is None or seconds <= 0 or seconds >= XLA_CPU_TIMEOUT_S:
-        raise ValueError(
-            f"{api}: XLA_FLAGS sets {_FLAG}={given[-1] if given else 'nothing'}; a survivor's "
-            f"step then waits for a dead process for ever. Start every process with a finite "
-            f"one, e.g. XLA_FLAGS='{_FLAG}=5 ...' (read once per process, so the launcher "
-            f"sets it)."
-        )
-
-
-def _unwatched() -> None:
-    """Turn this process's collective watchdog and flight recorder off: its failed-device
-    check ends a process in which part of a step's devices failed while the others wait (a
-    survivor's, for a moment, at a loss)."""
-
-    pause()
-
-
-def _local_int(x: Any) -> int:
-    """A replicated scalar's value from this process's first shard (no collective)."""
-    if isinstance(x, jax.Array):
-        return int(np.asarray(x.addressable_shards[0].data))
-    return int(x)
-
-
-def _placed(path: Any, x: Any, mesh: Mesh) -> Any:
-    """``x`` on ``mesh`` (same spec), from this process's shards of it."""
-    if not isinstance(x, jax.Array):
-        return x
-    spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()
-    full = np.zeros(x.shape, x.dtype)
-    have = np.zeros(x.shape, bool)
-    for shard in x.addressable_shards:
-        full[shard.index] = np.asarray(shard.data)
-        have[shard.index] = True
-
-    def part(index: Any) -> np.ndarray:
-        if not have[index].all():
-            raise RuntimeError(
-                f"dp.Survivor.step: state leaf {jax.tree_util.keystr(path)} is not whole on "
-                f"this process's replica (split over the replicate axis: per-rank hook "
-                f"state?); the lost replica took its part. Use a strategy whose state is "
-                f"replicated over the replicas."
-            )
-        return full[index]
-
-    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), part)
-
-
-_MESH_KEY = "jaxcoll/survivor/mesh"
-
-
-def _publish(mesh: Mesh) -> None:
-    """Put the mesh's device ids (its replica blocks, in order) in the job's key-value store,
-    for a replacement's :meth:`Survivor.join`."""
-
-    client = distributed_state().client
-    if client is None:
-        return
-    blocks = np.moveaxis(mesh.devices, mesh.axis_names.index(Role.REPLICATE.value), 0)
-    value = json.dumps([[d.id for d in b.flat] for b in blocks])
-    client.key_value_set(_MESH_KEY, value, allow_overwrite=True)
-
-
-def _published(full: Mesh, timeout: float) -> np.ndarray:
-    """The survivors' current replica blocks, from the key-value store."""
-
-    client = distributed_state().client
-    try:
-        rows = json.loads(client.blocking_key_value_get(_MESH_KEY, int(timeout * 1000)))
-    except Exception as e:  # XLA's status error: no survivor lost a replica in this job
-        raise RuntimeError(
-            f"dp.Survivor.join: no survivor published its mesh within {timeout} s (key "
-            f"{_MESH_KEY!r}): join only a job whose dp.Survivor lost this replica. "
-            f"{type(e).__name__}: {e}"
-        ) from e
-    by_id = {d.id: d for d in full.devices.flat}
-    block = np.moveaxis(full.devices, full.axis_names.index(Role.REPLICATE.value), 0)[0]
-    return np.stack([np.array([by_id[i] for i in row]).reshape(block.shape) for row in rows])
-
-
-def _zeros_on(x: Any, mesh: Mesh) -> Any:
-    """An array shaped like ``x`` (same spec) on ``mesh``, zeros on this process's devices."""
-    if not isinstance(x, jax.Array):
-        return x
-    spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()
-    zeros = np.zeros(x.shape, x.dtype)
-    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: zeros[i])
-
-
-def _from_first_replica(state: TrainState, mesh: Mesh) -> TrainState:
-    """``state`` with every replica holding the first replica's copy (one collective)."""
-    import jax.numpy as jnp
-
-    leaves, tree = jax.tree_util.tree_flatten(state)
-    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-    specs = tuple(leaves[i].sharding.spec for i in arrays)
-    axis = Role.REPLICATE.value
-
-    def body(*xs: jax.Array) -> tuple[jax.Array, ...]:
-        first = jax.lax.axis_index(axis) == 0
-        return tuple(jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), axis) for x in xs)
-
-    sent = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs))(
-        *(leaves[i] for i in arrays)
-    )
-    for i, x in zip(arrays, jax.block_until_ready(sent)):
-        leaves[i] = x
-    return jax.tree_util.tree_unflatten(tree, leaves)
-
-
-def _global(batch: PyTree, sharding: NamedSharding) -> PyTree:
-    """A host global batch (the same on every process) as global arrays placed as
-    ``sharding``, each process giving its devices' rows: no cross-process check (``jax.
-    device_put``'s runs a collective over one device per process, in an order a dead process
-    used too, which a replacement cannot join)."""
-
-    def one(x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            return x
-        x = np.asarray(x)
-        if x.ndim == 0:
-            return x
-        return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
-
-    return jax.tree_util.tree_map(one, batch)

@@ -3,27 +3,27 @@
 A thin facade: it checks its arguments, binds its layout once (:class:`~jaxcoll.dp.BoundLayout`,
 kept whole as ``trainer.layout``), prepares the gradient-sync strategy it is given (``sync=``,
 :mod:`jaxcoll.dp.sync`), builds the jitted programs (:mod:`jaxcoll.dp.step.build`) and takes
-its host loop from :mod:`jaxcoll.dp.loop.fit` (``Trainer.fit`` is :func:`loop.fit`).
+its host loop from :mod:`jaxcoll.dp.loop.fit` (``Trainer.fit`` is :func:`loop.fit`). Where it
+places batches and state, and the check of a state's placement, are its base's (``_placement.py``).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from .._core.checks import check_static_int
-from .._core.scheduled import Scheduled
-from .._core.typing import PyTree
-from .._watch import process, watchdog
-from .adapters import Model, annotated
-from .checks import (
+from ..._core.checks import check_static_int
+from ..._core.scheduled import Scheduled
+from ..._core.typing import PyTree
+from ..._watch import process, watchdog
+from ..adapters import Model, annotated
+from ..checks import (
     LossOutputError,
     check_flag,
     check_state,
@@ -31,19 +31,19 @@ from .checks import (
     removed_keywords,
     unbound_axis,
 )
-from .data.batches import Batches, leading_size, placed_as
-from .extra import Extra
-from .host import to_host
-from .layout import BoundLayout, Layout
-from .loop import fit as loop
-from .specs import check_placed_specs, from_rules, is_rules, model_specs, restrict, unbox
-from .state import TrainState
-from .step.build import build_eval, build_step
-from .step.honoured import tensor_split
-from .step.loss import LossFn, check_optimizer, step_loss
-from .step.placement import first_state
-from .sync import Strategy
-from .sync.choose import for_layout
+from ..data.batches import Batches
+from ..extra import Extra
+from ..host import to_host
+from ..layout import BoundLayout, Layout
+from ..loop import fit as loop
+from ..specs import from_rules, is_rules, model_specs, unbox
+from ..state import TrainState
+from ..step.build import build_eval, build_step
+from ..step.loss import LossFn, check_optimizer, step_loss
+from ..step.placement import first_state
+from ..sync import Strategy
+from ..sync.choose import for_layout
+from ._placement import _Placement, _Specs
 
 #: What ``Trainer(axis_name=)`` became: the layout names the data axes.
 AXIS_NAME_GONE = (
@@ -53,15 +53,7 @@ AXIS_NAME_GONE = (
 )
 
 
-class _Specs(NamedTuple):
-    """The params' model specs, known at init (or from the first state's placement), and
-    where a state this Trainer placed holds each leaf: a state placed so carries its specs."""
-
-    model: tuple[P, ...]  # each leaf's model spec, P() for a whole one
-    held: tuple[NamedSharding, ...]  # each leaf's sharding in the Trainer's state
-
-
-class Trainer:
+class Trainer(_Placement):
     """Data-parallel training over a mesh axis, equal to one device stepping the whole batch.
 
     Each step is equivalent to this single-device reference::
@@ -205,31 +197,6 @@ class Trainer:
         """The device mesh: the bound layout's (``trainer.layout.mesh``)."""
         return self.layout.mesh
 
-    # ----------------------------------------------------------------------------- placement
-    def _check_batch(self, batch: PyTree, api: str) -> None:
-        accum = self.accum_steps if api == "Trainer.step" else 1
-        self.layout.split.check(api, batch, leading_size(api, batch), accum)
-
-    @property
-    def batch_sharding(self) -> NamedSharding:
-        """Where a global batch goes: split along its leading axis over the data axes
-        (``P(axis_name)``), replicated over the model's axes (and whole along the sequence
-        over a context axis: each device takes its part of it inside the step). A data
-        pipeline whose processes each read only their rows places them with it
-        (``jax.make_array_from_process_local_data(trainer.batch_sharding, rows, shape)``,
-        as :class:`~jaxcoll.dp.TokenBatches` does)."""
-        return self.layout.batch_sharding
-
-    def shard_batch(self, batch: PyTree, api: str = "Trainer.step") -> PyTree:
-        """Place a global batch on the mesh, split along its leading axis; check its size.
-
-        A host batch (NumPy) is whole on every process and split here; global ``jax.Array`` s
-        placed as :attr:`batch_sharding` (each process gave only its rows, as
-        :class:`~jaxcoll.dp.TokenBatches` does) are used as they are, others resharded."""
-        self._check_batch(batch, api)
-        to = self.batch_sharding
-        return batch if placed_as(batch, to) else jax.device_put(batch, to)
-
     # ---------------------------------------------------------------------------------- init
     def init(
         self,
@@ -301,48 +268,6 @@ class Trainer:
             extra=self.extra,
             model_axes=self.layout.axes,
         )
-
-    def _set_model_specs(self, found: list[P], params: PyTree) -> None:
-        """Keep the params' model specs (:mod:`jaxcoll.dp.specs`) and prepare the strategy
-        for them (new programs when they change; None when every leaf is whole over the
-        model axes), and where this Trainer's state holds each leaf of ``params``."""
-        model = tuple(found)
-        tensor_split("Trainer.init", self.layout, found)
-        if self._specs is None or model != self._specs.model:
-            whole = all(s == P() for s in model)
-            self.sync = self.sync.with_model_specs(None if whole else model)
-            self._step_fns, self._eval_fn, self._placed = {}, None, None
-        held = self.sync.named(self.sync.state_param_specs(params))
-        self._specs = _Specs(model, tuple(jax.tree_util.tree_leaves(held)))
-
-    def _check_placed(self, api: str, params: PyTree) -> None:
-        """Raise if a leaf of ``params`` is placed over the mesh's model axes otherwise than
-        this Trainer's model spec for it says, or over an axis with no role: the step
-        would silently make it whole (or split it as the init's spec says).
-
-        The model specs were found once, at init; a state placed as this Trainer places its
-        own (the one a step returned, a copy of it, one restored into its template) carries
-        them and is taken as it is. Only another placement is read again (its specs, to
-        compare; a state's first arrival where no init ran: its specs, kept)."""
-        known = self._specs
-        leaves = jax.tree_util.tree_leaves(params)
-        if known is not None and len(leaves) == len(known.held):
-            if all(getattr(x, "sharding", None) == s for x, s in zip(leaves, known.held)):
-                return
-        found = model_specs(api, params, None, self.layout)
-        if known is None:  # a state built elsewhere: take its specs
-            if self.layout.expert_axis is not None:
-                raise ValueError(
-                    f"{api}: this Trainer's layout splits experts over the data axis "
-                    f"{self.layout.expert_axis!r}, and a state's placement cannot tell them "
-                    f"from the strategy's own split; call trainer.init first (or restore "
-                    f"into the state it returns)."
-                )
-            self._set_model_specs(found, params)
-            return
-        # Whole over the model axes: any params (the model is the user's to change).
-        model = known.model if any(s != P() for s in known.model) else (P(),) * len(found)
-        check_placed_specs(api, params, found, [restrict(s, self.layout.axes) for s in model])
 
     # ---------------------------------------------------------------------------------- step
     def step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
