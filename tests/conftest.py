@@ -3,10 +3,14 @@
 import os
 
 from jaxcoll._xla_flags import with_xla_cpu_flags  # imports nothing
+from tests.compile_flags import with_fast_compile  # imports nothing
 
 # 8 devices, and XLA:CPU's rendezvous timeouts out of the way: on a loaded machine a device
 # thread can join a collective 40 s late, and XLA:CPU would then abort the whole test process.
-os.environ["XLA_FLAGS"] = with_xla_cpu_flags(os.environ.get("XLA_FLAGS", ""), devices=8)
+# And XLA:CPU compiling fast (tests/compile_flags.py).
+os.environ["XLA_FLAGS"] = with_fast_compile(
+    with_xla_cpu_flags(os.environ.get("XLA_FLAGS", ""), devices=8)
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -23,12 +23,13 @@ import jaxcoll
 from jaxcoll import xla_cpu_flags
 
 from . import snippets
+from .compile_flags import with_fast_compile
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 REFERENCE = DOCS / "reference"
 PAGES = sorted(DOCS.glob("*.md"))
-XLA_FLAGS = " ".join(xla_cpu_flags(devices=8))
+XLA_FLAGS = with_fast_compile(" ".join(xla_cpu_flags(devices=8)))
 
 # docs/dp.md is the README's data-parallel section moved as it stands; its snippets name a
 # model, data and arrays they do not define, as a reader's script would have them. These are

@@ -12,6 +12,8 @@ import uuid
 
 import numpy as np
 
+from tests.compile_flags import FAST_COMPILE, with_fast_compile
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKERS = os.path.join(ROOT, "tests", "multihost", "workers")
 TOKEN_VAR = "JAXCOLL_TEST_JOB"
@@ -33,7 +35,8 @@ def start(launcher_args: list[str], worker: str, worker_args: list[str]):
     token = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCOLL_")}
     env[TOKEN_VAR] = token
-    env.pop("XLA_FLAGS", None)  # the launcher sets the device count per process
+    # The launcher adds the device count per process to these (tests/compile_flags.py).
+    env["XLA_FLAGS"] = FAST_COMPILE
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [
         sys.executable,
@@ -93,7 +96,7 @@ def start_each(
             TOKEN_VAR: token,
             "JAX_PLATFORMS": "cpu",
             "JAX_NUM_CPU_DEVICES": str(devices),
-            "XLA_FLAGS": with_xla_cpu_flags(xla_flags, devices),
+            "XLA_FLAGS": with_fast_compile(with_xla_cpu_flags(xla_flags, devices)),
             "JAXCOLL_COORDINATOR_ADDRESS": coordinator,
             "JAXCOLL_NUM_PROCESSES": str(nprocs),
             "PYTHONPATH": os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]),
