@@ -173,7 +173,7 @@ def test_fsdp_in_bf16_trains_as_one_device_with_the_same_casts(opt):
     # Within 2e-3: half a bfloat16 step (2^-9). The two programs compute the same casts, but
     # compiled with the suite's fast settings (tests/compile_flags.py) their elementwise
     # functions can round a gradient entry one bfloat16 step apart, which Adam passes on
-    # (1.2e-3 measured; 2e-7 with XLA's default code generation). A missing cast or a wrong
+    # (1.2e-3 measured; 2e-7 with LLVM's optimisation on). A missing cast or a wrong
     # mean is off by more than 1e-2.
     assert moved > 1e-2 and diff <= 2e-3, (moved, diff)
 
