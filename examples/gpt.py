@@ -336,6 +336,11 @@ SEMISYNC_LR_SCALE = 2.0
 OUTER_LR, OUTER_MOMENTUM = 0.8, 0.3
 
 
+def lr_scale(sync: str) -> float:
+    """The inner rates' factor of a ``--sync``: 1 for ``auto``, else ``SEMISYNC_LR_SCALE``."""
+    return 1.0 if sync == "auto" else SEMISYNC_LR_SCALE
+
+
 def semisync(name: str, shard: bool):
     """The strategy a ``--sync`` names (``diloco8``, ``localsgd4``, ``diloco8:int8``): the
     replicas meet every N steps; within each, DDP (FSDP where the layout has ``shard``)."""
@@ -370,7 +375,7 @@ def trainer_for(name: str, precision: str = "fp32", sync: str = "auto") -> dp.Tr
         strategy = dp.sync.FSDP(**PRECISIONS[precision])
     if sync != "auto":
         strategy = semisync(sync, bool(layout(name).shard))
-        inner = optimizer(SEMISYNC_LR_SCALE)
+        inner = optimizer(lr_scale(sync))
         try:
             return dp.Trainer(loss_fn, inner, layout=layout(name), sync=strategy, accum_steps=ACCUM)
         except ValueError as e:
@@ -446,7 +451,7 @@ def main(argv=None) -> None:
     callbacks: list = [dp.Throughput(tokens_per_example=BLOCK, peak_flops=peak)]
     if evals:
         callbacks.append(dp.Evaluate(evals, every=args.eval_every))
-    callbacks.append(Log(me, schedule(1.0 if args.sync == "auto" else SEMISYNC_LR_SCALE)))
+    callbacks.append(Log(me, schedule(lr_scale(args.sync))))
     if args.ckpt and evals:
         callbacks.append(dp.SaveBest("eval_val_loss"))
     # Each process reads only its rows of every batch (grain, ahead of the step); batch s

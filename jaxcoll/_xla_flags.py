@@ -182,7 +182,13 @@ def with_xla_cpu_flags(
     present = xla_flags.split()
     if devices is not None:
         present = [f for f in present if not f.startswith("--xla_force_host_platform_device_count")]
+    return merge_flags(
+        " ".join(present), xla_cpu_flags(devices, scheduler=scheduler) + xla_gpu_flags()
+    )
+
+
+def merge_flags(xla_flags: str, extra: list[str]) -> str:
+    """``xla_flags`` with each flag of ``extra`` added where ``xla_flags`` does not set it."""
+    present = xla_flags.split()
     names = {f.split("=", 1)[0] for f in present}
-    ours = xla_cpu_flags(devices, scheduler=scheduler) + xla_gpu_flags()
-    added = [f for f in ours if f.split("=", 1)[0] not in names]
-    return " ".join([*present, *added])
+    return " ".join([*present, *(f for f in extra if f.split("=", 1)[0] not in names)])

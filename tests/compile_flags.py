@@ -12,11 +12,11 @@ Set for the tests' own process (conftest), the processes the multi-process tests
 docs pages' sessions. Imports nothing: conftest reads it before JAX is imported.
 """
 
+from jaxcoll._xla_flags import merge_flags  # imports nothing
+
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def with_fast_compile(xla_flags: str) -> str:
     """``xla_flags`` with :data:`FAST_COMPILE` added where it sets neither flag itself."""
-    present = {f.split("=", 1)[0] for f in xla_flags.split()}
-    extra = [f for f in FAST_COMPILE.split() if f.split("=", 1)[0] not in present]
-    return " ".join([*xla_flags.split(), *extra])
+    return merge_flags(xla_flags, FAST_COMPILE.split())
