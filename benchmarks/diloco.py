@@ -1,8 +1,8 @@
 """DiLoCo against synchronous training on the GPT example: validation loss, bytes across
 replicas and step time.
 
-    .venv/bin/python benchmarks/diloco.py                       # 5 runs of 300 steps, ~7 min
-    .venv/bin/python benchmarks/diloco.py --steps 100 --runs sync,diloco8
+    .venv/bin/python benchmarks/diloco.py                       # 4 runs of 300 steps, ~6 min
+    .venv/bin/python benchmarks/diloco.py --steps 100 --runs sync*3,diloco8
 
 examples/gpt.py's default model and recipe (4 blocks of width 64, 32 sequences of 32
 characters a step, AdamW with warmup and cosine decay, 2 accumulated micro-batches) on
@@ -11,54 +11,66 @@ the same seed, params and batches for every run, each run one after another in t
 
 * ``sync``: the layout's own strategy (``dp2xfsdp4``: HSDP, FSDP within each replica and the
   gradients all-reduced across the replicas every step);
-* ``diloco8``: the example's ``--sync diloco8``: ``dp.sync.DiLoCo(inner=FSDP(), every=8)``,
-  the outer step Nesterov with lr 0.8 and momentum 0.3, the inner AdamW at twice the
-  synchronous rates (the example's ``SEMISYNC_LR_SCALE``); ``diloco8:int8`` the same with the
-  pseudo-gradients sent in 8 bits; ``localsgd8`` the replicas' average;
-* a suffix ``@lr/momentum`` sets DiLoCo's outer step (``diloco8@0.7/0.9``: the paper's), and
-  ``*k`` the inner rates' factor (``sync*2``: synchronous training at twice the rates).
+* ``diloco8``: the example's ``--sync diloco8``: ``dp.sync.DiLoCo(inner=FSDP(), every=8,
+  warmup=50)``: 50 synchronous steps, then the replicas meet every 8 steps, the outer step
+  Nesterov with lr 0.8 and momentum 0.3, the inner AdamW at three times the synchronous rates
+  (the example's ``SEMISYNC_WARMUP`` and ``SEMISYNC_LR_SCALE``); ``diloco8:int8`` the same with
+  the pseudo-gradients sent in 8 bits; ``localsgd8`` the replicas' average;
+* a suffix ``@lr/momentum`` sets DiLoCo's outer step (``diloco8@0.7/0.9``: the paper's),
+  ``+n`` the synchronous steps first (``diloco8+0``: none), and ``*k`` the inner rates'
+  factor (``sync*3``: synchronous training at three times the rates).
 
 Printed per run: the validation loss (the example's 4 validation batches) after ``--steps``
-steps (DiLoCo's: of the global params, those of the replicas' last meeting; step 296 at 300
-steps and every=8), its ratio to the first run's, the bytes each device sends across replicas
-per step (read from the compiled programs: an all-reduce of b bytes over n devices sends
-``2 (n - 1) / n * b``, an all-gather or all-to-all of b ``(n - 1) / n * b``; DiLoCo's is the
-mean over its ``every`` programs; a collective in a loop counted as often as the loop runs)
-and the median step time (the step waited for; steps 10 on).
+steps (DiLoCo's: of the global params, those of the replicas' last meeting; step 298 at 300
+steps, 50 synchronous and every=8), its ratio to the first run's, the bytes each device sends
+across replicas per step after the synchronous steps and their mean over the run (read from
+the compiled programs: an all-reduce of b bytes over n devices sends ``2 (n - 1) / n * b``, an
+all-gather or all-to-all of b ``(n - 1) / n * b``; DiLoCo's is the mean over its ``every``
+programs; a collective in a loop counted as often as the loop runs) and the median step time
+(the step waited for; steps 10 on).
 
-Measured (jax/jaxlib 0.10.2, 8 simulated CPU devices on 2 shared cores; the default command;
-201k params)::
+Measured (jax/jaxlib 0.10.2, 8 simulated CPU devices on 2 shared cores; 201k params;
+``--runs sync*3,diloco8,diloco8:int8,sync,localsgd8,diloco8+0``)::
 
-    | run          | val loss @300 | / sync | bytes across replicas / step | ms / step |
-    | sync         | 0.4767        | 1.000  | 402.4 kB                     | 83        |
-    | diloco8      | 0.4734        | 0.993  | 25.2 kB                      | 80        |
-    | diloco8:int8 | 0.4711        | 0.988  | 6.5 kB                       | 82        |
-    | localsgd8    | 0.4717        | 0.990  | 25.2 kB                      | 87        |
-    | sync*2       | 0.4450        | 0.934  | 402.4 kB                     | 96        |
+    | run          | val loss @300 | / sync*3 | across replicas / step | run's mean | ms / step |
+    | sync*3       | 0.4402        | 1.000    | 402.4 kB               | 402.4 kB   | 89        |
+    | diloco8      | 0.4463        | 1.014    | 25.2 kB                | 88.0 kB    | 84        |
+    | diloco8:int8 | 0.4454        | 1.012    | 6.5 kB                 | 72.5 kB    | 76        |
+    | sync         | 0.4767        | 1.083    | 402.4 kB               | 402.4 kB   | 88        |
+    | localsgd8    | 0.4458        | 1.013    | 25.2 kB                | 88.0 kB    | 86        |
+    | diloco8+0    | 0.4616        | 1.049    | 25.2 kB                | 25.2 kB    | 93        |
 
 HSDP sends each micro-batch's gradients across the replicas (2 a step, 201 kB each: its
 shard of the params in float32, all-reduced over 2); DiLoCo sends its params' shard once in 8
-steps (16x fewer bytes), 3.9x fewer again in 8 bits. Against the example's synchronous recipe
-(AdamW at 3e-3), DiLoCo every 8 steps ends 0.7% lower. That is not a like-for-like
-comparison: the doubled rate helps synchronous training too (``sync*2``), and at equal rates
-DiLoCo is behind. Other runs of the same command (``--runs ...``; validation loss at 300):
+steps (16x fewer bytes), 3.9x fewer again in 8 bits; a synchronous step of its warm-up sends
+the gradients' and the params' shards once each (402 kB). At equal rates (x3, synchronous
+training's best of x1 to x4: 0.4767, 0.4450, 0.4402, 0.4411) DiLoCo every 8 steps after 50
+synchronous steps ends 1.4% behind synchronous training, and 6.4% below the example's
+synchronous recipe (x1). Without the synchronous steps it is 4.9% behind. Other runs of the
+same command (``--runs ...``; validation loss at 300):
 
-* inner rates x1 (the synchronous recipe's): the paper's outer step ``diloco8@0.7/0.9*1``
-  1.1427, ``localsgd8*1`` 0.5310 (11% behind ``sync``); x0.5 worse again (0.8433, 1.3570);
-* inner rates x1.5 / x2 / x3 / x4: ``localsgd8`` 0.4866 / 0.4717 / 0.4613 / -, ``diloco8``
-  (0.8/0.3) 0.4823 / 0.4734 / 0.4616 / 0.4688; ``sync`` 0.4533 / 0.4450 / 0.4402 / -: at its
-  best rate (x3) DiLoCo every 8 is 4.9% behind synchronous training at the same rate;
-* outer steps at x2: 0.7/0.5 0.4894, 0.9/0.2 0.4809, 1.0/0.3 0.5280: the outer momentum
-  amplifies each interval's progress (``lr / (1 - momentum)``) and overshoots at every=8.
+* synchronous steps first at x2 / x3 / x4: ``diloco8+50`` 0.4540 / 0.4463 / -,
+  ``diloco8+100`` 0.4516 / 0.4446 / 0.4470 (``sync`` 0.4450 / 0.4402 / 0.4411);
+* none (``+0``), inner rates x1 (the synchronous recipe's): the paper's outer step
+  ``diloco8@0.7/0.9+0*1`` 1.1427, ``localsgd8+0*1`` 0.5310 (11% behind ``sync``); x0.5 worse
+  again (0.8433, 1.3570);
+* none, inner rates x1.5 / x2 / x3 / x4: ``localsgd8`` 0.4866 / 0.4717 / 0.4613 / -,
+  ``diloco8`` (0.8/0.3) 0.4823 / 0.4734 / 0.4616 / 0.4688;
+* none, outer steps at x2: 0.7/0.5 0.4894, 0.9/0.2 0.4809, 1.0/0.3 0.5280: the outer
+  momentum amplifies each interval's progress (``lr / (1 - momentum)``) and overshoots at
+  every=8.
 
 Two replicas each taking AdamW steps on half the batch are not one AdamW step on the whole:
 averaging their changes cancels part of each one's noise and part of its progress, which the
-higher inner rate gives back.
+higher inner rate gives back; their first steps from random params diverge most, which the
+synchronous steps avoid. At H = 8 the outer Nesterov step gains little over the plain average
+(``localsgd8``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import re
@@ -180,47 +192,49 @@ def cross_replica_bytes(hlo: str, replica_of) -> float:
     return total
 
 
-def bytes_per_step(trainer, state, batch, phases: int) -> float:
+def bytes_per_step(trainer, state, batch, phases: int, start: int = 0) -> float:
     """The mean over ``phases`` consecutive steps' programs of the cross-replica bytes."""
     mesh = trainer.mesh
     first = list(mesh.axis_names).index(trainer.layout.data_axes[0])  # the replicas' axis
     replica_of = {d.id: idx[first] for idx, d in np.ndenumerate(mesh.devices)}.get
     total = 0.0
-    for step in range(phases):
+    for step in range(start, start + phases):
         fn, args = trainer.step_program(state, batch, step=step)
         total += cross_replica_bytes(fn.lower(*args).compile().as_text(), replica_of)
     return total / phases
 
 
-def parse(gpt, name: str) -> tuple[str, tuple[float, float] | None, float]:
+def parse(gpt, name: str) -> tuple[str, tuple[float, float] | None, float, int | None]:
     """A run's name: ``sync`` or an example's ``--sync`` name, then optionally ``@lr/momentum``
-    (DiLoCo's outer Nesterov step) and ``*scale`` (the inner rates' factor; default 1 for
+    (DiLoCo's outer Nesterov step), ``+steps`` (the synchronous steps first; default the
+    example's ``SEMISYNC_WARMUP``) and ``*scale`` (the inner rates' factor; default 1 for
     ``sync``, the example's ``SEMISYNC_LR_SCALE`` for the others)."""
     name, _, scale = name.partition("*")
+    name, _, warm = name.partition("+")
     name, _, outer = name.partition("@")
     default = 1.0 if name == "sync" else gpt.SEMISYNC_LR_SCALE
     pair = None
     if outer:
         lr, momentum = outer.split("/")
         pair = (float(lr), float(momentum))
-    return name, pair, float(scale) if scale else default
+    return name, pair, float(scale) if scale else default, int(warm) if warm else None
 
 
-def strategy(gpt, name: str, shard: bool, outer: tuple[float, float] | None):
+def strategy(gpt, name: str, shard: bool, outer: tuple[float, float] | None, warm: int | None):
     """The run's strategy: None for ``sync``, else the example's (:func:`gpt.semisync`), its
-    outer step Nesterov at ``outer`` = (lr, momentum) where given."""
+    outer step Nesterov at ``outer`` = (lr, momentum) and its warm-up ``warm`` where given."""
     if name == "sync":
         return None
     sync = gpt.semisync(name, shard)
-    if outer is None or isinstance(sync, dp.sync.LocalSGD):
-        return sync
-    tx = optax.sgd(outer[0], momentum=outer[1], nesterov=True)
-    return type(sync)(inner=sync.inner, every=sync.every, outer=tx, quantize=sync.quantize)
+    changes: dict = {} if warm is None else {"warmup": warm}
+    if outer is not None and not isinstance(sync, dp.sync.LocalSGD):
+        changes["outer"] = optax.sgd(outer[0], momentum=outer[1], nesterov=True)
+    return dataclasses.replace(sync, **changes)
 
 
 def run(gpt, layout: str, spec: str, steps: int) -> dict:
-    name, outer, scale = parse(gpt, spec)
-    sync = strategy(gpt, name, bool(gpt.layout(layout).shard), outer)
+    name, outer, scale, warm = parse(gpt, spec)
+    sync = strategy(gpt, name, bool(gpt.layout(layout).shard), outer, warm)
     trainer = dp.Trainer(
         gpt.loss_fn,
         gpt.optimizer(scale),
@@ -231,8 +245,10 @@ def run(gpt, layout: str, spec: str, steps: int) -> dict:
     state = trainer.init(gpt.init_params(), jax.random.key(0))
     train = gpt.data("train", seed=1, sharding=trainer.batch_sharding)
     val = list(gpt.batches("val", gpt.EVAL_BATCHES, seed=2))
-    phases = getattr(sync, "every", 1)
-    sent = bytes_per_step(trainer, state, train[0], phases)
+    phases, warm = getattr(sync, "every", 1), getattr(sync, "warmup", 0)
+    sent = bytes_per_step(trainer, state, train[0], phases, warm)
+    warm_sent = bytes_per_step(trainer, state, train[0], 1) if warm else 0.0
+    mean = (min(warm, steps) * warm_sent + max(steps - warm, 0) * sent) / max(steps, 1)
     times = []
     for s in range(steps):
         batch = train[s]
@@ -241,14 +257,15 @@ def run(gpt, layout: str, spec: str, steps: int) -> dict:
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
     loss = float(trainer.evaluate(state, val)["loss"])
-    return {"loss": loss, "bytes": sent, "ms": 1e3 * float(np.median(times[10:] or times))}
+    ms = 1e3 * float(np.median(times[10:] or times))
+    return {"loss": loss, "bytes": sent, "mean": mean, "ms": ms}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layout", default="dp2xfsdp4")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--runs", default="sync,diloco8,diloco8:int8,sync*2")
+    parser.add_argument("--runs", default="sync*3,diloco8,diloco8:int8,sync")
     args = parser.parse_args(argv)
     gpt = load_example()
     names = args.runs.split(",")
@@ -260,13 +277,13 @@ def main(argv=None) -> None:
     base = rows[names[0]]
     print(
         f"| run | val loss @{args.steps} | / {names[0]} | bytes across replicas / step "
-        f"| ms / step |"
+        f"| the run's mean | ms / step |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(
             f"| {name} | {r['loss']:.4f} | {r['loss'] / base['loss']:.3f} | "
-            f"{r['bytes'] / 1e3:.1f} kB | {r['ms']:.0f} |"
+            f"{r['bytes'] / 1e3:.1f} kB | {r['mean'] / 1e3:.1f} kB | {r['ms']:.0f} |"
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +25,19 @@ def check_static_int(api: str, argname: str, value: Any) -> int:
             f"{type(value).__name__} instead."
         )
     return operator.index(value)
+
+
+def check_count(api: str, argname: str, value: Any, low: int, what: str) -> int:
+    """A count (steps, checks, iterations) must be an int of at least ``low``; ``what`` says
+    what it counts in the message."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{api}: {argname} must be an int ({what}), got {value!r} of type "
+            f"{type(value).__name__} instead."
+        )
+    if value < low:
+        raise ValueError(f"{api}: {argname}={value!r} must be at least {low} ({what}).")
+    return int(value)
 
 
 def check_optional(api: str, argname: str, value: Any, cls: Any, what: str) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,26 +44,19 @@ def agree(api: str, fields: dict[str, str], processes: tuple[int, ...]) -> None:
     with process.lock:
         seq = _seq[scope] = _seq.get(scope, 0) + 1
     key = f"{process.PREFIX}fp/{scope}/{seq}/"
-    client.key_value_set(key + str(me), json.dumps(fields))
     wait = process.collective_timeout(first=True) or process.DEFAULT_FIRST_TIMEOUT
-    deadline = time.monotonic() + wait
-    got = {me: fields}
-    for p in processes:
-        while p not in got:
-            try:
-                got[p] = json.loads(client.blocking_key_value_get(key + str(p), 500))
-                continue
-            except Exception:  # noqa: BLE001 - not there yet
-                pass
-            gone = p in process.exited()
-            if gone or time.monotonic() > deadline:
-                why = "exited" if gone else f"did not reach it within {wait:g}s"
-                raise RuntimeError(
-                    f"{api}: process {p} {why} at collective #{seq} (process {me} runs "
-                    f"{_summary(fields, fields)}). Every process must run the same collectives "
-                    f"in the same order; detection compares programs at their first use, so "
-                    f"process {p} may be in a program it has run before."
-                )
+
+    def missing(p: int, gone: bool) -> Exception:
+        why = "ended" if gone else f"did not reach it within {wait:g}s"
+        return RuntimeError(
+            f"{api}: process {p} {why} at collective #{seq} (process {me} runs "
+            f"{_summary(fields, fields)}). Every process must run the same collectives "
+            f"in the same order; detection compares programs at their first use, so "
+            f"process {p} may be in a program it has run before."
+        )
+
+    entries = process.exchange(key, json.dumps(fields), processes, wait, missing)
+    got = {p: json.loads(v) for p, v in entries.items()}
     differ = [
         k
         for k in dict.fromkeys(k for f in got.values() for k in f)

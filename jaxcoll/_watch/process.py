@@ -276,6 +276,33 @@ def failed() -> dict[int, str]:
     return _marked("failed")
 
 
+def exchange(
+    key: str, value: str, processes: Any, timeout: float, missing: Callable[[int, bool], Exception]
+) -> dict[int, str]:
+    """Every process's entry under ``key`` in the job's key-value store, this one's ``value``.
+
+    Writes ``value`` under ``key + str(me)``, then waits for the entry of each process in
+    ``processes``: up to ``timeout`` seconds in all. Raises ``missing(p, gone)`` when process
+    ``p`` ended first (``gone``: it exited or failed) or its entry did not come in time.
+    Returns process -> entry, this process's included.
+    """
+    client, this = distributed_state().client, me()[0]
+    client.key_value_set(key + str(this), value)
+    deadline = time.monotonic() + timeout
+    got = {this: value}
+    for p in processes:
+        while p not in got:
+            try:
+                got[p] = str(client.blocking_key_value_get(key + str(p), 500))
+                continue
+            except Exception:  # noqa: BLE001 - not there yet
+                pass
+            gone = p in exited() or p in failed()
+            if gone or time.monotonic() > deadline:
+                raise missing(p, gone)
+    return got
+
+
 exiting = False
 """This process began its normal exit (Python's ``atexit``): it waits at JAX's shutdown
 barrier for the others and must not leave it on another's failure (see :func:`leave`)."""

@@ -188,8 +188,7 @@ def test_empty_batches_and_bad_fit_arguments_fail_before_training(tmp_path):
         dp.Checkpointer(a_file / "sub")
     with pytest.raises(
         ValueError,
-        match=r"Checkpointer: every=0 must be a positive int "
-        r"\(steps between saves\)",
+        match=r"Checkpointer: every=0 must be at least 1 \(steps between saves\)",
     ):
         dp.Checkpointer(tmp_path, every=0)
     with pytest.raises(TypeError, match=r"Checkpointer: max_to_keep must be an int"):

@@ -374,7 +374,7 @@ def test_save_best_and_early_stopping(run, tmp_path):
         )
     with pytest.raises(ValueError, match=r"metric='step_time_s' is measured by each process"):
         dp.SaveBest("step_time_s")
-    with pytest.raises(ValueError, match=r"patience=0 must be >= 1"):
+    with pytest.raises(ValueError, match=r"patience=0 must be at least 1 \(checks without"):
         dp.EarlyStopping(patience=0)
     with pytest.raises(ValueError, match=r"mode='lowest' must be 'min'"):
         dp.SaveBest(mode="lowest")

@@ -114,12 +114,15 @@ def np_diloco(
     mixing=0,
     overlap=False,
     block=None,
+    warmup=0,
 ):
     """DiLoCo as its paper writes it: per replica Adam on its rows, Nesterov outer steps. With
     ``groups`` (lists of param names, leaf order), Streaming DiLoCo: group p meets where
     ``(step + 1 + p * every // len(groups)) % every == 0``, replicas keeping ``mixing``; with
     ``overlap``, its pseudo-gradient from the params before that step's inner update. With
-    ``block``, the pseudo-gradients' mean travels in int8 (:func:`np_quantized_mean`)."""
+    ``block``, the pseudo-gradients' mean travels in int8 (:func:`np_quantized_mean`). The
+    first ``warmup`` steps are Adam on the whole batch's gradient in every replica (DDP's),
+    the global params following; the intervals count from there."""
     init, inner_step = np_adam(inner_lr)
     groups = groups or [sorted(params)]
     glob = {k: v.astype(np.float64) for k, v in params.items()}
@@ -127,6 +130,13 @@ def np_diloco(
     states = [init(glob) for _ in range(replicas)]
     trace = {k: 0 * v for k, v in glob.items()}
     for step, b in enumerate(batches):
+        if step < warmup:  # every replica the whole batch's gradient: the same Adam step
+            g = np_grads(glob, b["x"].astype(np.float64), b["y"])
+            steps = [inner_step(glob, g, s) for s in states]
+            local, states = [dict(p) for p, _ in steps], [s for _, s in steps]
+            glob = dict(local[0])
+            continue
+        step -= warmup
         start = [dict(loc) for loc in local]  # each replica's params before this step
         rows = len(b["x"]) // replicas
         for r in range(replicas):  # replica r: its block of rows of the global batch
@@ -177,26 +187,51 @@ def test_diloco_equals_the_numpy_reference():
     assert max(np.abs(want[k] - _params()[k]).max() for k in want) > 1e-2
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_streaming_diloco_equals_the_numpy_reference(overlap):
+def test_synchronous_warmup_steps_then_diloco_equal_the_numpy_reference():
+    batches = _batches(14, seed=7)
+    sync = dp.sync.DiLoCo(every=4, warmup=5, outer=optax.sgd(0.7, momentum=0.9, nesterov=True))
+    trainer, state = _train(sync, optax.adam(1e-2), batches[:5])
+    # the warm-up is DDP: the global params are Adam's on the whole batch, each step
+    _, ddp = _train(dp.sync.DDP(), optax.adam(1e-2), batches[:5])
+    for k, want in jax.device_get(ddp.params).items():
+        np.testing.assert_allclose(jax.device_get(state.params)[k], want, atol=1e-6, err_msg=k)
+    for b in batches[5:]:
+        state, _ = trainer.step(state, b)
+    want = np_diloco(_params(), batches, 2, 4, 1e-2, 0.7, 0.9, warmup=5)
+    got = jax.device_get(state.params)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=1e-5, err_msg=k)
+    # the meetings count from the warm-up's end: steps 8 and 12 (the 4th and 8th after it)
+    phases = [sync.phase(step) for step in range(14)]
+    assert [p._warm for p in phases] == [True] * 5 + [False] * 9
+    assert [s for s, p in enumerate(phases) if p._sync] == [8, 12]
+    # and the warm-up is another run than DiLoCo from the start
+    plain = np_diloco(_params(), batches, 2, 4, 1e-2, 0.7, 0.9)
+    assert max(np.abs(plain[k] - want[k]).max() for k in want) > 1e-3
+
+
+@pytest.mark.parametrize("overlap, warmup", [(True, 3), (False, 0)])
+def test_streaming_diloco_equals_the_numpy_reference(overlap, warmup):
     batches = _batches(12, seed=5)
     sync = dp.sync.StreamingDiLoCo(
         every=4,
         fragments=2,
         mixing=0.25,
         overlap=overlap,
+        warmup=warmup,
         outer=optax.sgd(0.7, momentum=0.9, nesterov=True),
     )
     _, state = _train(sync, optax.adam(1e-2), batches)
     # leaves b1 (16), b2 (1), w1 (64), w2 (16): middles 8, 16.5, 49, 89 of 97 -> 0, 0, 1, 1
     groups = [["b1", "b2"], ["w1", "w2"]]
-    want = np_diloco(_params(), batches, 2, 4, 1e-2, 0.7, 0.9, groups, 0.25, overlap)
+    args = (_params(), batches, 2, 4, 1e-2, 0.7, 0.9, groups, 0.25)
+    want = np_diloco(*args, overlap, warmup=warmup)
     got = jax.device_get(state.params)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=1e-5, err_msg=k)
     assert len(state.opt_state.outer) == 2
     # the other schedule is another run: the reference tells them apart
-    other = np_diloco(_params(), batches, 2, 4, 1e-2, 0.7, 0.9, groups, 0.25, not overlap)
+    other = np_diloco(*args, not overlap, warmup=warmup)
     assert max(np.abs(other[k] - want[k]).max() for k in want) > 1e-3
 
 
@@ -384,6 +419,8 @@ def test_streaming_fragments_share_the_params_bytes_between_their_steps():
         ({"every": 0}, ValueError, r"dp.sync.DiLoCo: every=0 must be at least 1"),
         ({"every": 2.0}, TypeError, r"dp.sync.DiLoCo: every must be an int .* got 2.0 of type"),
         ({"every": True}, TypeError, r"every must be an int"),
+        ({"every": 2, "warmup": -1}, ValueError, r"DiLoCo: warmup=-1 must be at least 0"),
+        ({"every": 2, "warmup": 1.5}, TypeError, r"DiLoCo: warmup must be an int .* got 1.5"),
         ({"every": 2, "outer": "sgd"}, TypeError, r"outer must be an optax.GradientTrans"),
         ({"every": 2, "inner": dp.sync.DDP}, TypeError, r"inner=dp.sync.DDP is a class"),
         ({"every": 2, "inner": dp.sync.ZeRO1()}, ValueError, r"inner=ZeRO1\(\) is not supported"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 
+from ..._core.checks import check_count
 from .base import PER_PROCESS, Action, Callback
 
 
@@ -169,17 +170,8 @@ class EarlyStopping(_Watch):
         min_delta: float = 0.0,
     ) -> None:
         super().__init__("dp.EarlyStopping", metric, mode, min_delta)
-        if isinstance(patience, bool) or not isinstance(patience, numbers.Integral):
-            raise TypeError(
-                f"dp.EarlyStopping: patience must be an int (checks without improvement "
-                f"before stopping), got {type(patience).__name__} instead."
-            )
-        if patience < 1:
-            raise ValueError(
-                f"dp.EarlyStopping: patience={patience!r} must be >= 1 (checks without "
-                f"improvement before stopping)."
-            )
-        self.patience: int = int(patience)
+        what = "checks without improvement before stopping"
+        self.patience: int = check_count("dp.EarlyStopping", "patience", patience, 1, what)
         self.wait: int = 0
         self.stopped_step: int | None = None
 

@@ -5,7 +5,6 @@ are collective; orbax alone would wait on a missing peer until a library timeout
 from __future__ import annotations
 
 import itertools
-import time
 
 from ..._watch import process
 
@@ -30,28 +29,20 @@ def rendezvous(api: str, what: str, directory: str, timeout: float, *, fix: str)
     if client is None or n < 2:
         return seq
     key = f"{process.PREFIX}ckpt/{seq}/"
-    client.key_value_set(key + str(me), what)
-    deadline = time.monotonic() + timeout
-    got = {me: what}
-    for p in range(n):
-        while p not in got:
-            try:
-                got[p] = str(client.blocking_key_value_get(key + str(p), 500))
-                continue
-            except Exception:  # noqa: BLE001 - not there yet
-                pass
-            gone = p in process.exited() or p in process.failed()
-            if gone or time.monotonic() > deadline:
-                why = "ended" if gone else f"did not call it within {timeout:g}s"
-                raise RuntimeError(
-                    f"{api}: process {me} is at {what} ({directory}), but process {p} {why}. "
-                    f"Saving and restoring are collective in a multi-process job: every "
-                    f"process must make the same call at the same point, as Trainer.fit "
-                    f"does (each process writes or reads its own shards; orbax coordinates "
-                    f"them), so a save on one process only cannot work. Fix: {fix}. If the "
-                    f"processes do reach it but further apart, raise "
-                    f"dp.Checkpointer(..., rendezvous_timeout=) (now {timeout:g}s)."
-                )
+
+    def missing(p: int, gone: bool) -> Exception:
+        why = "ended" if gone else f"did not call it within {timeout:g}s"
+        return RuntimeError(
+            f"{api}: process {me} is at {what} ({directory}), but process {p} {why}. "
+            f"Saving and restoring are collective in a multi-process job: every "
+            f"process must make the same call at the same point, as Trainer.fit "
+            f"does (each process writes or reads its own shards; orbax coordinates "
+            f"them), so a save on one process only cannot work. Fix: {fix}. If the "
+            f"processes do reach it but further apart, raise "
+            f"dp.Checkpointer(..., rendezvous_timeout=) (now {timeout:g}s)."
+        )
+
+    got = process.exchange(key, what, range(n), timeout, missing)
     if len(set(got.values())) > 1:
         listing = "; ".join(f"process {p}: {got[p]}" for p in sorted(got))
         raise RuntimeError(

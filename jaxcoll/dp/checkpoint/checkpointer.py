@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ..._core.checks import check_count
 from ..._watch import process
 from ..checks import as_path
 from ..state import TrainState
@@ -142,13 +143,7 @@ class Checkpointer:
         ):
             if name == "every" and value is None:  # saves only when a callback asks
                 continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(
-                    f"Checkpointer: {name} must be an int ({what}), got {value!r} "
-                    f"of type {type(value).__name__} instead."
-                )
-            if value < 1:
-                raise ValueError(f"Checkpointer: {name}={value!r} must be a positive int ({what}).")
+            check_count("Checkpointer", name, value, 1, what)
         t = rendezvous_timeout
         if isinstance(t, bool) or not isinstance(t, numbers.Real):
             raise TypeError(

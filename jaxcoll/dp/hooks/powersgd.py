@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..._core.checks import check_count
 from ..._core.typing import PyTree, Shaped
 from ..._core.vma import axis_names, to_varying
 from .base import Bucket
@@ -108,8 +109,8 @@ class PowerSGD:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("rank", self.rank, 1, "a rank of 1, 2 or 4 is typical")
-        _check_int("start_iter", self.start_iter, 0, "0 compresses from the first step")
+        check_count(API, "rank", self.rank, 1, "a rank of 1, 2 or 4 is typical")
+        check_count(API, "start_iter", self.start_iter, 0, "0 compresses from the first step")
         _check_real(
             "min_compression_rate",
             self.min_compression_rate,
@@ -267,17 +268,6 @@ def _matrix(shape: tuple) -> tuple[int, int]:
 def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
     # Full float32 precision on every backend (no TF32), as torch's default matmul.
     return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
-
-
-def _check_int(name: str, value: Any, low: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{API}: {name} must be an int, got {value!r} of type {type(value).__name__} instead."
-        )
-    if value < low:
-        raise ValueError(
-            f"{API}: {name}={value} is out of range: it must be at least {low} ({hint})."
-        )
 
 
 def _check_real(name: str, value: Any, hint: str) -> None:

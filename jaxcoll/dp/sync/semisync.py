@@ -20,14 +20,14 @@ The train state's ``params`` are the global (outer) params, the same on every de
 leading axis of one entry per replica, split over the replicate axis) and the outer
 optimizer's state. A step is one of two programs (the strategy's phases: ``phase(step)``):
 an inner step, with no collective across replicas but the metrics' scalars, and a sync step,
-the inner step then the meeting.
+the inner step then the meeting; a third, the synchronous step, runs the first ``warmup``
+steps.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import numbers
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -37,7 +37,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from ... import primitives
-from ..._core.checks import check_optional
+from ..._core.checks import check_count, check_optional
 from ..._core.typing import PyTree
 from ..hooks.base import Compress
 from ..layout import BoundLayout
@@ -85,11 +85,18 @@ class DiLoCo(Strategy):
         local = [params] * R; inner_state = [optimizer.init(params)] * R
         outer_state = outer.init(params)
         for step, batch in enumerate(batches):
+            if step < warmup:                           # synchronous: DDP's (HSDP's) step
+                g = grad(loss)(params, batch)           # mean over every replica's rows
+                for r in range(R):                      # the same update in each
+                    u, inner_state[r] = optimizer.update(g, inner_state[r], params)
+                params = optax.apply_updates(params, u)
+                local = [params] * R
+                continue
             for r in range(R):                          # no communication across replicas
                 g = grad(loss)(local[r], rows_of_replica(batch, r))  # mean within the replica
                 u, inner_state[r] = optimizer.update(g, inner_state[r], local[r])
                 local[r] = optax.apply_updates(local[r], u)
-            if (step + 1) % every == 0:                 # one all-reduce of the params' size
+            if (step - warmup + 1) % every == 0:        # one all-reduce of the params' size
                 delta = params - mean(local)            # the pseudo-gradient
                 u, outer_state = outer.update(delta, outer_state, params)
                 params = optax.apply_updates(params, u)
@@ -127,6 +134,14 @@ class DiLoCo(Strategy):
             per float32 scale): each replica's pseudo-gradient ``params - local`` crosses
             replicas in 8 bits, about 4x fewer bytes than the float32 all-reduce
             (:meth:`replica_mean`). None (default): the exact float32 mean.
+        warmup: the steps trained synchronously before the first inner step (default 0):
+            each averages the gradients over every replica and takes the inner optimizer's
+            step in all of them alike (DDP's step, or HSDP's with ``inner=FSDP()``; its
+            bytes across replicas the gradients' and the params' all-reduce), the global
+            params following. The meetings count from its end. DiLoCo starts from a
+            synchronously trained model in its paper; a few synchronous steps at the start
+            of a run from scratch close most of its gap to synchronous training (the GPT
+            example: ``benchmarks/diloco.py``).
 
     Raises:
         TypeError, ValueError: a field has a wrong type or value (at construction), or the
@@ -150,7 +165,9 @@ class DiLoCo(Strategy):
     every: int
     outer: optax.GradientTransformation = NESTEROV
     quantize: Quantize | None = None
+    warmup: int = 0
     _sync: bool | None = field(default=None, init=False, repr=False)
+    _warm: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -162,17 +179,8 @@ class DiLoCo(Strategy):
                     f"which averages the gradients; pass inner=dp.sync.DDP({name}=...)."
                 )
         self._check_inner()
-        every = self.every
-        if isinstance(every, bool) or not isinstance(every, numbers.Integral):
-            raise TypeError(
-                f"{api}: every must be an int (the inner steps between two syncs), got "
-                f"{every!r} of type {type(every).__name__} instead."
-            )
-        if every < 1:
-            raise ValueError(
-                f"{api}: every={every} must be at least 1 (the inner steps between two syncs "
-                f"of the replicas; e.g. every=8)."
-            )
+        check_count(api, "every", self.every, 1, "the inner steps between two syncs, e.g. 8")
+        check_count(api, "warmup", self.warmup, 0, "synchronous steps first")
         if not isinstance(self.outer, optax.GradientTransformation):
             raise TypeError(
                 f"{api}: outer must be an optax.GradientTransformation (e.g. "
@@ -280,11 +288,20 @@ class DiLoCo(Strategy):
         return True
 
     def phase(self, step: int) -> Strategy:
-        """The strategy that runs step ``step``: the sync step's where
-        ``(step + 1) % every == 0``, else the inner step's."""
+        """The strategy that runs step ``step``: a synchronous step's while
+        ``step < warmup``, then the sync step's where ``(step - warmup + 1) % every == 0``
+        (:meth:`_schedule`), else the inner step's."""
         out = copy.copy(self)
-        object.__setattr__(out, "_sync", (int(step) + 1) % self.every == 0)
+        inner_step = int(step) - self.warmup
+        object.__setattr__(out, "_warm", inner_step < 0)
+        object.__setattr__(out, "_sync", False)
+        if inner_step >= 0:
+            out._schedule(inner_step)
         return out
+
+    def _schedule(self, step: int) -> None:
+        """Set this phase's meeting for step ``step`` counted from the first inner one."""
+        object.__setattr__(self, "_sync", (step + 1) % self.every == 0)
 
     # ---------------------------------------------------------------------------- placement
     def _stacked(self, specs: PyTree) -> PyTree:
@@ -366,6 +383,8 @@ class DiLoCo(Strategy):
         if self.layout.data_axes[1:]:
             # Gradients cross devices here, within the replica only (inner's all-reduce).
             grads, comm_state = self.inner.reduce(grads, comm_state, step, like)
+        if self._warm:
+            grads = jax.tree_util.tree_map(lambda g: jax.lax.pmean(g, self.replica_axis), grads)
         return jax.tree_util.tree_map(lambda g: g[None], grads), comm_state
 
     def update(self, grads: PyTree, opt_state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
@@ -382,7 +401,9 @@ class DiLoCo(Strategy):
         local = optax.apply_updates(start, updates)
         constrain = jax.lax.with_sharding_constraint  # each replica's own: no communication
         local = constrain(local, self.named(self.held_specs(params)))
-        if self._sync:
+        if self._warm:
+            params = jax.tree_util.tree_map(lambda x: jnp.mean(x, axis=0), local)
+        elif self._sync:
             params, local, outer = self.meet(params, local, outer, start)
         return params, SemiSyncState(local, inner, outer)
 

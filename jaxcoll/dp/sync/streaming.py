@@ -14,7 +14,6 @@ the replicas' params at the end of the step, after the inner update, by the pape
 
 from __future__ import annotations
 
-import copy
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -23,7 +22,7 @@ import jax
 import numpy as np
 
 from ..._core.typing import PyTree
-from .base import Strategy, is_spec, mirror_specs
+from .base import is_spec, mirror_specs
 from .semisync import DiLoCo, _stack
 
 
@@ -38,7 +37,8 @@ class StreamingDiLoCo(DiLoCo):
     equal size (a leaf goes to the fragment its middle element falls in:
     ``floor((start + size / 2) * fragments / total)``, ``start`` the number of elements of
     the leaves before it). Fragment ``p`` meets at the steps where
-    ``(step + 1 + p * every // fragments) % every == 0`` (fragment 0 where DiLoCo meets).
+    ``(step - warmup + 1 + p * every // fragments) % every == 0`` (fragment 0 where DiLoCo
+    meets).
     Equivalent to (``frag``: the fragment's leaves; the inner step as :class:`DiLoCo`'s)::
 
         # at the start of a step where fragment p meets (overlap=True):
@@ -63,6 +63,7 @@ class StreamingDiLoCo(DiLoCo):
         every: the steps between two meetings of each fragment (a positive int).
         outer: as :class:`DiLoCo`'s.
         quantize: as :class:`DiLoCo`'s: each fragment's pseudo-gradient sent in 8 bits.
+        warmup: as :class:`DiLoCo`'s: the synchronous steps before the first inner one.
         fragments: the number of fragments, from 1 to ``every``; at most the number of
             leaves of the params (checked at ``Trainer.init``).
         mixing: how much of its own params a replica keeps at a meeting (the paper's
@@ -114,15 +115,13 @@ class StreamingDiLoCo(DiLoCo):
                 f"{type(self.overlap).__name__} instead."
             )
 
-    def phase(self, step: int) -> Strategy:
-        """The strategy that runs step ``step``: fragment ``p``'s meeting where
-        ``(step + 1 + p * every // fragments) % every == 0``, else the inner step's."""
+    def _schedule(self, step: int) -> None:
+        """Fragment ``p`` meets at step ``step`` (counted from the first inner one) where
+        ``(step + 1 + p * every // fragments) % every == 0``; none: the inner step's."""
         k, h = self.fragments, self.every
-        meets = [p for p in range(k) if (int(step) + 1 + p * h // k) % h == 0]
-        out = copy.copy(self)
-        object.__setattr__(out, "_sync", bool(meets))
-        object.__setattr__(out, "_fragment", meets[0] if meets else None)
-        return out
+        meets = [p for p in range(k) if (step + 1 + p * h // k) % h == 0]
+        object.__setattr__(self, "_sync", bool(meets))
+        object.__setattr__(self, "_fragment", meets[0] if meets else None)
 
     def fragment_leaves(self, params: PyTree) -> list[list[int]]:
         """The indices of the leaves of ``params`` in each fragment (leaf order).
