@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -277,7 +277,11 @@ def failed() -> dict[int, str]:
 
 
 def exchange(
-    key: str, value: str, processes: Any, timeout: float, missing: Callable[[int, bool], Exception]
+    key: str,
+    value: str,
+    processes: Iterable[int],
+    timeout: float,
+    missing: Callable[[int, bool], Exception],
 ) -> dict[int, str]:
     """Every process's entry under ``key`` in the job's key-value store, this one's ``value``.
 

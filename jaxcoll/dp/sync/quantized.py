@@ -135,3 +135,32 @@ class Blocks:
         bufs = primitives.all_to_all(bufs, axis_name, 0, 0, tiled=True)
         wholes = self._decode(bufs, parts, rows)
         return [jnp.sum(w, axis=0, keepdims=True) for w in wholes]
+
+
+def quantized_mean(q: Quantize, axis: str, count: int) -> Any:
+    """Per rank (``jax.shard_map``): ``(params, local) -> params - mean(params - local)``
+    over the ``count`` replicas of ``axis``, the mean sent in ``q.grads``
+    (:meth:`jaxcoll.dp.sync.DiLoCo.replica_mean`). ``local``'s leaves are this replica's
+    (1, ...) blocks."""
+    dtype, block = q.grads, q.block
+
+    def body(params: list, local: list) -> list:
+        deltas = [(p - x[0]).astype(jnp.float32).reshape(-1) for p, x in zip(params, local)]
+        padded = [jnp.pad(d, (0, -d.size % block)) for d in deltas]
+        flat = jnp.concatenate(padded)
+        rows = jnp.pad(flat, (0, -flat.size % (count * block))).reshape(count, -1)
+        width = rows.shape[1]
+        # Pseudo-gradients cross replicas here, in 8 bits: each replica receives every
+        # replica's copy of its row (one all-to-all of the payloads, one of the scales) ...
+        sent = primitives.all_to_all(list(quantize(rows, dtype, block)), axis, 0, 0, tiled=True)
+        part = jnp.mean(dequantize(sent[0], sent[1], width, block), axis=0, keepdims=True)
+        # ... and their mean, quantized again, is all-gathered (two all-gathers).
+        got = primitives.all_gather(list(quantize(part, dtype, block)), axis, dim=0, tiled=True)
+        mean = dequantize(got[0], got[1], width, block).reshape(-1)
+        out, at = [], 0
+        for p, d, pad in zip(params, deltas, padded, strict=True):
+            out.append((p - mean[at : at + d.size].reshape(p.shape)).astype(p.dtype))
+            at += pad.size
+        return out
+
+    return body

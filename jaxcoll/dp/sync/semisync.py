@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from ... import primitives
 from ..._core.checks import check_count, check_optional
 from ..._core.typing import PyTree
 from ..hooks.base import Compress
@@ -44,7 +43,7 @@ from ..layout import BoundLayout
 from .base import Prepared, Strategy, is_spec, mirror_specs, specs_like
 from .ddp import DDP
 from .fsdp import FSDP
-from .quantized import Quantize, dequantize, quantize
+from .quantized import Quantize, quantized_mean
 
 #: DiLoCo's outer optimizer in its paper: Nesterov momentum.
 NESTEROV = optax.sgd(0.7, momentum=0.9, nesterov=True)
@@ -440,7 +439,7 @@ class DiLoCo(Strategy):
             # Params cross replicas here: their mean over the replicate axis (one all-reduce).
             return [jnp.mean(x, axis=0) for x in local]
         axis = self.replica_axis
-        body = _quantized_mean(self.quantize, axis, self.replicas)
+        body = quantized_mean(self.quantize, axis, self.replicas)
         held = [P(axis, *s) for s in specs]
         return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, held), out_specs=specs)(
             params, local
@@ -484,31 +483,3 @@ class LocalSGD(DiLoCo):
     def outer_step(self, params: PyTree, mean: PyTree, outer_state: PyTree) -> tuple[PyTree, Any]:
         """The replicas' mean params, the outer state unchanged."""
         return mean, outer_state
-
-
-def _quantized_mean(q: Quantize, axis: str, count: int) -> Any:
-    """Per rank (``jax.shard_map``): ``(params, local) -> params - mean(params - local)``
-    over the ``count`` replicas of ``axis``, the mean sent in ``q.grads``
-    (:meth:`DiLoCo.replica_mean`). ``local``'s leaves are this replica's (1, ...) blocks."""
-    dtype, block = q.grads, q.block
-
-    def body(params: list, local: list) -> list:
-        deltas = [(p - x[0]).astype(jnp.float32).reshape(-1) for p, x in zip(params, local)]
-        padded = [jnp.pad(d, (0, -d.size % block)) for d in deltas]
-        flat = jnp.concatenate(padded)
-        rows = jnp.pad(flat, (0, -flat.size % (count * block))).reshape(count, -1)
-        width = rows.shape[1]
-        # Pseudo-gradients cross replicas here, in 8 bits: each replica receives every
-        # replica's copy of its row (one all-to-all of the payloads, one of the scales) ...
-        sent = primitives.all_to_all(list(quantize(rows, dtype, block)), axis, 0, 0, tiled=True)
-        part = jnp.mean(dequantize(sent[0], sent[1], width, block), axis=0, keepdims=True)
-        # ... and their mean, quantized again, is all-gathered (two all-gathers).
-        got = primitives.all_gather(list(quantize(part, dtype, block)), axis, dim=0, tiled=True)
-        mean = dequantize(got[0], got[1], width, block).reshape(-1)
-        out, at = [], 0
-        for p, d, pad in zip(params, deltas, padded, strict=True):
-            out.append((p - mean[at : at + d.size].reshape(p.shape)).astype(p.dtype))
-            at += pad.size
-        return out
-
-    return body
