@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test docs lint typecheck check bench clean test-slurm
+.PHONY: demo test test-slow test-all docs lint typecheck check bench clean test-slurm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,14 +20,24 @@ demo: $(STAMP)
 	$(PY) examples/run_all.py
 
 # Two workers (the CI machine's cores); --dist loadfile keeps each test file in one worker, so
-# the programs a file compiles once serve all its tests.
+# the programs a file compiles once serve all its tests. `make test` leaves out the slow tier
+# (tests/slow.py: more cases of matrices it runs, longer waits for faults it plants), about
+# 10 minutes on 2 cores; `make test-slow` runs that tier alone, `make test-all` everything
+# (what CI runs, about 20 minutes).
 TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PYTEST) -m "not slow"
+
+test-slow: $(STAMP)
+	$(PYTEST) -m slow
+
+test-all: $(STAMP)
+	$(PYTEST)
 
 # --strict: any warning (a broken link or anchor, a reference entry that does not resolve) fails.
-# tests/test_docs.py runs the same build, so `make test` checks it too.
+# tests/test_docs.py runs the same build, so `make test-all` checks it too.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
@@ -44,8 +54,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy jaxcoll
 
-# What CI runs (.ci/run): lint, format, types, the strict docs build, then the tests.
-check: lint typecheck docs test
+# What CI runs (.ci/run): lint, format, types, the strict docs build, then every test.
+check: lint typecheck docs test-all
 
 clean:
 	rm -rf $(VENV) build site *.egg-info

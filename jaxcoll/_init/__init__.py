@@ -34,7 +34,7 @@ import jax
 from ._connect import _first_line, _join_once
 from ._spec import _cluster, _job_spec, _loopback_bind, _recoverable, _Spec, _timeout
 
-__all__ = ["initialize"]
+__all__ = ["fail_fast", "initialize"]
 
 # Defaults sized for a job whose launcher watches every process (jaxcoll-run, srun): a peer
 # that has not connected after INIT_TIMEOUT, or has sent no heartbeat for HEARTBEAT_TIMEOUT,
@@ -49,35 +49,22 @@ SHUTDOWN_TIMEOUT = 60
 RECOVERABLE_HEARTBEAT_TIMEOUT = 3
 
 
-def _exit_now(
-    code: int,
-    line: str | None = None,
-    reason: str | None = None,
-    before: Callable[[], None] | None = None,
-    report: Callable[[], None] | None = None,
-) -> None:
-    if report is not None:
-        report()
-    if before is not None:
-        before()
-    os._exit(code)
-
-
-leave: Callable[..., None] = _exit_now
-"""How the fail-fast hook ends the process: ``leave(code, line, reason, before, report)``.
-
-:func:`jaxcoll.init` puts in ``jaxcoll._watch``'s, which first tells the other processes of
-the failure and, in the process hosting JAX's coordination service, waits for them to leave.
-"""
-
-
 _ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
 
 # Marks jaxcoll's excepthook (an attribute of the function), so that init() never wraps it twice.
 _FAIL_FAST_MARK = "jaxcoll_fail_fast"
 
 
-def _fail_fast_hook(previous: _ExceptHook) -> _ExceptHook:
+def fail_fast(leave: Callable[..., None]) -> None:
+    """Put in jaxcoll's fail-fast excepthook (once per process), ending the process by
+    ``leave(code, line, reason, before, report)``: ``jaxcoll._watch``'s, which first tells the
+    other processes of the failure and, in the process hosting JAX's coordination service,
+    waits for them to leave."""
+    if not getattr(sys.excepthook, _FAIL_FAST_MARK, False):
+        sys.excepthook = _fail_fast_hook(sys.excepthook, leave)
+
+
+def _fail_fast_hook(previous: _ExceptHook, leave: Callable[..., None]) -> _ExceptHook:
     """An excepthook that ends the process at once after reporting an uncaught exception.
 
     A normal exit runs ``jax.distributed.shutdown`` at exit, which waits for every peer at a
@@ -112,16 +99,16 @@ def initialize(
     shutdown_timeout: int | None = None,
     coordinator_bind_address: str | None = None,
     cluster_detection_method: str | None = None,
-    fail_fast: bool = True,
     recoverable: bool | None = None,
-) -> None:
+) -> bool:
     """Join the multi-process job this process belongs to: the joining half of jaxcoll.init.
 
     :func:`jaxcoll.init` documents every argument, where each value comes from when not given,
-    and the errors; it passes all its arguments here but ``timeout`` and ``debug`` (the
-    watchdog's, which it starts after this returns) and returns the world group. This module
-    stands apart from the groups, so this returns None. The signatures are kept equal by
-    ``tests/distributed/test_init.py``.
+    and the errors; it passes all its arguments here but ``fail_fast`` (:func:`fail_fast`,
+    given the watchdog's way to leave) and the watchdog's own, and returns the world group.
+    This module stands apart from the groups and the watchdog, so this returns whether it
+    joined a job of more than one process. ``tests/distributed/test_init.py`` keeps the
+    signatures equal.
     """
     api = "init"
     given = _Spec(
@@ -160,14 +147,12 @@ def initialize(
     if spec.num_processes is None and spec.coordinator_address is None:
         cluster = cluster_detection_method or _cluster(os.environ)
         if cluster is None or cluster == "deactivate":
-            return None  # one process, nothing to join
+            return False  # one process, nothing to join
     if spec.num_processes == 1:
-        return None
+        return False
     if recoverable and not jax.distributed.is_initialized():
         # Read by jax.distributed.initialize: the coordination service then lets the other
         # processes go on when one dies, instead of ending them all.
         jax.config.update("jax_enable_recoverability", True)
     _join_once(api, spec, cluster, init_t, beat_t, stop_t, bind)
-    if fail_fast and not getattr(sys.excepthook, _FAIL_FAST_MARK, False):
-        sys.excepthook = _fail_fast_hook(sys.excepthook)
-    return None
+    return True

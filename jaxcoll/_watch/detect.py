@@ -46,13 +46,12 @@ def agree(api: str, fields: dict[str, str], processes: tuple[int, ...]) -> None:
     key = f"{process.PREFIX}fp/{scope}/{seq}/"
     wait = process.collective_timeout(first=True) or process.DEFAULT_FIRST_TIMEOUT
 
-    def missing(p: int, gone: bool) -> Exception:
-        why = "ended" if gone else f"did not reach it within {wait:g}s"
+    def missing(p: int, why: str) -> Exception:
         return RuntimeError(
-            f"{api}: process {p} {why} at collective #{seq} (process {me} runs "
-            f"{_summary(fields, fields)}). Every process must run the same collectives "
-            f"in the same order; detection compares programs at their first use, so "
-            f"process {p} may be in a program it has run before."
+            f"{api}: at collective #{seq} (process {me} runs {_summary(fields, fields)}), "
+            f"process {p} {why}. Every process must run the same collectives in the same "
+            f"order; detection compares programs at their first use, so process {p} may be "
+            f"in a program it has run before."
         )
 
     entries = process.exchange(key, json.dumps(fields), processes, wait, missing)

@@ -281,7 +281,7 @@ def exchange(
     value: str,
     processes: Iterable[int],
     timeout: float,
-    missing: Callable[[int, bool], Exception],
+    missing: Callable[[int, str], Exception],
 ) -> dict[int, str]:
     """Every process's entry under ``key`` in the job's key-value store, this one's ``value``.
 
@@ -301,9 +301,10 @@ def exchange(
                 continue
             except Exception:  # noqa: BLE001 - not there yet
                 pass
-            gone = p in exited() or p in failed()
-            if gone or time.monotonic() > deadline:
-                raise missing(p, gone)
+            if p in exited() or p in failed():
+                raise missing(p, "ended first")
+            if time.monotonic() > deadline:
+                raise missing(p, f"did not get there within {timeout:g}s")
     return got
 
 

@@ -136,8 +136,7 @@ def init(
     first_setting = "env" if first_timeout is None else first_timeout
     # bad values fail before joining
     _watch.configure(timeout_setting, debug_setting, first_setting)
-    _init.leave = _watch.leave  # a failure tells the other processes first
-    _init.initialize(
+    joined = _init.initialize(
         coordinator_address,
         num_processes,
         process_id,
@@ -147,8 +146,9 @@ def init(
         shutdown_timeout=shutdown_timeout,
         coordinator_bind_address=coordinator_bind_address,
         cluster_detection_method=cluster_detection_method,
-        fail_fast=fail_fast,
         recoverable=recoverable,
     )
+    if joined and fail_fast:
+        _init.fail_fast(_watch.leave)  # a failure tells the other processes first
     _watch.start(timeout_setting, debug_setting, first_setting)
     return world()

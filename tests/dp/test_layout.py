@@ -524,7 +524,7 @@ def test_the_short_name_round_trips_over_every_combination_of_roles():
         ("pp2:1f1b", r"'1f1b' is no schedule; .*followed by its micro-batches"),
         ("pp2:1f1b8v2", r"the schedule '1f1b' has no model chunks per stage \('v2'\)"),
         ("fsdp4xep2", r"is no layout: dp.Layout: .*the expert role borrows"),
-        ("dp2:1f1b4", r"is no layout: .*schedules a pipeline, and Layout\(replicate=2\) has none"),
+        ("dp2:1f1b4", r"is no layout: .*the pipeline role.s, and Layout\(replicate=2\) has none"),
         ("", r"'' is not a role and its degree"),
     ],
 )

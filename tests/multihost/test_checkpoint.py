@@ -53,7 +53,7 @@ def test_fsdp_2x4_checkpoints_restore_anywhere_and_host_params_are_whole(tmp_pat
     assert job.returncode == 1, err[-4000:]
     assert re.search(
         r"\[0\] RuntimeError: Checkpointer\.save: process 0 is at save step 4 \(.*solo\), but "
-        r"process 1 did not call it within 5s\. Saving and restoring are collective",
+        r"process 1 did not get there within 5s\. Saving and restoring are collective",
         err,
     ), err[-4000:]
     assert "drop the `if process_index == 0` guard" in err

@@ -30,8 +30,7 @@ def rendezvous(api: str, what: str, directory: str, timeout: float, *, fix: str)
         return seq
     key = f"{process.PREFIX}ckpt/{seq}/"
 
-    def missing(p: int, gone: bool) -> Exception:
-        why = "ended" if gone else f"did not call it within {timeout:g}s"
+    def missing(p: int, why: str) -> Exception:
         return RuntimeError(
             f"{api}: process {me} is at {what} ({directory}), but process {p} {why}. "
             f"Saving and restoring are collective in a multi-process job: every "

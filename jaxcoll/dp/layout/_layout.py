@@ -223,30 +223,37 @@ class Layout:
         object.__setattr__(self, "rules", tuple(sorted(rules.items())))
 
     def _check_schedule(self) -> None:
-        if self.schedule is not None and not hasattr(self.schedule, "bubble_fraction"):
-            raise TypeError(
-                f"dp.Layout: schedule must be a pipeline schedule value (parallel.GPipe(M), "
-                f"parallel.OneFOneB(M), parallel.Interleaved(M, virtual=v), "
-                f"parallel.ZeroBubble(M)), got {self.schedule!r}."
-            )
-        if self.schedule is not None and self.pipeline is None:
-            raise ValueError(
-                f"dp.Layout: schedule={self.schedule!r} schedules a pipeline, and "
-                f"{self._shown()} has none; give it pipeline= (the stages' degree or axis)."
-            )
+        self._check_option(
+            "schedule",
+            hasattr(self.schedule, "bubble_fraction"),
+            "a pipeline schedule value (parallel.GPipe(M), parallel.OneFOneB(M), "
+            "parallel.Interleaved(M, virtual=v), parallel.ZeroBubble(M))",
+            Role.PIPELINE,
+            "the stages' degree or axis",
+        )
 
     def _check_attention(self) -> None:
         methods = tuple(roles.CONTEXT_METHODS.values())
-        if self.attention is not None and methods and not isinstance(self.attention, methods):
-            raise TypeError(
-                f"dp.Layout: attention must be parallel.Ring() or parallel.Ulysses(), got "
-                f"{self.attention!r}."
-            )
-        if self.attention is not None and self.context is None:
+        self._check_option(
+            "attention",
+            not methods or isinstance(self.attention, methods),
+            "parallel.Ring() or parallel.Ulysses()",
+            Role.CONTEXT,
+            "a degree or an axis",
+        )
+
+    def _check_option(self, arg: str, valid: bool, kinds: str, role: Role, fix: str) -> None:
+        """An option of one role (the pipeline's schedule, the context's attention): None, or
+        a value of its kinds given beside that role."""
+        value = getattr(self, arg)
+        if value is None:
+            return
+        if not valid:
+            raise TypeError(f"dp.Layout: {arg} must be {kinds}, got {value!r}.")
+        if getattr(self, role.value) is None:
             raise ValueError(
-                f"dp.Layout: attention={self.attention!r} is the context role's attention, "
-                f"and {self._shown()} has no context role; give it context= (a degree or "
-                f"an axis)."
+                f"dp.Layout: {arg}={value!r} is the {role.value} role's, and {self._shown()} "
+                f"has none; give it {role.value}= ({fix})."
             )
 
     def _check_expert(self) -> None:
