@@ -1,12 +1,15 @@
 """The slow tier: the tests ``make test`` leaves out and ``make test-all`` (what CI runs) keeps.
 
-``make test`` is the ten-minute loop on the 2-core machine: every test file runs, and each
-feature is checked at least once (every role, strategy and schedule, each collective against
-NumPy, each fault the multi-process tests plant). What it leaves out is the rest of a
-matrix whose other cases it runs (more layouts of the same roles, more group shapes, more
-schedules on the same layout), a second model of a check it runs on one (a second example
-trained to accuracy), and the multi-process cases that spend their time waiting for a
-timeout or a restart the kept ones already exercise. ``make test-slow`` runs these alone.
+``make test`` is the ten-minute loop on the 2-core machine: every test file but those of
+:data:`WHOLE` runs, and each feature is checked at least once (every role, strategy and
+schedule, each collective against NumPy, a killed, a failing and a hung process, a lost
+replica and a restart), but for three of the launcher's faults that wait out a timeout (a
+taken coordinator port, a worker that never starts, bad launcher arguments). What it leaves
+out is the rest of a matrix whose other cases it runs (more layouts of the same roles, more
+group shapes, more schedules on the same layout), a second model of a check it runs on one (a
+second example trained to accuracy), and the multi-process cases that spend their time
+waiting for a timeout or a restart the kept ones already exercise. ``make test-slow`` runs
+these alone.
 
 conftest.py marks them ``slow``; ``tests/test_collection.py`` checks that every entry still
 names a collected test, and that every test file but those of :data:`WHOLE` keeps a test in
